@@ -1,0 +1,102 @@
+"""From a diffusers model folder to a Triton model repository."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from machgen.builder.registry import Family, ServedDefaults, family_for_pipeline
+
+SERVING_FILE = "machgen.json"  # a model folder's served defaults, key "serving"
+TARGETS = ("onnxruntime",)
+
+
+@dataclass(frozen=True)
+class ComponentResult:
+    name: str
+    max_abs_diff: float
+    tolerance: float
+    seconds: float
+
+
+def detect_family(model_dir: Path) -> Family:
+    index = model_dir / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
+    return family_for_pipeline(json.loads(index.read_text())["_class_name"])
+
+
+def load_pipeline(model_dir: Path, family: Family):
+    import diffusers
+
+    pipeline_class = getattr(diffusers, family.diffusers_pipeline)
+    # Local folders only: no model hub at build or run time.
+    return pipeline_class.from_pretrained(model_dir, local_files_only=True)
+
+
+def served_defaults(model_dir: Path, family: Family, pipe) -> ServedDefaults:
+    """The model card's served defaults when the folder has them, else the pipeline's."""
+    defaults = family.pipeline_defaults(pipe)
+    card = model_dir / SERVING_FILE
+    if card.is_file():
+        overrides = json.loads(card.read_text()).get("serving", {})
+        unknown = set(overrides) - set(defaults.to_json())
+        if unknown:
+            raise ValueError(f"{card}: unknown serving keys {sorted(unknown)}")
+        defaults = ServedDefaults(**{**defaults.to_json(), **overrides})
+    return defaults
+
+
+def write_tiny_model(family: Family, out: Path) -> Path:
+    """A tiny random-weight pipeline folder that diffusers loads with from_pretrained."""
+    pipe = family.tiny_pipeline()
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    (out / SERVING_FILE).write_text(json.dumps({"serving": family.tiny_defaults().to_json()}, indent=2) + "\n")
+    return out
+
+
+def _quiet_exporter() -> None:
+    # The exporter warns once per missing torchvision op; none of them is used here.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+
+
+def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime",
+                     log: Callable[[str], None] = print) -> list[ComponentResult]:
+    """Export, check and write every component of the model in ``model_dir``."""
+    from machgen.builder.export import check_parity, export_onnx
+    from machgen.builder.repository import render_repository, write_repository
+
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r} is not available here; choose from {', '.join(TARGETS)}")
+    _quiet_exporter()
+    family = detect_family(model_dir)
+    log(f"loading {model_dir} ({family.diffusers_pipeline}, family '{family.name}')")
+    pipe = load_pipeline(model_dir, family)
+    defaults = served_defaults(model_dir, family, pipe)
+    components = family.components(pipe)
+    results: list[ComponentResult] = []
+    with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
+        onnx_files: dict[str, Path] = {}
+        for index, component in enumerate(components, start=1):
+            spec = component.spec
+            start = time.perf_counter()
+            log(f"[{index}/{len(components)}] {spec.name}: exporting to ONNX")
+            path = export_onnx(component, Path(scratch) / spec.name / "model.onnx")
+            report = check_parity(component, path)
+            seconds = time.perf_counter() - start
+            log(f"[{index}/{len(components)}] {spec.name}: max |onnx - torch| = {report.max_abs_diff:.3g} "
+                f"(tolerance {report.tolerance:g}), {seconds:.1f} s")
+            onnx_files[spec.name] = path
+            results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance, seconds))
+        specs = {c.spec.name: c.spec for c in components}
+        files = render_repository(name, family, specs, defaults, family.sampler_settings(pipe, defaults))
+        write_repository(out, name, files, onnx_files,
+                         {asset: model_dir / asset for asset in family.sampler_assets})
+    log(f"wrote model repository {out} (public model '{name}')")
+    return results

@@ -1,0 +1,460 @@
+"""Flux (FLUX.1 and Flux-architecture models): diffusers' FluxPipeline.
+
+Components, as Triton serves them:
+
+- ``text_encoder``   CLIP, input ids -> pooled embedding
+- ``text_encoder_2`` T5, input ids -> per-token embeddings
+- ``denoiser_head``  input embeddings, timestep/guidance embedding and the
+  first double-stream block; its outputs are what cache reuse inspects
+- ``denoiser_tail``  the remaining blocks, final norm and projection
+- ``vae_decoder``    latents -> image in [-1, 1]
+- ``postprocess``    image in [-1, 1] -> uint8 HWC, as diffusers' PIL output
+
+Every per-request value (latents, timestep, guidance, embeddings, position
+ids) is a batched input, so that Triton can group the step calls of
+concurrent requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+from machgen.builder.registry import (
+    Capabilities,
+    ComponentSpec,
+    ExportableComponent,
+    Family,
+    ServedDefaults,
+    TensorSpec,
+    register_family,
+)
+
+# Batched scalars travel as [batch, 1]: Triton needs one dimension past the batch.
+_SCALAR = ("batch", 1)
+
+
+def _flux_specs(*, clip_length: int, pooled_dim: int, t5_dim: int, joint_dim: int, inner_dim: int,
+                in_channels: int, out_channels: int, latent_channels: int, guidance: bool) -> dict[str, ComponentSpec]:
+    ids_img = TensorSpec("img_ids", "float32", ("batch", "image_tokens", 3))
+    ids_txt = TensorSpec("txt_ids", "float32", ("batch", "text_tokens", 3))
+    image_hidden = TensorSpec("image_hidden", "float32", ("batch", "image_tokens", inner_dim))
+    text_hidden = TensorSpec("text_hidden", "float32", ("batch", "text_tokens", inner_dim))
+    temb = TensorSpec("temb", "float32", ("batch", inner_dim))
+    head_inputs = [
+        TensorSpec("hidden_states", "float32", ("batch", "image_tokens", in_channels)),
+        TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", joint_dim)),
+        TensorSpec("pooled_projections", "float32", ("batch", pooled_dim)),
+        TensorSpec("timestep", "float32", _SCALAR),
+    ]
+    head_inputs += [ids_img, ids_txt]
+    if guidance:  # guidance-distilled models (FLUX.1-dev) embed the guidance scale
+        head_inputs.append(TensorSpec("guidance", "float32", _SCALAR))
+    specs = [
+        ComponentSpec(
+            "text_encoder",
+            inputs=(TensorSpec("input_ids", "int64", ("batch", clip_length)),),
+            outputs=(TensorSpec("pooled_prompt_embeds", "float32", ("batch", pooled_dim)),),
+            tolerance=1e-4,
+        ),
+        ComponentSpec(
+            "text_encoder_2",
+            inputs=(TensorSpec("input_ids", "int64", ("batch", "text_tokens")),),
+            outputs=(TensorSpec("prompt_embeds", "float32", ("batch", "text_tokens", t5_dim)),),
+            tolerance=1e-4,
+        ),
+        ComponentSpec(
+            "denoiser_head",
+            inputs=tuple(head_inputs),
+            outputs=(image_hidden, text_hidden, temb),
+            tolerance=1e-4,
+        ),
+        ComponentSpec(
+            "denoiser_tail",
+            inputs=(image_hidden, text_hidden, temb, ids_img, ids_txt),
+            outputs=(TensorSpec("noise_pred", "float32", ("batch", "image_tokens", out_channels)),),
+            tolerance=1e-4,
+        ),
+        ComponentSpec(
+            "vae_decoder",
+            inputs=(TensorSpec("latents", "float32", ("batch", latent_channels, "latent_height", "latent_width")),),
+            outputs=(TensorSpec("image", "float32", ("batch", 3, "height", "width")),),
+            tolerance=1e-3,
+        ),
+        ComponentSpec(
+            "postprocess",
+            inputs=(TensorSpec("image", "float32", ("batch", 3, "height", "width")),),
+            outputs=(TensorSpec("images", "uint8", ("batch", "height", "width", 3)),),
+            # One step of 255 where float rounding lands on the other side of .5.
+            tolerance=1.0,
+        ),
+    ]
+    return {s.name: s for s in specs}
+
+
+def _modules():
+    """The torch wrappers, defined lazily so that listing families stays light."""
+    import torch
+
+    class TextEncoderPooled(torch.nn.Module):
+        def __init__(self, clip):
+            super().__init__()
+            self.clip = clip
+
+        def forward(self, input_ids):
+            return self.clip(input_ids, output_hidden_states=False).pooler_output
+
+    class TextEncoderSequence(torch.nn.Module):
+        def __init__(self, t5):
+            super().__init__()
+            self.t5 = t5
+
+        def forward(self, input_ids):
+            return self.t5(input_ids, output_hidden_states=False)[0]
+
+    def rotary(transformer, img_ids, txt_ids):
+        # All rows of a batch share one shape bucket, so one set of ids holds.
+        return transformer.pos_embed(torch.cat((txt_ids[0], img_ids[0]), dim=0))
+
+    class DenoiserHead(torch.nn.Module):
+        """FluxTransformer2DModel.forward up to and including the first double block."""
+
+        def __init__(self, transformer):
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                    guidance=None):
+            tr = self.transformer
+            hidden_states = tr.x_embedder(hidden_states)
+            timestep = timestep.reshape(-1).to(hidden_states.dtype) * 1000
+            if guidance is None:
+                temb = tr.time_text_embed(timestep, pooled_projections)
+            else:
+                guidance = guidance.reshape(-1).to(hidden_states.dtype) * 1000
+                temb = tr.time_text_embed(timestep, guidance, pooled_projections)
+            encoder_hidden_states = tr.context_embedder(encoder_hidden_states)
+            encoder_hidden_states, hidden_states = tr.transformer_blocks[0](
+                hidden_states=hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                temb=temb,
+                image_rotary_emb=rotary(tr, img_ids, txt_ids),
+            )
+            return hidden_states, encoder_hidden_states, temb
+
+    class DenoiserTail(torch.nn.Module):
+        """The rest of FluxTransformer2DModel.forward after the first double block."""
+
+        def __init__(self, transformer):
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, image_hidden, text_hidden, temb, img_ids, txt_ids):
+            tr = self.transformer
+            image_rotary_emb = rotary(tr, img_ids, txt_ids)
+            blocks = list(tr.transformer_blocks)[1:] + list(tr.single_transformer_blocks)
+            for block in blocks:
+                text_hidden, image_hidden = block(
+                    hidden_states=image_hidden,
+                    encoder_hidden_states=text_hidden,
+                    temb=temb,
+                    image_rotary_emb=image_rotary_emb,
+                )
+            return tr.proj_out(tr.norm_out(image_hidden, temb))
+
+    class VaeDecoder(torch.nn.Module):
+        """FluxPipeline's latent scaling followed by AutoencoderKL.decode."""
+
+        def __init__(self, vae):
+            super().__init__()
+            self.vae = vae
+            self.scaling_factor = float(vae.config.scaling_factor)
+            self.shift_factor = float(vae.config.shift_factor or 0.0)
+
+        def forward(self, latents):
+            latents = latents / self.scaling_factor + self.shift_factor
+            return self.vae.decode(latents, return_dict=False)[0]
+
+    class Postprocess(torch.nn.Module):
+        """VaeImageProcessor.postprocess(output_type="pil") as tensor ops."""
+
+        def forward(self, image):
+            image = (image / 2 + 0.5).clamp(0, 1)
+            return (image.permute(0, 2, 3, 1) * 255).round().to(torch.uint8)
+
+    return TextEncoderPooled, TextEncoderSequence, DenoiserHead, DenoiserTail, VaeDecoder, Postprocess
+
+
+def _vae_scale_factor(vae_config) -> int:
+    return 2 ** (len(vae_config.block_out_channels) - 1)
+
+
+@register_family
+class Flux(Family):
+    name = "flux"
+    diffusers_pipeline = "FluxPipeline"
+    capabilities = Capabilities(tasks=("text-to-image",), true_cfg=True)
+    sampler_assets = ("tokenizer", "tokenizer_2", "scheduler")
+
+    # ------------------------------------------------------------------ build
+    def specs(self, pipe) -> dict[str, ComponentSpec]:
+        tr = pipe.transformer.config
+        return _flux_specs(
+            clip_length=pipe.tokenizer.model_max_length,
+            pooled_dim=pipe.text_encoder.config.projection_dim
+            if hasattr(pipe.text_encoder, "text_projection") else pipe.text_encoder.config.hidden_size,
+            t5_dim=pipe.text_encoder_2.config.d_model,
+            joint_dim=tr.joint_attention_dim,
+            inner_dim=tr.num_attention_heads * tr.attention_head_dim,
+            in_channels=tr.in_channels,
+            out_channels=tr.out_channels or tr.in_channels,
+            latent_channels=pipe.vae.config.latent_channels,
+            guidance=bool(tr.guidance_embeds),
+        )
+
+    def components(self, pipe) -> list[ExportableComponent]:
+        import torch
+
+        pooled, sequence, head, tail, vae_decoder, postprocess = _modules()
+        specs = self.specs(pipe)
+        tr = pipe.transformer.config
+        # Sample sizes: batch 2 (batch 1 would be specialised by the exporter),
+        # and token counts that differ from every fixed size in the model.
+        batch, text_tokens, lat_h, lat_w = 2, 7, 6, 4
+        image_tokens = (lat_h // 2) * (lat_w // 2)
+        gen = torch.Generator().manual_seed(0)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen)
+
+        img_ids = torch.zeros(lat_h // 2, lat_w // 2, 3)
+        img_ids[..., 1] += torch.arange(lat_h // 2)[:, None]
+        img_ids[..., 2] += torch.arange(lat_w // 2)[None, :]
+        img_ids = img_ids.reshape(1, image_tokens, 3).expand(batch, -1, -1).contiguous()
+        txt_ids = torch.zeros(batch, text_tokens, 3)
+        vocab = min(pipe.text_encoder.config.vocab_size, pipe.text_encoder_2.config.vocab_size)
+
+        head_module = head(pipe.transformer).eval()
+        head_inputs: dict[str, Any] = {
+            "hidden_states": randn(batch, image_tokens, tr.in_channels),
+            "encoder_hidden_states": randn(batch, text_tokens, tr.joint_attention_dim),
+            "pooled_projections": randn(batch, specs["denoiser_head"].inputs[2].shape[1]),
+            "timestep": torch.tensor([[0.7], [0.3]]),
+        }
+        head_inputs.update(img_ids=img_ids, txt_ids=txt_ids)
+        if tr.guidance_embeds:
+            head_inputs["guidance"] = torch.tensor([[3.5], [1.0]])
+        with torch.no_grad():
+            image_hidden, text_hidden, temb = head_module(**head_inputs)
+        clip_ids = torch.randint(0, vocab, (batch, specs["text_encoder"].inputs[0].shape[1]), generator=gen)
+        latent_channels = pipe.vae.config.latent_channels
+        vae_scale = _vae_scale_factor(pipe.vae.config)
+        return [
+            ExportableComponent(specs["text_encoder"], pooled(pipe.text_encoder).eval(), {"input_ids": clip_ids}),
+            ExportableComponent(
+                specs["text_encoder_2"], sequence(pipe.text_encoder_2).eval(),
+                {"input_ids": torch.randint(0, vocab, (batch, text_tokens), generator=gen)},
+            ),
+            ExportableComponent(specs["denoiser_head"], head_module, head_inputs),
+            ExportableComponent(
+                specs["denoiser_tail"], tail(pipe.transformer).eval(),
+                {"image_hidden": image_hidden, "text_hidden": text_hidden, "temb": temb,
+                 "img_ids": img_ids, "txt_ids": txt_ids},
+            ),
+            ExportableComponent(
+                specs["vae_decoder"], vae_decoder(pipe.vae).eval(),
+                {"latents": randn(batch, latent_channels, lat_h, lat_w)},
+            ),
+            ExportableComponent(
+                specs["postprocess"], postprocess().eval(),
+                {"image": randn(batch, 3, lat_h * vae_scale, lat_w * vae_scale) * 0.8},
+            ),
+        ]
+
+    def pipeline_defaults(self, pipe) -> ServedDefaults:
+        # FluxPipeline.__call__'s defaults; the size is default_sample_size (128) latents.
+        size = 128 * _vae_scale_factor(pipe.vae.config)
+        return ServedDefaults(height=size, width=size, num_inference_steps=28, guidance_scale=3.5,
+                              max_sequence_length=512, max_height=2048, max_width=2048)
+
+    def tiny_defaults(self) -> ServedDefaults:
+        return ServedDefaults(height=64, width=64, num_inference_steps=4, guidance_scale=3.5,
+                              max_sequence_length=32, max_height=256, max_width=256)
+
+    def tiny_pipeline(self):
+        import diffusers
+        import torch
+        import transformers
+
+        from machgen.builder.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+
+        torch.manual_seed(0)
+        clip_tok = tiny_clip_tokenizer()
+        t5_tok = tiny_t5_tokenizer()
+        clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+            vocab_size=len(clip_tok), hidden_size=32, intermediate_size=37, num_attention_heads=4,
+            num_hidden_layers=2, max_position_embeddings=clip_tok.model_max_length, projection_dim=32,
+            bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
+            pad_token_id=clip_tok.pad_token_id,
+        ))
+        t5 = transformers.T5EncoderModel(transformers.T5Config(
+            vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=t5_tok.pad_token_id,
+        ))
+        vae = diffusers.AutoencoderKL(
+            in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1,
+            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=4, norm_num_groups=4, sample_size=64,
+            use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+        )
+        transformer = diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+            guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+        )
+        for module in (clip, t5, vae, transformer):
+            module.eval()
+        return diffusers.FluxPipeline(
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
+                use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                base_image_seq_len=256, max_image_seq_len=4096, shift=3.0,
+            ),
+            vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok,
+            transformer=transformer,
+        )
+
+    def sampler_settings(self, pipe, defaults: ServedDefaults) -> dict[str, Any]:
+        vae_scale = _vae_scale_factor(pipe.vae.config)
+        return {
+            "vae_scale_factor": vae_scale,
+            # Height and width must be multiples of this: the VAE factor times Flux's 2x2 packing.
+            "size_multiple": vae_scale * 2,
+            "latent_channels": pipe.transformer.config.in_channels // 4,
+            "guidance_embeds": bool(pipe.transformer.config.guidance_embeds),
+            "tokenizer_classes": {
+                "tokenizer": type(pipe.tokenizer).__name__,
+                "tokenizer_2": type(pipe.tokenizer_2).__name__,
+            },
+            "clip_max_length": pipe.tokenizer.model_max_length,
+            "max_sequence_length": defaults.max_sequence_length,
+        }
+
+    # --------------------------------------------------------------- run time
+    def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
+        return FluxConditioning(settings, assets_dir, run_component)
+
+
+class FluxConditioning:
+    """The Flux-specific half of the sampler: prompts, latents, ids, timesteps.
+
+    Mirrors FluxPipeline step for step (encode_prompt, prepare_latents,
+    calculate_shift, _unpack_latents) so that a seed gives the same image.
+    """
+
+    def __init__(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
+        import transformers
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        self.settings = settings
+        self.run_component = run_component
+        classes = settings["tokenizer_classes"]
+        self.tokenizer = getattr(transformers, classes["tokenizer"]).from_pretrained(
+            os.path.join(assets_dir, "tokenizer"))
+        self.tokenizer_2 = getattr(transformers, classes["tokenizer_2"]).from_pretrained(
+            os.path.join(assets_dir, "tokenizer_2"))
+        with open(os.path.join(assets_dir, "scheduler", "scheduler_config.json")) as f:
+            self.scheduler_config = json.load(f)
+        self._scheduler_class = FlowMatchEulerDiscreteScheduler
+
+    @property
+    def size_multiple(self) -> int:
+        return self.settings["size_multiple"]
+
+    def encode_prompts(self, prompts: list[str]) -> dict[str, Any]:
+        """FluxPipeline.encode_prompt for a list of prompts, one row each."""
+        import numpy as np
+
+        clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.settings["clip_max_length"],
+                                  truncation=True, return_tensors="np").input_ids.astype(np.int64)
+        t5_ids = self.tokenizer_2(prompts, padding="max_length", max_length=self.settings["max_sequence_length"],
+                                  truncation=True, return_tensors="np").input_ids.astype(np.int64)
+        pooled = self.run_component("text_encoder", {"input_ids": clip_ids})["pooled_prompt_embeds"]
+        embeds = self.run_component("text_encoder_2", {"input_ids": t5_ids})["prompt_embeds"]
+        return {
+            "encoder_hidden_states": embeds,
+            "pooled_projections": pooled,
+            "txt_ids": np.zeros((len(prompts), embeds.shape[1], 3), np.float32),
+        }
+
+    def latent_size(self, height: int, width: int) -> tuple[int, int]:
+        factor = self.settings["vae_scale_factor"]
+        return 2 * (height // (factor * 2)), 2 * (width // (factor * 2))
+
+    def initial_latents(self, seed: int, height: int, width: int):
+        """Packed noise exactly as FluxPipeline.prepare_latents draws it."""
+        import torch
+        from diffusers.utils.torch_utils import randn_tensor
+
+        lat_h, lat_w = self.latent_size(height, width)
+        channels = self.settings["latent_channels"]
+        noise = randn_tensor((1, channels, lat_h, lat_w), generator=torch.Generator("cpu").manual_seed(seed),
+                             dtype=torch.float32)
+        noise = noise.view(1, channels, lat_h // 2, 2, lat_w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return noise.reshape(1, (lat_h // 2) * (lat_w // 2), channels * 4)
+
+    def image_ids(self, height: int, width: int):
+        import numpy as np
+
+        lat_h, lat_w = self.latent_size(height, width)
+        ids = np.zeros((lat_h // 2, lat_w // 2, 3), np.float32)
+        ids[..., 1] += np.arange(lat_h // 2)[:, None]
+        ids[..., 2] += np.arange(lat_w // 2)[None, :]
+        return ids.reshape(1, -1, 3)
+
+    def scheduler(self, num_inference_steps: int, image_tokens: int):
+        """A fresh scheduler with FluxPipeline's sigmas and resolution-dependent shift."""
+        import numpy as np
+
+        scheduler = self._scheduler_class.from_config(self.scheduler_config)
+        cfg = scheduler.config
+        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+        if getattr(cfg, "use_flow_sigmas", False):
+            sigmas = None
+        slope = (cfg.get("max_shift", 1.15) - cfg.get("base_shift", 0.5)) / (
+            cfg.get("max_image_seq_len", 4096) - cfg.get("base_image_seq_len", 256))
+        mu = image_tokens * slope + cfg.get("base_shift", 0.5) - slope * cfg.get("base_image_seq_len", 256)
+        if sigmas is None:
+            scheduler.set_timesteps(num_inference_steps, mu=mu)
+        else:
+            scheduler.set_timesteps(sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def denoiser_inputs(self, latents, timestep, conditioning: dict[str, Any], guidance_scale: float,
+                        height: int, width: int) -> dict[str, Any]:
+        """The denoiser_head inputs for one step; rows follow ``conditioning``."""
+        import numpy as np
+
+        rows = conditioning["encoder_hidden_states"].shape[0]
+        latents = np.ascontiguousarray(np.broadcast_to(latents.numpy(), (rows,) + tuple(latents.shape[1:])))
+        inputs = {
+            "hidden_states": latents,
+            "encoder_hidden_states": conditioning["encoder_hidden_states"],
+            "pooled_projections": conditioning["pooled_projections"],
+            # FluxPipeline passes t / 1000 in the latents' dtype.
+            "timestep": np.full((rows, 1), float(timestep.float() / 1000), np.float32),
+        }
+        if self.settings["guidance_embeds"]:
+            inputs["guidance"] = np.full((rows, 1), guidance_scale, np.float32)
+        inputs["img_ids"] = np.repeat(self.image_ids(height, width), rows, axis=0)
+        inputs["txt_ids"] = conditioning["txt_ids"]
+        return inputs
+
+    def decoder_latents(self, latents, height: int, width: int):
+        """FluxPipeline._unpack_latents: packed tokens -> [1, C, h, w] for the VAE."""
+        lat_h, lat_w = self.latent_size(height, width)
+        batch, _, channels = latents.shape
+        latents = latents.view(batch, lat_h // 2, lat_w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return latents.reshape(batch, channels // 4, lat_h, lat_w).contiguous().numpy()

@@ -1,0 +1,191 @@
+"""The model-family registry.
+
+A family (Flux, Wan, ...) is defined in one file under ``builder/families/``
+and registered with :func:`register_family`. Everything else -- CLI choices,
+the generated model repository, the sampler running inside Triton, request
+validation and perf inputs -- is derived from what the family declares here.
+
+Importing this module (and listing the families) must stay cheap: it does not
+import torch, diffusers or tritonclient; the families import those lazily,
+inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of an exported component.
+
+    ``shape`` holds ints for fixed sizes and names for dynamic axes; the axis
+    named ``"batch"`` (always first when present) is the one Triton's dynamic
+    batcher groups requests along. Equal names mean equal sizes.
+    """
+
+    name: str
+    dtype: str  # a numpy dtype name: "float32", "int64", "uint8"
+    shape: tuple[int | str, ...]
+
+    @property
+    def batched(self) -> bool:
+        return bool(self.shape) and self.shape[0] == "batch"
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """How one pipeline component is exported and served as one Triton model."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    # Largest max-abs difference allowed between the ONNX file under ONNX
+    # Runtime and the torch module on the sample inputs.
+    tolerance: float
+    max_batch_size: int = 8
+
+
+@dataclass
+class ExportableComponent:
+    """A component ready for export: its spec, a torch module whose forward
+    takes the spec's inputs in order, and sample inputs to trace and check."""
+
+    spec: ComponentSpec
+    module: "torch.nn.Module"
+    sample_inputs: dict[str, "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family can do; the API and the builder consult this, never the name."""
+
+    tasks: tuple[str, ...] = ("text-to-image",)
+    # diffusers' true classifier-free guidance (a second, negative-prompt pass).
+    true_cfg: bool = True
+
+
+@dataclass(frozen=True)
+class ServedDefaults:
+    """The request defaults and limits a served model applies.
+
+    These are the values a model card recommends; a model folder can carry
+    them in ``machgen.json`` (key ``"serving"``), otherwise the family's
+    defaults (those of the matching diffusers pipeline) apply.
+    """
+
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    true_cfg_scale: float = 1.0
+    negative_prompt: str | None = None
+    max_sequence_length: int = 512
+    max_height: int = 2048
+    max_width: int = 2048
+    max_inference_steps: int = 1000
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Family:
+    """Base of a model family: the few things every family must answer.
+
+    Build-time methods take a loaded diffusers pipeline; run-time methods
+    (used by the sampler inside Triton) take plain settings and callables, so
+    that the sampler can be tested without Triton, ONNX or a real model.
+    """
+
+    name: ClassVar[str]
+    diffusers_pipeline: ClassVar[str]  # the diffusers pipeline class name
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    # The model-folder subfolders the sampler needs at run time (tokenizers,
+    # scheduler config); they are copied into the sampler's model folder.
+    sampler_assets: ClassVar[tuple[str, ...]] = ()
+
+    # --- build time ---
+    def tiny_pipeline(self) -> Any:
+        """A deterministic tiny random-weight pipeline for tests and demos."""
+        raise NotImplementedError
+
+    def tiny_defaults(self) -> ServedDefaults:
+        raise NotImplementedError
+
+    def pipeline_defaults(self, pipe: Any) -> ServedDefaults:
+        """The defaults of the diffusers pipeline for this model."""
+        raise NotImplementedError
+
+    def components(self, pipe: Any) -> list[ExportableComponent]:
+        raise NotImplementedError
+
+    def sampler_settings(self, pipe: Any, defaults: ServedDefaults) -> dict[str, Any]:
+        """JSON-able settings the run-time half needs (shapes, factors, flags)."""
+        raise NotImplementedError
+
+    # --- run time ---
+    def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable) -> Any:
+        raise NotImplementedError
+
+
+_FAMILIES: dict[str, type[Family]] = {}
+
+
+def register_family(cls: type[Family]) -> type[Family]:
+    """Class decorator: make a family known under ``cls.name``."""
+    if cls.name in _FAMILIES and _FAMILIES[cls.name] is not cls:
+        raise ValueError(f"model family {cls.name!r} is registered twice")
+    _FAMILIES[cls.name] = cls
+    return cls
+
+
+def _load_family_modules() -> None:
+    from machgen.builder import families
+
+    for info in pkgutil.iter_modules(families.__path__):
+        importlib.import_module(f"{families.__name__}.{info.name}")
+
+
+def family_names() -> list[str]:
+    _load_family_modules()
+    return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> Family:
+    _load_family_modules()
+    try:
+        return _FAMILIES[name]()
+    except KeyError:
+        raise KeyError(f"unknown model family {name!r}; known: {', '.join(sorted(_FAMILIES))}") from None
+
+
+def family_for_pipeline(pipeline_class_name: str) -> Family:
+    """The family serving a diffusers pipeline class (from model_index.json)."""
+    _load_family_modules()
+    for cls in _FAMILIES.values():
+        if cls.diffusers_pipeline == pipeline_class_name:
+            return cls()
+    known = ", ".join(sorted(c.diffusers_pipeline for c in _FAMILIES.values()))
+    raise KeyError(f"no model family serves {pipeline_class_name!r}; supported pipelines: {known}")
+
+
+__all__ = [
+    "Capabilities",
+    "ComponentSpec",
+    "ExportableComponent",
+    "Family",
+    "ServedDefaults",
+    "TensorSpec",
+    "family_for_pipeline",
+    "family_names",
+    "get_family",
+    "register_family",
+]

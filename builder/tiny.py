@@ -1,0 +1,54 @@
+"""In-memory tokenizers for tiny test models (no model hub is reachable).
+
+The CLIP tokenizer is a byte-level BPE over single characters with a few
+merges; the T5 tokenizer is a unigram model over letters and a handful of
+words. Both save with ``save_pretrained`` and load back with the classes a
+diffusers pipeline names in its ``model_index.json``.
+"""
+
+from __future__ import annotations
+
+_T5_WORDS = ("a", "the", "at", "of", "photo", "cat", "dog", "red", "green", "blue", "circle", "square",
+             "triangle", "top", "bottom", "left", "right", "center")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2/CLIP's reversible byte-to-printable-character table.
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
+                 + list(range(ord("\xae"), ord("\xff") + 1)))
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in codes)))
+
+
+def tiny_clip_tokenizer(model_max_length: int = 77):
+    import transformers
+
+    chars = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for c in chars:
+        vocab[c] = len(vocab)
+    for c in chars:
+        vocab[c + "</w>"] = len(vocab)
+    merges = [("c", "a"), ("ca", "t</w>"), ("o", "g</w>"), ("d", "og</w>"), ("r", "e"), ("re", "d</w>")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return transformers.CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+
+
+def tiny_t5_tokenizer(model_max_length: int = 512):
+    import string
+
+    import transformers
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(c, -3.0) for c in string.ascii_letters + string.digits + string.punctuation]
+    pieces += [("\u2581" + w, -1.0) for w in _T5_WORDS]
+    return transformers.T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)

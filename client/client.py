@@ -1,0 +1,90 @@
+"""A small client for served machgen pipelines, over tritonclient gRPC or HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from machgen.ensembles.api import API_INPUTS, numpy_dtype
+
+PROTOCOLS = ("grpc", "http")
+_API = {tensor.name: tensor for tensor in API_INPUTS}
+
+
+class GenerationError(RuntimeError):
+    """The server refused or failed a request; ``status`` is its status code."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class MachgenClient:
+    """Calls a served pipeline; ``generate`` returns uint8 images [N, H, W, 3].
+
+    ``url`` is host:port of the chosen protocol's endpoint (8001 for gRPC,
+    8000 for HTTP by default).
+    """
+
+    def __init__(self, url: str, protocol: str = "grpc", timeout_s: float | None = None):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
+        self.protocol = protocol
+        self.timeout_s = timeout_s
+        if protocol == "grpc":
+            import tritonclient.grpc as module
+            self._client = module.InferenceServerClient(url)
+        else:
+            import tritonclient.http as module
+            self._client = module.InferenceServerClient(url, network_timeout=timeout_s or 600.0,
+                                                        connection_timeout=timeout_s or 600.0)
+        self._module = module
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "MachgenClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def is_ready(self, model: str) -> bool:
+        try:
+            return bool(self._client.is_server_ready() and self._client.is_model_ready(model))
+        except Exception:  # noqa: BLE001 - a server that is down is simply not ready
+            return False
+
+    def make_input(self, name: str, value: Any, dtype: str | None = None):
+        """One request input; ``dtype`` overrides the API's (to send a wrong one on purpose)."""
+        triton_dtype = dtype or _API[name].triton_dtype
+        if triton_dtype == "BYTES":
+            array = np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
+        else:
+            array = np.asarray(value, dtype=numpy_dtype(triton_dtype)).reshape(-1)
+        tensor = self._module.InferInput(name, list(array.shape), triton_dtype)
+        tensor.set_data_from_numpy(array)
+        return tensor
+
+    def infer(self, model: str, inputs: list, outputs: tuple[str, ...] = ("images",)) -> dict[str, np.ndarray]:
+        requested = [self._module.InferRequestedOutput(name) for name in outputs]
+        kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" and self.timeout_s else {}
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            result = self._client.infer(model, inputs, outputs=requested, **kwargs)
+        except InferenceServerException as err:
+            raise GenerationError(str(err.status()), err.message()) from err
+        return {name: result.as_numpy(name) for name in outputs}
+
+    def generate(self, model: str, prompt: str, **options: Any) -> np.ndarray:
+        """Generate images for ``prompt``; options are the API's optional inputs
+        (negative_prompt, seed, num_inference_steps, guidance_scale, true_cfg_scale,
+        height, width). Absent ones take the served model's defaults."""
+        unknown = set(options) - set(_API)
+        if unknown:
+            raise TypeError(f"unknown generation options: {sorted(unknown)}")
+        inputs = [self.make_input("prompt", prompt)]
+        inputs += [self.make_input(name, value) for name, value in options.items() if value is not None]
+        return self.infer(model, inputs)["images"]

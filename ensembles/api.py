@@ -1,0 +1,144 @@
+"""The public API of a served pipeline: its inputs, outputs and validation.
+
+This is the contract clients, the generated ensemble config, the sampler and
+the perf inputs all read; the README documents it. Only numpy is imported.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ApiTensor:
+    name: str
+    triton_dtype: str
+    dims: tuple[int, ...]
+    doc: str
+    required: bool = False
+
+
+API_INPUTS: tuple[ApiTensor, ...] = (
+    ApiTensor("prompt", "BYTES", (1,), "UTF-8 text to generate from", required=True),
+    ApiTensor("negative_prompt", "BYTES", (1,), "UTF-8 text to steer away from; used when true_cfg_scale > 1"),
+    ApiTensor("seed", "INT64", (1,), "noise seed, 0 <= seed < 2**63; random when absent"),
+    ApiTensor("num_inference_steps", "INT32", (1,), "denoising steps"),
+    ApiTensor("guidance_scale", "FP32", (1,), "embedded guidance of guidance-distilled models"),
+    ApiTensor("true_cfg_scale", "FP32", (1,), "classifier-free guidance scale with negative_prompt"),
+    ApiTensor("height", "INT32", (1,), "image height in pixels"),
+    ApiTensor("width", "INT32", (1,), "image width in pixels"),
+)
+API_OUTPUTS: tuple[ApiTensor, ...] = (
+    ApiTensor("images", "UINT8", (-1, -1, -1, 3), "generated images, [N, height, width, RGB]"),
+)
+
+_NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}
+_MAX_GUIDANCE = 100.0
+
+
+def numpy_dtype(triton_dtype: str):
+    return _NUMPY_DTYPES[triton_dtype]
+
+
+class InvalidArgument(ValueError):
+    """A request input is missing or out of range; the message names the field."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"invalid input '{field}': {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    true_cfg_scale: float
+    height: int
+    width: int
+
+    @property
+    def uses_true_cfg(self) -> bool:
+        # FluxPipeline: true CFG runs only with a scale > 1 and a negative prompt.
+        return self.true_cfg_scale > 1 and self.negative_prompt is not None
+
+
+def _scalar(field: str, value: np.ndarray) -> Any:
+    if value.size != 1:
+        raise InvalidArgument(field, f"expected one element, got shape {list(value.shape)}")
+    return value.reshape(-1)[0]
+
+
+def _text(field: str, value: np.ndarray) -> str:
+    raw = _scalar(field, value)
+    if isinstance(raw, str):
+        return raw
+    try:
+        return bytes(raw).decode("utf-8")
+    except (UnicodeDecodeError, TypeError) as err:
+        raise InvalidArgument(field, "not valid UTF-8 text") from err
+
+
+def _integer(field: str, value: np.ndarray, low: int, high: int) -> int:
+    number = int(_scalar(field, value))
+    if not low <= number <= high:
+        raise InvalidArgument(field, f"{number} is outside [{low}, {high}]")
+    return number
+
+
+def _real(field: str, value: np.ndarray, low: float, high: float) -> float:
+    number = float(_scalar(field, value))
+    if not math.isfinite(number) or not low <= number <= high:
+        raise InvalidArgument(field, f"{number} is outside [{low:g}, {high:g}]")
+    return number
+
+
+def _size(field: str, value: np.ndarray, multiple: int, maximum: int) -> int:
+    number = int(_scalar(field, value))
+    if number < multiple or number > maximum:
+        raise InvalidArgument(field, f"{number} is outside [{multiple}, {maximum}]")
+    if number % multiple:
+        raise InvalidArgument(field, f"{number} is not a multiple of {multiple}")
+    return number
+
+
+def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mapping[str, Any],
+                  size_multiple: int) -> GenerationRequest:
+    """Validate one request's inputs and fill in the served defaults.
+
+    ``get_input(name)`` returns the input's array or None when it is absent;
+    ``defaults`` is a ServedDefaults as JSON. Raises InvalidArgument.
+    """
+
+    def value(name: str, parse: Callable[[str, np.ndarray], Any], default: Any) -> Any:
+        array = get_input(name)
+        return default if array is None else parse(name, np.asarray(array))
+
+    prompt = get_input("prompt")
+    if prompt is None:
+        raise InvalidArgument("prompt", "missing; it is required")
+    max_steps = int(defaults["max_inference_steps"])
+    return GenerationRequest(
+        prompt=_text("prompt", np.asarray(prompt)),
+        negative_prompt=value("negative_prompt", _text, defaults.get("negative_prompt")),
+        # Without a seed the noise is fresh each time, as diffusers does without a generator.
+        seed=value("seed", lambda f, v: _integer(f, v, 0, 2**63 - 1), secrets.randbelow(2**63)),
+        num_inference_steps=value("num_inference_steps", lambda f, v: _integer(f, v, 1, max_steps),
+                                  int(defaults["num_inference_steps"])),
+        guidance_scale=value("guidance_scale", lambda f, v: _real(f, v, 0.0, _MAX_GUIDANCE),
+                             float(defaults["guidance_scale"])),
+        true_cfg_scale=value("true_cfg_scale", lambda f, v: _real(f, v, 0.0, _MAX_GUIDANCE),
+                             float(defaults["true_cfg_scale"])),
+        height=value("height", lambda f, v: _size(f, v, size_multiple, int(defaults["max_height"])),
+                     int(defaults["height"])),
+        width=value("width", lambda f, v: _size(f, v, size_multiple, int(defaults["max_width"])),
+                    int(defaults["width"])),
+    )
+

@@ -1,0 +1,71 @@
+"""ONNX Runtime on the CPU: one session per component, requests run as one batch.
+
+Used by the Triton component models, by the builder's parity check and by the
+in-process runner, so all three execute an ONNX file the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+class OnnxSession:
+    """An ONNX Runtime CPU session with serving-friendly threading.
+
+    ``intra_op_threads`` 0 lets ONNX Runtime pick (one per physical core).
+    Spinning is off: a server runs several sessions in several processes,
+    and idle spinning threads would steal the cores the busy one needs.
+    """
+
+    def __init__(self, path: str | os.PathLike, intra_op_threads: int = 0):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.path = Path(path)
+        self._session = ort.InferenceSession(os.fspath(path), sess_options=options,
+                                             providers=["CPUExecutionProvider"])
+        self.input_names = [i.name for i in self._session.get_inputs()]
+        self.output_names = [o.name for o in self._session.get_outputs()]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feed = {name: inputs[name] for name in self.input_names}
+        return dict(zip(self.output_names, self._session.run(self.output_names, feed)))
+
+    def run_batches(self, batches: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Run several requests' inputs as one forward where their shapes allow.
+
+        Requests are grouped in arrival order into runs of equal per-item
+        shapes, concatenated along the batch axis, and the outputs are split
+        back by each request's batch size.
+        """
+        results: list[dict[str, np.ndarray]] = []
+        start = 0
+        while start < len(batches):
+            key = _shape_key(batches[start], self.input_names)
+            end = start + 1
+            while end < len(batches) and _shape_key(batches[end], self.input_names) == key:
+                end += 1
+            group = batches[start:end]
+            if len(group) == 1:
+                results.append(self.run(group[0]))
+            else:
+                sizes = [len(b[self.input_names[0]]) for b in group]
+                merged = {n: np.concatenate([b[n] for b in group], axis=0) for n in self.input_names}
+                outputs = self.run(merged)
+                offsets = np.cumsum([0] + sizes)
+                results.extend({n: v[offsets[i]:offsets[i + 1]] for n, v in outputs.items()}
+                               for i in range(len(group)))
+            start = end
+        return results
+
+
+def _shape_key(inputs: Mapping[str, np.ndarray], names: Sequence[str]) -> tuple:
+    return tuple((inputs[n].dtype.str, inputs[n].shape[1:]) for n in names)

@@ -1,0 +1,133 @@
+"""The Python-backend models; the only module that imports triton_python_backend_utils.
+
+The generated ``model.py`` shims in a model repository import one of these
+classes as ``TritonPythonModel``. Each model reads what it needs from its
+own folder (written by ``machgen-build``): ``model.onnx`` for a component,
+``pipeline.json`` plus tokenizers and scheduler config for the sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from machgen.ensembles.api import InvalidArgument, parse_request
+
+
+def _model_dir(args: dict) -> Path:
+    return Path(args["model_repository"]) / args["model_version"]
+
+
+def _parameter(config: dict, key: str, default: str) -> str:
+    return config.get("parameters", {}).get(key, {}).get("string_value", default)
+
+
+def _error_response(message: str, code) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+class OnnxComponentModel:
+    """One pipeline component under ONNX Runtime on the CPU.
+
+    Triton's dynamic batcher hands several requests at once; those with equal
+    per-item shapes run as one forward.
+    """
+
+    def initialize(self, args: dict) -> None:
+        from machgen.ensembles.onnx_runner import OnnxSession
+
+        config = json.loads(args["model_config"])
+        self.session = OnnxSession(_model_dir(args) / "model.onnx",
+                                   intra_op_threads=int(_parameter(config, "intra_op_threads", "0")))
+        self.input_names = [i["name"] for i in config["input"]]
+        self.logger = pb_utils.Logger
+
+    def execute(self, requests):
+        batches = []
+        for request in requests:
+            batches.append({name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+                            for name in self.input_names})
+        try:
+            outputs = self.session.run_batches(batches)
+        except Exception as err:  # noqa: BLE001 - every request must get an answer
+            self.logger.log_error(f"{self.session.path}: {traceback.format_exc()}")
+            return [_error_response(f"component failed: {err}", pb_utils.TritonError.INTERNAL)
+                    for _ in requests]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(name, np.ascontiguousarray(value))
+                                            for name, value in result.items()])
+                for result in outputs]
+
+
+class ComponentError(RuntimeError):
+    """A BLS call to a component model failed."""
+
+
+class SamplerModel:
+    """The denoising loop as a BLS model: one request at a time per instance.
+
+    Validation errors answer INVALID_ARGUMENT naming the field; anything else
+    answers INTERNAL for that request only, and the model keeps serving.
+    """
+
+    def initialize(self, args: dict) -> None:
+        import torch
+
+        from machgen.builder.registry import get_family
+        from machgen.ensembles.sampler import Sampler
+
+        # The sampler only steps the scheduler; the components own the cores.
+        torch.set_num_threads(1)
+        model_dir = _model_dir(args)
+        self.pipeline = json.loads((model_dir / "pipeline.json").read_text())
+        self.components = self.pipeline["components"]
+        family = get_family(self.pipeline["family"])
+        conditioning = family.make_sampler(self.pipeline["family_settings"], str(model_dir), self._run_component)
+        self.size_multiple = conditioning.size_multiple
+        self.sampler = Sampler(conditioning, self._run_component,
+                               tail_inputs=self.components["denoiser_tail"]["inputs"])
+        self.logger = pb_utils.Logger
+
+    def _run_component(self, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        component = self.components[name]
+        request = pb_utils.InferenceRequest(
+            model_name=component["model"],
+            inputs=[pb_utils.Tensor(key, np.ascontiguousarray(value)) for key, value in inputs.items()],
+            requested_output_names=component["outputs"],
+        )
+        response = request.exec()
+        if response.has_error():
+            raise ComponentError(f"{component['model']}: {response.error().message()}")
+        return {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+
+    def _generate(self, request) -> "pb_utils.InferenceResponse":
+        def get_input(name: str):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        parsed = parse_request(get_input, self.pipeline["defaults"], self.size_multiple)
+        request_id = request.request_id() or "-"
+
+        def on_step(step: int, total: int) -> None:
+            self.logger.log_verbose(f"request {request_id}: step {step}/{total}")
+
+        latents = self.sampler.generate(parsed, on_step=on_step)
+        return pb_utils.InferenceResponse([pb_utils.Tensor("latents", latents.astype(np.float32))])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._generate(request))
+            except InvalidArgument as err:
+                responses.append(_error_response(str(err), pb_utils.TritonError.INVALID_ARG))
+            except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
+                self.logger.log_error(f"sampler: {traceback.format_exc()}")
+                responses.append(_error_response(f"generation failed: {err}", pb_utils.TritonError.INTERNAL))
+        return responses
+
+
+__all__ = ["OnnxComponentModel", "SamplerModel"]
