@@ -1,0 +1,62 @@
+"""Shared fixtures: one tiny Flux folder, one built repository, one server per session.
+
+The tiny model is written and loaded back through the same code a user's
+model takes (save_pretrained / from_pretrained, machgen-build build).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+PIPELINE_NAME = "flux"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory) -> Path:
+    from machgen.builder.build import write_tiny_model
+    from machgen.builder.registry import get_family
+
+    return write_tiny_model(get_family("flux"), tmp_path_factory.mktemp("models") / "tiny-flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_pipeline(tiny_flux_dir):
+    import diffusers
+
+    return diffusers.FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def built_repository(tiny_flux_dir, tmp_path_factory):
+    """(repository path, per-component parity results) of the tiny Flux."""
+    from machgen.builder.build import build_repository
+
+    out = tmp_path_factory.mktemp("repository")
+    results = build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lambda line: None)
+    return out, results
+
+
+@pytest.fixture(scope="session")
+def triton_server(built_repository):
+    from machgen.server import Ports, TritonServer
+
+    repository, _ = built_repository
+    server = TritonServer(repository, Ports(free_port(), free_port(), free_port()))
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,130 @@
+"""A real tritonserver on loopback, called over gRPC and HTTP, against diffusers."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from machgen.client import GenerationError, MachgenClient
+
+from conftest import PIPELINE_NAME, free_port
+
+pytestmark = pytest.mark.integration
+
+MAX_PIXEL_DIFF = 2  # of 255
+SETTINGS = [
+    dict(prompt="a red cat", seed=3),
+    dict(prompt="a green circle at the top left", seed=11, num_inference_steps=6, height=32, width=96,
+         guidance_scale=1.5),
+    dict(prompt="a red cat", negative_prompt="a blue dog", true_cfg_scale=4.0, seed=7),
+]
+
+
+def clients(server):
+    return [MachgenClient(server.grpc_url, "grpc"), MachgenClient(server.http_url, "http")]
+
+
+def diffusers_image(pipe, defaults, prompt, seed, **options):
+    call = {"height": defaults["height"], "width": defaults["width"],
+            "num_inference_steps": defaults["num_inference_steps"], "guidance_scale": defaults["guidance_scale"]}
+    call.update(options)
+    image = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed),
+                 max_sequence_length=defaults["max_sequence_length"], **call).images[0]
+    return np.asarray(image)
+
+
+@pytest.fixture(scope="module")
+def defaults(built_repository):
+    import json
+
+    repository, _ = built_repository
+    return json.loads((repository / "flux_sampler" / "1" / "pipeline.json").read_text())["defaults"]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["defaults", "size-steps-guidance", "true-cfg"])
+def test_served_image_equals_diffusers(settings, triton_server, tiny_flux_pipeline, defaults):
+    expected = diffusers_image(tiny_flux_pipeline, defaults, **settings)
+    for client in clients(triton_server):
+        with client:
+            options = {k: v for k, v in settings.items() if k != "prompt"}
+            images = client.generate(PIPELINE_NAME, settings["prompt"], **options)
+        assert images.dtype == np.uint8 and images.shape == (1,) + expected.shape
+        diff = np.abs(images[0].astype(int) - expected.astype(int)).max()
+        assert diff <= MAX_PIXEL_DIFF, f"{client.protocol}: max pixel difference {diff}"
+        assert expected.std() > 10  # a real image, not a constant one
+
+
+BAD_REQUESTS = [
+    ("prompt", lambda c: [c.make_input("seed", 1)], "missing"),
+    ("prompt", lambda c: [c.make_input("prompt", 5, dtype="INT64")], "data-type"),
+    ("height", lambda c: [c.make_input("prompt", "x"), c.make_input("height", 64.0, dtype="FP32")], "data-type"),
+    ("height", lambda c: [c.make_input("prompt", "x"), c.make_input("height", 66)], "multiple of 4"),
+    ("width", lambda c: [c.make_input("prompt", "x"), c.make_input("width", 4096)], "outside"),
+    ("num_inference_steps", lambda c: [c.make_input("prompt", "x"), c.make_input("num_inference_steps", 0)], "outside"),
+    ("num_inference_steps", lambda c: [c.make_input("prompt", "x"), c.make_input("num_inference_steps", 1001)],
+     "outside"),
+]
+
+
+@pytest.mark.parametrize("field, make_inputs, words", BAD_REQUESTS,
+                         ids=[f"{f}-{w.split()[0]}" for f, _, w in BAD_REQUESTS])
+def test_bad_input_is_invalid_argument_naming_the_field(field, make_inputs, words, triton_server):
+    for client in clients(triton_server):
+        with client:
+            with pytest.raises(GenerationError) as err:
+                client.infer(PIPELINE_NAME, make_inputs(client))
+            assert err.value.status in ("400", "StatusCode.INVALID_ARGUMENT")
+            assert f"'{field}'" in str(err.value) and words in str(err.value)
+            assert client.is_ready(PIPELINE_NAME)
+    # the server keeps serving
+    with MachgenClient(triton_server.grpc_url) as client:
+        assert client.generate(PIPELINE_NAME, "a red cat", seed=1, num_inference_steps=1).shape == (1, 64, 64, 3)
+
+
+def test_generate_cli_writes_the_served_image(triton_server, tmp_path):
+    out = tmp_path / "cat.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "machgen.cli", "generate", "--url", triton_server.http_url, "--protocol", "http",
+         "--model", PIPELINE_NAME, "--prompt", "a red cat", "--seed", "3", "--steps", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with MachgenClient(triton_server.grpc_url) as client:
+        expected = client.generate(PIPELINE_NAME, "a red cat", seed=3, num_inference_steps=2)[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), expected)
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "machgen.cli", "generate", "--url", triton_server.grpc_url, "--model", PIPELINE_NAME,
+         "--prompt", "x", "--height", "3", "--out", str(tmp_path / "no.png")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "'height'" in bad.stderr and not (tmp_path / "no.png").exists()
+
+
+def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository):
+    repository, _ = built_repository
+    http = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(http),
+         "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            lines.append(line)
+            if line.startswith("ready:") or not line:
+                break
+        assert lines[-1].startswith("ready:") and f"HTTP 127.0.0.1:{http}" in lines[-1], "".join(lines)
+        with MachgenClient(f"127.0.0.1:{http}", "http") as client:
+            assert client.is_ready(PIPELINE_NAME)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0
+        with MachgenClient(f"127.0.0.1:{http}", "http") as client:
+            assert not client.is_ready(PIPELINE_NAME)
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -1,0 +1,41 @@
+"""The generated repository is pinned by golden files (UPDATE_GOLDEN=1 rewrites them)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from machgen.builder.build import served_defaults
+from machgen.builder.registry import get_family
+from machgen.builder.repository import render_repository
+
+GOLDEN = Path(__file__).parent / "golden" / "flux"
+
+
+@pytest.fixture(scope="module")
+def rendered(tiny_flux_dir, tiny_flux_pipeline):
+    family = get_family("flux")
+    defaults = served_defaults(tiny_flux_dir, family, tiny_flux_pipeline)
+    return render_repository("flux", family, family.specs(tiny_flux_pipeline), defaults,
+                             family.sampler_settings(tiny_flux_pipeline, defaults))
+
+
+def test_rendered_repository_matches_golden_files(rendered):
+    if os.environ.get("UPDATE_GOLDEN"):
+        for relative, text in rendered.items():
+            (GOLDEN / relative).parent.mkdir(parents=True, exist_ok=True)
+            (GOLDEN / relative).write_text(text)
+    golden = {str(p.relative_to(GOLDEN)): p.read_text() for p in GOLDEN.rglob("*") if p.is_file()}
+    assert sorted(golden) == sorted(rendered)
+    for relative, text in rendered.items():
+        assert text == golden[relative], f"{relative} differs from its golden file"
+
+
+def test_built_repository_holds_the_rendered_files_and_engines(rendered, built_repository):
+    repository, results = built_repository
+    for relative, text in rendered.items():
+        assert (repository / relative).read_text() == text
+    for result in results:
+        assert (repository / f"flux_{result.name}" / "1" / "model.onnx").stat().st_size > 0
+    for asset in ("tokenizer", "tokenizer_2", "scheduler"):
+        assert (repository / "flux_sampler" / "1" / asset).is_dir()
