@@ -40,8 +40,9 @@ class ServingOptions:
 
     sampler_instances: int = 2
     component_instances: int = 1
-    max_queue_delay_us: int = 2000
-    # ONNX Runtime threads per component session; 0 lets ONNX Runtime choose.
+    # Short: a lone request waits this long at every denoiser call for company.
+    max_queue_delay_us: int = 100
+    # ONNX Runtime threads per component session; 0: one per core the server may use.
     intra_op_threads: int = 0
 
 
