@@ -66,9 +66,10 @@ def _quiet_exporter() -> None:
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 
-def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime",
+def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
                      log: Callable[[str], None] = print) -> list[ComponentResult]:
-    """Export, check and write every component of the model in ``model_dir``."""
+    """Export, check and write every component of the model in ``model_dir``
+    (with ``lora`` fused into its weights first)."""
     from machgen.builder.export import check_parity, export_onnx
     from machgen.builder.repository import render_repository, write_repository
 
@@ -78,6 +79,11 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     family = detect_family(model_dir)
     log(f"loading {model_dir} ({family.diffusers_pipeline}, family '{family.name}')")
     pipe = load_pipeline(model_dir, family)
+    if lora is not None:
+        log(f"fusing LoRA {lora}")
+        pipe.load_lora_weights(lora)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     defaults = served_defaults(model_dir, family, pipe)
     components = family.components(pipe)
     results: list[ComponentResult] = []

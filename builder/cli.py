@@ -42,6 +42,7 @@ def build(
     name: str = typer.Option(..., "--name", help="public model name the pipeline is served under"),
     target: str = typer.Option("onnxruntime", "--target", help="engine target: onnxruntime (CPU)"),
     out: Path = typer.Option(Path("model_repository"), "--out", help="model repository to write into"),
+    lora: Path = typer.Option(None, "--lora", exists=True, help="a LoRA (diffusers format) to fuse before export"),
 ) -> None:
     """Export every component, check it against torch, and write the model repository."""
     from machgen.builder.build import build_repository
@@ -50,10 +51,76 @@ def build(
     if not name.replace("_", "").replace("-", "").isalnum():
         raise typer.BadParameter("use letters, digits, '_' and '-'", param_hint="--name")
     try:
-        build_repository(model_dir, name, out, target=target, log=typer.echo)
+        build_repository(model_dir, name, out, target=target, lora=lora, log=typer.echo)
     except (ParityError, ValueError, KeyError, FileNotFoundError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
+
+
+@app.command()
+def train(
+    out: Path = typer.Argument(..., help="training folder: checkpoints, logs, and the model in OUT/model "
+                                         "(with --lora: the adapter)"),
+    clip_vocab: Path = typer.Option(None, "--clip-vocab", exists=True, dir_okay=False,
+                                    help="the open_clip_torch wheel (or its bpe_simple_vocab_16e6.txt.gz): "
+                                         "pip download --no-deps open_clip_torch==3.3.0"),
+    vae_steps: int = typer.Option(6000, "--vae-steps"),
+    vae_minutes: float = typer.Option(None, "--vae-minutes", help="time budget of the VAE stage"),
+    steps: int = typer.Option(20000, "--steps", help="transformer (or LoRA) steps"),
+    minutes: float = typer.Option(None, "--minutes", help="time budget of the transformer (or LoRA) stage"),
+    batch: int = typer.Option(32, "--batch"),
+    seed: int = typer.Option(0, "--seed"),
+    bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (slower than fp32 on small CPUs)"),
+    resume: bool = typer.Option(True, "--resume/--restart", help="continue from OUT/checkpoints"),
+    lora: bool = typer.Option(False, "--lora", help="fine-tune a LoRA on --base instead of training from scratch"),
+    base: Path = typer.Option(None, "--base", exists=True, file_okay=False, help="base model folder (--lora)"),
+    concept: str = typer.Option("orange", "--concept", help="the new concept a LoRA learns (--lora)"),
+    rank: int = typer.Option(16, "--rank", help="LoRA rank (--lora)"),
+) -> None:
+    """Train the shapes model from scratch, or (--lora) teach a model a new concept."""
+    if lora:
+        from machgen.builder.training import LoraSettings, train_lora
+
+        if base is None:
+            raise typer.BadParameter("--lora needs --base MODEL_DIR", param_hint="--base")
+        settings = LoraSettings(concept=concept, rank=rank, steps=steps, minutes=minutes, batch=batch, seed=seed)
+        try:
+            train_lora(base, out, settings, log=typer.echo)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--concept") from None
+        typer.echo(f"LoRA saved in {out}; fuse it with: machgen-build build {base} --lora {out} ...")
+        return
+    from machgen.builder.training import TrainingSettings, train_shapes_model
+
+    if clip_vocab is None:
+        raise typer.BadParameter("training from scratch needs the CLIP vocabulary", param_hint="--clip-vocab")
+    settings = TrainingSettings(seed=seed, vae_steps=vae_steps, vae_minutes=vae_minutes, steps=steps,
+                                minutes=minutes, batch=batch, bf16=bf16)
+    record = train_shapes_model(out, settings, clip_vocab, resume=resume, log=typer.echo)
+    typer.echo(f"trained: {record['transformer_steps']} transformer steps; model in {out / 'model'}")
+
+
+@app.command("eval")
+def evaluate(
+    model_dir: Path = typer.Argument(None, help="diffusers model folder (scored with FluxPipeline)"),
+    url: str = typer.Option(None, "--url", help="score a served model instead: host:port"),
+    name: str = typer.Option("flux", "--name", help="served model name (with --url)"),
+    protocol: str = typer.Option("grpc", "--protocol"),
+    count: int = typer.Option(70, "--count", help="prompt/seed pairs"),
+    grid: Path = typer.Option(None, "--grid", help="save the generated images as one PNG"),
+) -> None:
+    """Prompt accuracy on a fixed prompt/seed set of the shapes dataset."""
+    from machgen.builder import evaluate as ev
+    from machgen.builder.shapes import evaluation_prompts
+
+    if (model_dir is None) == (url is None):
+        raise typer.BadParameter("give a MODEL_DIR or --url, not both")
+    prompts = evaluation_prompts(count)
+    images = ev.generate_with_diffusers(model_dir, prompts) if model_dir else \
+        ev.generate_served(url, name, prompts, protocol)
+    if grid:
+        ev.save_grid(images, grid)
+    typer.echo(ev.report(ev.score(images, [label for _, _, label in prompts])))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,7 +12,7 @@ _T5_WORDS = ("a", "the", "at", "of", "photo", "cat", "dog", "red", "green", "blu
              "triangle", "top", "bottom", "left", "right", "center")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     # GPT-2/CLIP's reversible byte-to-printable-character table.
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
                  + list(range(ord("\xae"), ord("\xff") + 1)))
@@ -29,7 +29,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def tiny_clip_tokenizer(model_max_length: int = 77):
     import transformers
 
-    chars = list(_bytes_to_unicode().values())
+    chars = list(bytes_to_unicode().values())
     vocab: dict[str, int] = {}
     for c in chars:
         vocab[c] = len(vocab)

@@ -1,0 +1,87 @@
+"""Prompt accuracy of a shapes model: generate a fixed prompt/seed set, read
+each image back with the detector, count what matches the prompt.
+
+Two ways to generate, scored identically: diffusers' FluxPipeline on a model
+folder (at the model card's settings), or a served model through Triton
+(sending only prompt and seed, so the served defaults apply).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from machgen.builder import shapes
+
+EVAL_PROMPTS = 70  # every colour x shape x position combination has 105; 70 is a fixed subset
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    count: int
+    colour_shape: float
+    position: float
+    all_three: float
+    nothing_found: int
+
+
+def score(images: Sequence[np.ndarray], labels: Sequence[shapes.Label], palette=shapes.PALETTE) -> Accuracy:
+    found = [shapes.detect(image, palette) for image in images]
+    colour_shape = [f is not None and (f.colour, f.shape) == (l.colour, l.shape) for f, l in zip(found, labels)]
+    position = [f is not None and f.position == l.position for f, l in zip(found, labels)]
+    return Accuracy(len(labels), round(float(np.mean(colour_shape)), 4), round(float(np.mean(position)), 4),
+                    round(float(np.mean([f == l for f, l in zip(found, labels)])), 4),
+                    sum(f is None for f in found))
+
+
+def generate_with_diffusers(model_dir: Path, prompts, chunk: int = 35, **overrides) -> np.ndarray:
+    """Images from FluxPipeline at the model card's settings (machgen.json)."""
+    import torch
+
+    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+
+    family = detect_family(model_dir)
+    pipe = load_pipeline(model_dir, family)
+    pipe.set_progress_bar_config(disable=True)
+    defaults = served_defaults(model_dir, family, pipe)
+    call = dict(height=defaults.height, width=defaults.width, num_inference_steps=defaults.num_inference_steps,
+                guidance_scale=defaults.guidance_scale, true_cfg_scale=defaults.true_cfg_scale,
+                max_sequence_length=defaults.max_sequence_length)
+    call.update(overrides)
+    negative = defaults.negative_prompt
+    images = []
+    for start in range(0, len(prompts), chunk):
+        part = prompts[start:start + chunk]
+        extra = {"negative_prompt": [negative] * len(part)} if negative is not None else {}
+        out = pipe([p for p, _, _ in part], generator=[torch.Generator("cpu").manual_seed(s) for _, s, _ in part],
+                   output_type="np", **extra, **call).images
+        images.append((out * 255).round().astype(np.uint8))
+    return np.concatenate(images)
+
+
+def generate_served(url: str, model: str, prompts, protocol: str = "grpc") -> np.ndarray:
+    """Images from a served model, sending only prompt and seed."""
+    from machgen.client import MachgenClient
+
+    with MachgenClient(url, protocol) as client:
+        return np.stack([client.generate(model, prompt, seed=seed)[0] for prompt, seed, _ in prompts])
+
+
+def save_grid(images: np.ndarray, path: Path, columns: int = 10, scale: int = 2) -> None:
+    from PIL import Image
+
+    rows = (len(images) + columns - 1) // columns
+    size = images.shape[1]
+    grid = np.zeros((rows * (size + 2), columns * (size + 2), 3), np.uint8)
+    for i, image in enumerate(images):
+        r, c = divmod(i, columns)
+        grid[r * (size + 2) + 1:r * (size + 2) + 1 + size, c * (size + 2) + 1:c * (size + 2) + 1 + size] = image
+    Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST).save(path)
+
+
+def report(accuracy: Accuracy) -> str:
+    return json.dumps(asdict(accuracy))

@@ -1,0 +1,53 @@
+"""The committed trained model: its quality under diffusers, and the same
+quality (and pixels) when served by Triton with only prompt and seed sent."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from machgen.builder import evaluate, shapes
+
+from conftest import free_port
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "shapes-flux"
+PROMPTS = shapes.evaluation_prompts(70)
+MAX_PIXEL_DIFF = 2
+
+
+def test_clip_tokenizer_gives_openai_clip_ids():
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(MODEL_DIR / "tokenizer")
+    assert tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    assert len(tokenizer) == 49408
+
+
+def test_model_folder_is_small_and_safetensors():
+    files = [p for p in MODEL_DIR.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 30 * 2**20
+    assert not [p for p in files if p.suffix in (".bin", ".pt", ".pth")]
+
+
+@pytest.fixture(scope="module")
+def diffusers_images():
+    return evaluate.generate_with_diffusers(MODEL_DIR, PROMPTS)
+
+
+def test_diffusers_accuracy_at_the_model_card_settings(diffusers_images):
+    accuracy = evaluate.score(diffusers_images, [label for _, _, label in PROMPTS])
+    assert accuracy.colour_shape >= 0.90 and accuracy.position >= 0.95, accuracy
+
+
+@pytest.mark.integration
+def test_served_model_gives_the_same_images_and_accuracy(diffusers_images, tmp_path_factory):
+    from machgen.builder.build import build_repository
+    from machgen.server import Ports, TritonServer
+
+    repository = tmp_path_factory.mktemp("shapes-repository")
+    build_repository(MODEL_DIR, "shapes", repository, log=lambda line: None)
+    with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server:
+        served = evaluate.generate_served(server.grpc_url, "shapes", PROMPTS)
+    labels = [label for _, _, label in PROMPTS]
+    assert np.abs(served.astype(int) - diffusers_images.astype(int)).max() <= MAX_PIXEL_DIFF
+    assert evaluate.score(served, labels) == evaluate.score(diffusers_images, labels)
