@@ -6,6 +6,10 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= build/demo
 DEMO_PORTS ?= --http-port 8000 --grpc-port 8001 --metrics-port 8002
 DEMO_GRPC ?= 127.0.0.1:8001
+# The default model: trained here on the shapes dataset (see models/shapes-flux/README.md).
+MODEL ?= models/shapes-flux
+NAME ?= shapes
+PROMPT ?= a red circle at the top left
 
 .PHONY: install test demo repository clean
 
@@ -19,13 +23,11 @@ install: $(STAMP)
 test: install
 	$(BIN)/python -m pytest -ra
 
-# The default model: the tiny Flux until a trained model replaces it.
 repository: install
-	$(BIN)/machgen-build tiny flux $(DEMO_DIR)/tiny-flux
-	$(BIN)/machgen-build build $(DEMO_DIR)/tiny-flux --name flux --target onnxruntime --out model_repository
+	$(BIN)/machgen-build build $(MODEL) --name $(NAME) --target onnxruntime --out model_repository
 
 demo: repository
-	@mkdir -p out
+	@mkdir -p out $(DEMO_DIR)
 	@set -e; \
 	$(BIN)/machgen serve model_repository $(DEMO_PORTS) > $(DEMO_DIR)/serve.log 2>&1 & server=$$!; \
 	trap 'kill -TERM $$server 2>/dev/null; wait $$server' EXIT; \
@@ -35,7 +37,7 @@ demo: repository
 		sleep 1; \
 	done; \
 	grep '^ready' $(DEMO_DIR)/serve.log; \
-	$(BIN)/machgen generate --url $(DEMO_GRPC) --model flux --prompt "a red cat" --seed 0 --out out/demo.png
+	$(BIN)/machgen generate --url $(DEMO_GRPC) --model $(NAME) --prompt "$(PROMPT)" --seed 0 --out out/demo.png
 
 clean:
 	rm -rf build out model_repository/*/ .pytest_cache

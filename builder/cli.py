@@ -108,19 +108,27 @@ def evaluate(
     protocol: str = typer.Option("grpc", "--protocol"),
     count: int = typer.Option(70, "--count", help="prompt/seed pairs"),
     grid: Path = typer.Option(None, "--grid", help="save the generated images as one PNG"),
+    lora: Path = typer.Option(None, "--lora", exists=True, help="load this LoRA into the pipeline (MODEL_DIR)"),
+    concept: str = typer.Option(None, "--concept", help="score prompts of this new concept (e.g. orange) "
+                                                         "instead of the dataset's"),
+    read_with: str = typer.Option(None, "--read-with", help="read colours against the dataset palette plus this "
+                                                          "concept's colour (default: --concept's)"),
 ) -> None:
     """Prompt accuracy on a fixed prompt/seed set of the shapes dataset."""
     from machgen.builder import evaluate as ev
-    from machgen.builder.shapes import evaluation_prompts
+    from machgen.builder import shapes
+    from machgen.builder.training import concept_palette
 
     if (model_dir is None) == (url is None):
         raise typer.BadParameter("give a MODEL_DIR or --url, not both")
-    prompts = evaluation_prompts(count)
-    images = ev.generate_with_diffusers(model_dir, prompts) if model_dir else \
+    palette = concept_palette(read_with or concept) if (read_with or concept) else shapes.PALETTE
+    colours = (concept,) if concept else tuple(shapes.PALETTE)
+    prompts = shapes.evaluation_prompts(count, colours=colours)
+    images = ev.generate_with_diffusers(model_dir, prompts, lora=lora) if model_dir else \
         ev.generate_served(url, name, prompts, protocol)
     if grid:
         ev.save_grid(images, grid)
-    typer.echo(ev.report(ev.score(images, [label for _, _, label in prompts])))
+    typer.echo(ev.report(ev.score(images, [label for _, _, label in prompts], palette)))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -38,14 +38,18 @@ def score(images: Sequence[np.ndarray], labels: Sequence[shapes.Label], palette=
                     sum(f is None for f in found))
 
 
-def generate_with_diffusers(model_dir: Path, prompts, chunk: int = 35, **overrides) -> np.ndarray:
-    """Images from FluxPipeline at the model card's settings (machgen.json)."""
+def generate_with_diffusers(model_dir: Path, prompts, chunk: int = 35, lora: Path | None = None,
+                            **overrides) -> np.ndarray:
+    """Images from FluxPipeline at the model card's settings (machgen.json),
+    with a LoRA loaded by diffusers' own loader when given."""
     import torch
 
     from machgen.builder.build import detect_family, load_pipeline, served_defaults
 
     family = detect_family(model_dir)
     pipe = load_pipeline(model_dir, family)
+    if lora is not None:
+        pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
     defaults = served_defaults(model_dir, family, pipe)
     call = dict(height=defaults.height, width=defaults.width, num_inference_steps=defaults.num_inference_steps,

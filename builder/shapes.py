@@ -96,9 +96,6 @@ def all_captions(colours=tuple(PALETTE), shapes=SHAPES) -> list[str]:
 
 
 # ----------------------------------------------------------------- detector
-# Fill ratio of the bounding box: circle pi/4 ~ 0.79, square 1, triangle 0.5.
-_TRIANGLE_BELOW = 0.645
-_CIRCLE_BELOW = 0.9
 _FOREGROUND_DISTANCE = 60.0
 _MIN_PIXELS = 40
 
@@ -108,27 +105,38 @@ def detect(image: np.ndarray, palette: dict[str, tuple[int, int, int]] = PALETTE
 
     The background is the median of the border pixels; the foreground is what
     differs from it by more than a fixed colour distance, kept to its largest
-    connected part's bounding region. Colour is the nearest palette colour of
-    the foreground's median; shape, the fill ratio of its bounding box;
-    position, the anchor nearest to its centroid.
+    connected part. Colour is the nearest palette colour of the foreground's
+    median; the outline is re-drawn halfway between background and that
+    colour; shape is the ideal shape (drawn in the outline's bounding box)
+    that overlaps the foreground best -- sturdier than the bare fill ratio
+    (circle 0.79, square 1, triangle 0.5) when edges are soft; position, the
+    anchor nearest to the bounding box's centre.
     """
     pixels = image.astype(np.float64)
     border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
     background = np.median(border, axis=0)
-    mask = np.linalg.norm(pixels - background, axis=2) > _FOREGROUND_DISTANCE
-    mask = _largest_component(mask)
+    distance = np.linalg.norm(pixels - background, axis=2)
+    mask = _largest_component(distance > _FOREGROUND_DISTANCE)
     if mask.sum() < _MIN_PIXELS:
         return None
     colour_value = np.median(pixels[mask], axis=0)
     colour = min(palette, key=lambda name: np.linalg.norm(colour_value - np.asarray(palette[name])))
+    # The outline is where the image is halfway between background and shape
+    # colour: soft (decoded) edges then keep their corners.
+    halfway = np.linalg.norm(colour_value - background) / 2
+    mask = _largest_component(distance > max(halfway, _FOREGROUND_DISTANCE / 2))
     rows, cols = np.nonzero(mask)
-    height, width = rows.max() - rows.min() + 1, cols.max() - cols.min() + 1
-    fill = mask.sum() / float(height * width)
-    shape = "triangle" if fill < _TRIANGLE_BELOW else "circle" if fill < _CIRCLE_BELOW else "square"
     centre = ((cols.min() + cols.max() + 1) / 2, (rows.min() + rows.max() + 1) / 2)
+    width = cols.max() - cols.min() + 1
+    shape = max(SHAPES, key=lambda name: _overlap(mask, shape_mask(name, centre, width)))
     position = min(POSITIONS, key=lambda name: np.hypot(centre[0] - POSITIONS[name][0],
                                                        centre[1] - POSITIONS[name][1]))
     return Label(colour, shape, position)
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> float:
+    """Intersection over union of two masks."""
+    return float((a & b).sum()) / max(float((a | b).sum()), 1.0)
 
 
 def _largest_component(mask: np.ndarray) -> np.ndarray:

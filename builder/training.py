@@ -189,16 +189,15 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
         optimizer.load_state_dict(state["optimizer"])
         step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
         log(f"vae: resumed at step {step}")
-    done = bool(state and state.get("done"))
     start = time.monotonic()
     latent_elements = settings.config.latent_channels * (shapes.SIZE // 4) ** 2
 
-    def snapshot(done: bool = False) -> dict:
+    def snapshot() -> dict:
         return {"vae": vae.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "elapsed": elapsed + time.monotonic() - start, "rng": rng.bit_generator.state, "done": done}
+                "elapsed": elapsed + time.monotonic() - start, "rng": rng.bit_generator.state}
 
     with _progress(settings.vae_steps, step, "vae") as bar:
-        while not done and step < settings.vae_steps and _budget_left(start, elapsed, settings.vae_minutes):
+        while step < settings.vae_steps and _budget_left(start, elapsed, settings.vae_minutes):
             progress = step / settings.vae_steps
             if settings.vae_minutes:
                 progress = max(progress, (elapsed + time.monotonic() - start) / (settings.vae_minutes * 60))
@@ -218,7 +217,7 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
             bar.update(1)
             bar.set_postfix(mse=f"{mse.item():.5f}")
             checkpoint.maybe_save(snapshot)
-    checkpoint.maybe_save(lambda: snapshot(done=True), force=True)
+    checkpoint.maybe_save(snapshot, force=True)
     vae.eval()
     with torch.no_grad():
         samples = shapes.batch(256, seed=12345)
