@@ -75,7 +75,8 @@ def train(
     lora: bool = typer.Option(False, "--lora", help="fine-tune a LoRA on --base instead of training from scratch"),
     base: Path = typer.Option(None, "--base", exists=True, file_okay=False, help="base model folder (--lora)"),
     concept: str = typer.Option("orange", "--concept", help="the new concept a LoRA learns (--lora)"),
-    rank: int = typer.Option(16, "--rank", help="LoRA rank (--lora)"),
+    rank: int = typer.Option(32, "--rank", help="LoRA rank (--lora)"),
+    lr: float = typer.Option(3e-3, "--lr", help="LoRA learning rate (--lora)"),
 ) -> None:
     """Train the shapes model from scratch, or (--lora) teach a model a new concept."""
     if lora:
@@ -83,7 +84,8 @@ def train(
 
         if base is None:
             raise typer.BadParameter("--lora needs --base MODEL_DIR", param_hint="--base")
-        settings = LoraSettings(concept=concept, rank=rank, steps=steps, minutes=minutes, batch=batch, seed=seed)
+        settings = LoraSettings(concept=concept, rank=rank, steps=steps, minutes=minutes, batch=batch, seed=seed,
+                                lr=lr)
         try:
             train_lora(base, out, settings, log=typer.echo)
         except ValueError as err:

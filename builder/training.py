@@ -282,9 +282,11 @@ def build_scheduler():
 
 def flux_sigma_shift(image_tokens: int, scheduler_config) -> float:
     """exp(mu) of FluxPipeline's calculate_shift: sigma -> s*sigma / (1 + (s-1)*sigma)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
     cfg = scheduler_config
-    slope = (cfg.max_shift - cfg.base_shift) / (cfg.max_image_seq_len - cfg.base_image_seq_len)
-    return math.exp(image_tokens * slope + cfg.base_shift - slope * cfg.base_image_seq_len)
+    return math.exp(calculate_shift(image_tokens, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
+                                    cfg.max_shift))
 
 
 class LatentPool:
@@ -484,6 +486,8 @@ LORA_TARGETS = (
     "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
     "context_embedder", "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
     "ff_context.net.2", "time_text_embed.text_embedder.linear_1", "time_text_embed.text_embedder.linear_2",
+    # the AdaLN modulations, through which the pooled text steers every block
+    "norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear",
 )
 
 
@@ -494,11 +498,11 @@ class LoraSettings:
     concept: str = "orange"
     concept_samples: int = 384  # "a few hundred procedural samples" of the new concept
     replay_samples: int = 384  # samples of the old data, so that old prompts keep working
-    rank: int = 16
+    rank: int = 32
     steps: int = 1500
     minutes: float | None = None
     batch: int = 32
-    lr: float = 1e-3
+    lr: float = 3e-3
     seed: int = 0
 
 

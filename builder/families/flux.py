@@ -416,15 +416,15 @@ class FluxConditioning:
     def scheduler(self, num_inference_steps: int, image_tokens: int):
         """A fresh scheduler with FluxPipeline's sigmas and resolution-dependent shift."""
         import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         scheduler = self._scheduler_class.from_config(self.scheduler_config)
         cfg = scheduler.config
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
         if getattr(cfg, "use_flow_sigmas", False):
             sigmas = None
-        slope = (cfg.get("max_shift", 1.15) - cfg.get("base_shift", 0.5)) / (
-            cfg.get("max_image_seq_len", 4096) - cfg.get("base_image_seq_len", 256))
-        mu = image_tokens * slope + cfg.get("base_shift", 0.5) - slope * cfg.get("base_image_seq_len", 256)
+        mu = calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         if sigmas is None:
             scheduler.set_timesteps(num_inference_steps, mu=mu)
         else:
