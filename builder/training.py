@@ -528,8 +528,10 @@ def train_lora(base_dir: Path, out: Path, settings: LoraSettings, log: Callable[
     pipe = FluxPipeline.from_pretrained(base_dir, local_files_only=True)
     for module in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
         module.requires_grad_(False).eval()
-    max_sequence_length = json.loads((base_dir / "machgen.json").read_text())["serving"]["max_sequence_length"] \
-        if (base_dir / "machgen.json").is_file() else 512
+    from machgen.builder.build import detect_family, served_defaults
+
+    # Train at the sequence length the model is served with.
+    max_sequence_length = served_defaults(base_dir, detect_family(base_dir), pipe).max_sequence_length
     transformer = pipe.transformer
     transformer.add_adapter(LoraConfig(r=settings.rank, lora_alpha=settings.rank, init_lora_weights="gaussian",
                                        target_modules=list(LORA_TARGETS)))
