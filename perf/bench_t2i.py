@@ -80,8 +80,11 @@ def main() -> int:
         pipe.set_progress_bar_config(disable=True)
 
         def run_diffusers(seed: int, size: int):
+            # The served defaults, spelled out: what a client sending prompt, seed, steps and size gets.
             return np.asarray(pipe(args.prompt, height=size, width=size, num_inference_steps=steps,
                                    guidance_scale=defaults["guidance_scale"],
+                                   true_cfg_scale=defaults["true_cfg_scale"],
+                                   negative_prompt=defaults["negative_prompt"],
                                    max_sequence_length=defaults["max_sequence_length"],
                                    generator=torch.Generator("cpu").manual_seed(seed)).images[0])
 
@@ -121,19 +124,19 @@ def main() -> int:
     ])
     print(table)
     if args.record:
-        _record(args.record, table)
+        _record(args.record, f"{SECTION}:{model_dir.name}", table)
         print(f"recorded in {args.record}")
     return 0
 
 
-def _record(path: Path, table: str) -> None:
-    begin, end = f"<!-- {SECTION}:begin -->", f"<!-- {SECTION}:end -->"
+def _record(path: Path, section: str, table: str) -> None:
+    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
     text = path.read_text() if path.exists() else "# Results\n"
     block = f"{begin}\n{table}\n{end}"
     if begin in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
-        text = text.rstrip() + f"\n\n## Text-to-image latency (perf/bench_t2i.py)\n\n{block}\n"
+        text = text.rstrip() + f"\n\n## Text-to-image latency (perf/bench_t2i.py), {section.split(':')[1]}\n\n{block}\n"
     path.write_text(text)
 
 
