@@ -17,9 +17,6 @@ import numpy as np
 
 from machgen.builder import shapes
 
-EVAL_PROMPTS = 70  # every colour x shape x position combination has 105; 70 is a fixed subset
-
-
 @dataclass(frozen=True)
 class Accuracy:
     count: int

@@ -71,7 +71,6 @@ class TrainingSettings:
     latent_pool: int = 16384
     bf16: bool = False  # autocast; slower than fp32 on the 2-core CPU trial
     checkpoint_minutes: float = 5.0
-    threads: int | None = None
     config: ShapesModelConfig = field(default_factory=ShapesModelConfig)
 
 
@@ -190,7 +189,8 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
         step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
         log(f"vae: resumed at step {step}")
     start = time.monotonic()
-    latent_elements = settings.config.latent_channels * (shapes.SIZE // 4) ** 2
+    latent_size = shapes.SIZE // 2 ** (len(settings.config.vae_channels) - 1)
+    latent_elements = settings.config.latent_channels * latent_size**2
 
     def snapshot() -> dict:
         return {"vae": vae.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
@@ -458,8 +458,6 @@ def train_shapes_model(out: Path, settings: TrainingSettings, clip_vocab: Path, 
     from machgen.builder.build import SERVING_FILE
 
     torch.manual_seed(settings.seed)
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     started = time.time()
     clip_tokenizer = clip_tokenizer_from_open_clip(clip_vocab, out / "clip-tokenizer")
     t5_tokenizer = train_t5_tokenizer(shapes.all_captions())
@@ -523,13 +521,13 @@ def train_lora(base_dir: Path, out: Path, settings: LoraSettings, log: Callable[
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
+    from machgen.builder.build import detect_family, served_defaults
+
     torch.manual_seed(settings.seed)
     palette = concept_palette(settings.concept)
     pipe = FluxPipeline.from_pretrained(base_dir, local_files_only=True)
     for module in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
         module.requires_grad_(False).eval()
-    from machgen.builder.build import detect_family, served_defaults
-
     # Train at the sequence length the model is served with.
     max_sequence_length = served_defaults(base_dir, detect_family(base_dir), pipe).max_sequence_length
     transformer = pipe.transformer
