@@ -12,7 +12,8 @@ from typing import Callable
 
 from machgen.builder.registry import Family, ServedDefaults, family_for_pipeline
 
-SERVING_FILE = "machgen.json"  # a model folder's served defaults, key "serving"
+# A model folder's served defaults (key "serving") and calibrated cache defaults (key "cache").
+SERVING_FILE = "machgen.json"
 TARGETS = ("onnxruntime",)
 
 
@@ -50,6 +51,14 @@ def served_defaults(model_dir: Path, family: Family, pipe) -> ServedDefaults:
             raise ValueError(f"{card}: unknown serving keys {sorted(unknown)}")
         defaults = ServedDefaults(**{**defaults.to_json(), **overrides})
     return defaults
+
+
+def model_cache_settings(model_dir: Path):
+    """The cache defaults ``machgen-build calibrate`` stored with the model, if any."""
+    from machgen.ensembles.cache import CacheSettings
+
+    card = model_dir / SERVING_FILE
+    return CacheSettings.from_json(json.loads(card.read_text()).get("cache") if card.is_file() else None)
 
 
 def write_tiny_model(family: Family, out: Path) -> Path:
@@ -101,7 +110,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             onnx_files[spec.name] = path
             results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance, seconds))
         specs = {c.spec.name: c.spec for c in components}
-        files = render_repository(name, family, specs, defaults, family.sampler_settings(pipe, defaults))
+        files = render_repository(name, family, specs, defaults, family.sampler_settings(pipe, defaults),
+                                  cache=model_cache_settings(model_dir))
         write_repository(out, name, files, onnx_files,
                          {asset: model_dir / asset for asset in family.sampler_assets})
     log(f"wrote model repository {out} (public model '{name}')")

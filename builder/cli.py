@@ -58,6 +58,56 @@ def build(
 
 
 @app.command()
+def calibrate(
+    target: Path = typer.Argument(..., exists=True, file_okay=False,
+                                  help="a diffusers model folder (the result goes into its machgen.json, so every "
+                                       "later build serves it) or a model repository (into its pipeline.json)"),
+    name: str = typer.Option(None, "--name", help="the pipeline to calibrate in a repository holding several"),
+    target_psnr: float = typer.Option(30.0, "--target-psnr", help="mean PSNR (dB) against uncached to hold"),
+    worst_psnr: float = typer.Option(None, "--worst-psnr", help="worst-image PSNR to hold (default: target - 7)"),
+    prompts_file: Path = typer.Option(None, "--prompts", exists=True, dir_okay=False,
+                                      help="one prompt per line (default: captions of the shapes dataset)"),
+    count: int = typer.Option(16, "--count", help="prompts to use"),
+    warmup_steps: int = typer.Option(3, "--warmup-steps", help="first steps always computed"),
+    final_steps: int = typer.Option(1, "--final-steps", help="last steps always computed"),
+    max_consecutive_skips: int = typer.Option(2, "--max-consecutive-skips"),
+) -> None:
+    """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target; store the best as default."""
+    import tempfile
+
+    from machgen.builder.build import build_repository
+    from machgen.builder.calibrate import calibrate as fit
+    from machgen.builder.calibrate import sampler_dir, write_settings
+    from machgen.ensembles.cache import CacheControls
+    from machgen.ensembles.local import LocalPipeline
+
+    if prompts_file is not None:
+        lines = [line.strip() for line in prompts_file.read_text().splitlines() if line.strip()]
+        prompts = [(prompt, seed) for seed, prompt in enumerate(lines[:count])]
+    else:
+        from machgen.builder import shapes
+
+        prompts = [(prompt, seed) for prompt, seed, _ in shapes.evaluation_prompts(count, seed=77)]
+    controls = CacheControls(warmup_steps=warmup_steps, final_steps=final_steps,
+                             max_consecutive_skips=max_consecutive_skips)
+    with tempfile.TemporaryDirectory(prefix="machgen-calibrate-") as scratch:
+        repository, pipeline_name = target, name
+        if (target / "model_index.json").is_file():
+            repository, pipeline_name = Path(scratch), "calibration"
+            build_repository(target, pipeline_name, repository, log=typer.echo)
+        try:
+            pipeline_name = sampler_dir(repository, pipeline_name).parent.name.removesuffix("_sampler")
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--name") from None
+        pipeline = LocalPipeline(repository, pipeline_name)
+        pipeline.sampler.cache_settings = pipeline.sampler.cache_settings.with_updates(controls=controls)
+        settings, _ = fit(pipeline, prompts, target_psnr,
+                          target_psnr - 7 if worst_psnr is None else worst_psnr, log=typer.echo)
+    written = write_settings(target, pipeline_name, settings)
+    typer.echo(f"wrote the cache defaults into {written}")
+
+
+@app.command()
 def train(
     out: Path = typer.Argument(..., help="training folder: checkpoints, logs, and the model in OUT/model "
                                          "(with --lora: the adapter)"),

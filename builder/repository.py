@@ -20,6 +20,7 @@ from typing import Any, Iterable
 
 from machgen.builder.registry import ComponentSpec, Family, ServedDefaults, TensorSpec
 from machgen.ensembles.api import API_INPUTS, API_OUTPUTS
+from machgen.ensembles.cache import CacheSettings
 
 _TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
                   "uint8": "TYPE_UINT8", "BYTES": "TYPE_STRING", "INT64": "TYPE_INT64", "INT32": "TYPE_INT32",
@@ -31,7 +32,7 @@ from machgen.ensembles.triton_models import {cls} as TritonPythonModel  # noqa: 
 '''
 
 # The stages after the sampler, in order; each maps its output onto the next one's input.
-_DECODE_STAGES = ("vae_decoder", "postprocess")
+DECODE_STAGES = ("vae_decoder", "postprocess")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class ServingOptions:
     max_queue_delay_us: int = 100
     # ONNX Runtime threads per component session; 0: one per core the server may use.
     intra_op_threads: int = 0
+    # Prompts whose text-encoder outputs each sampler instance keeps (0: none).
+    prompt_cache_size: int = 256
 
 
 def model_name(pipeline: str, component: str) -> str:
@@ -94,7 +97,8 @@ def render_sampler_config(pipeline: str, latent_channels: int, options: ServingO
         'backend: "python"\n'
         "max_batch_size: 0\n"
         + _tensor_block("input", _api_io(API_INPUTS, optional=True))
-        + _tensor_block("output", [("latents", "float32", _dims((1, latent_channels, -1, -1)), False)])
+        + _tensor_block("output", [("latents", "float32", _dims((1, latent_channels, -1, -1)), False),
+                                   ("stats", "BYTES", _dims((1,)), False)])
         + f"instance_group [\n  {{\n    count: {options.sampler_instances}\n    kind: KIND_CPU\n  }}\n]\n"
     )
 
@@ -105,12 +109,13 @@ def render_ensemble_config(pipeline: str, specs: dict[str, ComponentSpec]) -> st
         maps += [f'      output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items()]
         return f'    {{\n      model_name: "{model}"\n      model_version: -1\n' + "\n".join(maps) + "\n    }"
 
-    steps = [step(model_name(pipeline, "sampler"), {t.name: t.name for t in API_INPUTS}, {"latents": "latents"})]
+    steps = [step(model_name(pipeline, "sampler"), {t.name: t.name for t in API_INPUTS},
+                  {"latents": "latents", "stats": "stats"})]
     previous = "latents"
-    for stage in _DECODE_STAGES:
+    for stage in DECODE_STAGES:
         spec = specs[stage]
         (stage_input,), (stage_output,) = spec.inputs, spec.outputs
-        produced = "images" if stage == _DECODE_STAGES[-1] else f"{stage}_{stage_output.name}"
+        produced = "images" if stage == DECODE_STAGES[-1] else f"{stage}_{stage_output.name}"
         steps.append(step(model_name(pipeline, stage), {stage_input.name: previous}, {stage_output.name: produced}))
         previous = produced
     return (
@@ -124,8 +129,9 @@ def render_ensemble_config(pipeline: str, specs: dict[str, ComponentSpec]) -> st
 
 
 def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
-                  family_settings: dict[str, Any]) -> dict[str, Any]:
-    """What the sampler reads at start-up: who to call, defaults, family settings."""
+                  family_settings: dict[str, Any], cache: CacheSettings, options: ServingOptions) -> dict[str, Any]:
+    """What the sampler reads at start-up: who to call, defaults, family
+    settings, cache defaults (``machgen-build calibrate`` rewrites them)."""
     return {
         "name": pipeline,
         "family": family.name,
@@ -136,11 +142,14 @@ def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec]
         },
         "defaults": defaults.to_json(),
         "family_settings": family_settings,
+        "cache": cache.to_json(),
+        "prompt_cache_size": options.prompt_cache_size,
     }
 
 
 def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
-                      family_settings: dict[str, Any], options: ServingOptions = ServingOptions()) -> dict[str, str]:
+                      family_settings: dict[str, Any], options: ServingOptions = ServingOptions(),
+                      cache: CacheSettings = CacheSettings()) -> dict[str, str]:
     """Every generated text file of the pipeline, keyed by path in the repository."""
     files = {
         f"{pipeline}/config.pbtxt": render_ensemble_config(pipeline, specs),
@@ -149,7 +158,8 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
             pipeline, family_settings["latent_channels"], options),
         f"{model_name(pipeline, 'sampler')}/1/model.py": _SHIM.format(cls="SamplerModel"),
         f"{model_name(pipeline, 'sampler')}/1/pipeline.json": json.dumps(
-            pipeline_json(pipeline, family, specs, defaults, family_settings), indent=2, sort_keys=True) + "\n",
+            pipeline_json(pipeline, family, specs, defaults, family_settings, cache, options),
+            indent=2, sort_keys=True) + "\n",
     }
     for name, spec in specs.items():
         files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_component_config(pipeline, spec, options)

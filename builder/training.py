@@ -61,6 +61,9 @@ class TrainingSettings:
     vae_minutes: float | None = None  # a time budget ends the stage early
     vae_batch: int = 16
     vae_lr: float = 1.5e-3
+    # Share of VAE images drawn with a random shape colour, so that the latent
+    # space also holds colours the dataset lacks (what a LoRA may teach later).
+    vae_unseen_colours: float = 0.5
     steps: int = 20000
     minutes: float | None = None
     batch: int = 32
@@ -172,6 +175,13 @@ def build_vae(config: ShapesModelConfig):
     )
 
 
+def _vae_training_sample(rng: np.random.Generator, unseen_colour_share: float) -> shapes.Sample:
+    if rng.random() >= unseen_colour_share:
+        return shapes.sample(rng)
+    colour = tuple(int(c) for c in rng.integers(0, 256, 3))
+    return shapes.sample(rng, colours=("unseen",), palette={"unseen": colour})
+
+
 def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: Callable[[str], None] = print):
     """Near-deterministic autoencoder training (posterior mean plus a little
     noise; MSE + 0.5 L1 + 1e-4 KL; cosine learning rate), then the latent
@@ -203,7 +213,8 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
                 progress = max(progress, (elapsed + time.monotonic() - start) / (settings.vae_minutes * 60))
             for group in optimizer.param_groups:
                 group["lr"] = 1e-4 + (settings.vae_lr - 1e-4) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-            images = np.stack([shapes.sample(rng).image for _ in range(settings.vae_batch)])
+            images = np.stack([_vae_training_sample(rng, settings.vae_unseen_colours).image
+                               for _ in range(settings.vae_batch)])
             x = images_to_tensor(images)
             posterior = vae.encode(x).latent_dist
             z = posterior.mean + 0.02 * torch.randn_like(posterior.mean)
@@ -230,9 +241,31 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
     readable = np.mean([shapes.detect(r) == s.label for r, s in zip(reconstructed, samples)])
     mse = np.mean((reconstructed.astype(np.float64) - np.stack([s.image for s in samples])) ** 2)
     metrics = {"vae_steps": step, "vae_reconstruction_psnr_db": round(float(10 * np.log10(255**2 / mse)), 2),
-               "vae_reconstructions_read_correctly": round(float(readable), 4)}
+               "vae_reconstructions_read_correctly": round(float(readable), 4),
+               "vae_unseen_colour_error": round(unseen_colour_error(vae), 1)}
     log(f"vae: {json.dumps(metrics)}")
     return vae, metrics
+
+
+def unseen_colour_error(vae, count: int = 128, seed: int = 54321) -> float:
+    """Mean RGB distance between a random-colour shape and its reconstruction's shape colour."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    samples = [_vae_training_sample(rng, 1.0) for _ in range(count)]
+    images = np.stack([s.image for s in samples])
+    with torch.no_grad():
+        x = images_to_tensor(images)
+        reconstructed = tensor_to_images(vae.decode(vae.encode(x).latent_dist.mean).sample)
+    errors = []
+    for original, decoded in zip(images.astype(np.float64), reconstructed.astype(np.float64)):
+        # The shape is where the original is farthest from its own border colour.
+        border = np.median(np.concatenate([original[0], original[-1], original[:, 0], original[:, -1]]), axis=0)
+        distance = np.linalg.norm(original - border, axis=2)
+        shape_pixels = distance > 0.8 * distance.max()
+        errors.append(np.linalg.norm(np.median(decoded[shape_pixels], axis=0)
+                                     - np.median(original[shape_pixels], axis=0)))
+    return float(np.mean(errors))
 
 
 def tensor_to_images(tensor) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -81,10 +82,18 @@ class MachgenClient:
     def generate(self, model: str, prompt: str, **options: Any) -> np.ndarray:
         """Generate images for ``prompt``; options are the API's optional inputs
         (negative_prompt, seed, num_inference_steps, guidance_scale, true_cfg_scale,
-        height, width). Absent ones take the served model's defaults."""
+        height, width, cache_policy, cache_threshold). Absent ones take the served
+        model's defaults."""
+        return self.infer(model, self._inputs(prompt, options))["images"]
+
+    def generate_with_stats(self, model: str, prompt: str, **options: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        """``generate`` plus the ``stats`` output (steps, tail calls, cache hits, ...)."""
+        result = self.infer(model, self._inputs(prompt, options), outputs=("images", "stats"))
+        return result["images"], json.loads(bytes(result["stats"].reshape(-1)[0]).decode("utf-8"))
+
+    def _inputs(self, prompt: str, options: dict[str, Any]) -> list:
         unknown = set(options) - set(_API)
         if unknown:
             raise TypeError(f"unknown generation options: {sorted(unknown)}")
         inputs = [self.make_input("prompt", prompt)]
-        inputs += [self.make_input(name, value) for name, value in options.items() if value is not None]
-        return self.infer(model, inputs)["images"]
+        return inputs + [self.make_input(name, value) for name, value in options.items() if value is not None]

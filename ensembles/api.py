@@ -32,13 +32,20 @@ API_INPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("true_cfg_scale", "FP32", (1,), "classifier-free guidance scale with negative_prompt"),
     ApiTensor("height", "INT32", (1,), "image height in pixels"),
     ApiTensor("width", "INT32", (1,), "image width in pixels"),
+    ApiTensor("cache_policy", "BYTES", (1,), "step reuse: none, fbcache or magcache; the model's calibrated "
+                                             "default when absent"),
+    ApiTensor("cache_threshold", "FP32", (1,), "the policy's threshold (higher: more reuse, less fidelity); "
+                                               "the calibrated one when absent"),
 )
 API_OUTPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("images", "UINT8", (-1, -1, -1, 3), "generated images, [N, height, width, RGB]"),
+    ApiTensor("stats", "BYTES", (1,), "JSON: steps, cache_policy, cache_threshold, denoiser_head_calls, "
+                                      "denoiser_tail_calls, denoiser_tail_passes, text_cache_hits/misses"),
 )
 
 _NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}
 _MAX_GUIDANCE = 100.0
+_MAX_CACHE_THRESHOLD = 10.0
 
 
 def numpy_dtype(triton_dtype: str):
@@ -63,6 +70,8 @@ class GenerationRequest:
     true_cfg_scale: float
     height: int
     width: int
+    cache_policy: str | None = None  # None: the served default
+    cache_threshold: float | None = None  # None: the policy's calibrated threshold
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -109,12 +118,20 @@ def _size(field: str, value: np.ndarray, multiple: int, maximum: int) -> int:
     return number
 
 
+def _choice(field: str, value: np.ndarray, choices: tuple[str, ...]) -> str:
+    text = _text(field, value)
+    if text not in choices:
+        raise InvalidArgument(field, f"{text!r} is not one of {', '.join(choices)}")
+    return text
+
+
 def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mapping[str, Any],
-                  size_multiple: int) -> GenerationRequest:
+                  size_multiple: int, cache_policies: tuple[str, ...] = ("none",)) -> GenerationRequest:
     """Validate one request's inputs and fill in the served defaults.
 
     ``get_input(name)`` returns the input's array or None when it is absent;
-    ``defaults`` is a ServedDefaults as JSON. Raises InvalidArgument.
+    ``defaults`` is a ServedDefaults as JSON; ``cache_policies`` the policy
+    names this model serves. Raises InvalidArgument.
     """
 
     def value(name: str, parse: Callable[[str, np.ndarray], Any], default: Any) -> Any:
@@ -140,5 +157,7 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
                      int(defaults["height"])),
         width=value("width", lambda f, v: _size(f, v, size_multiple, int(defaults["max_width"])),
                     int(defaults["width"])),
+        cache_policy=value("cache_policy", lambda f, v: _choice(f, v, cache_policies), None),
+        cache_threshold=value("cache_threshold", lambda f, v: _real(f, v, 0.0, _MAX_CACHE_THRESHOLD), None),
     )
 

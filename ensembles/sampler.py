@@ -4,15 +4,27 @@ It talks to components through ``run_component(name, inputs) -> outputs``
 (numpy dicts): BLS inside Triton, ONNX Runtime in-process, or a closed-form
 fake in unit tests. The family's conditioning object answers everything
 model-specific (prompt encoding, noise, position ids, timesteps, unpacking).
+
+The denoiser is three components that cache reuse recombines:
+``denoiser_head`` (outputs ``first_block_residual`` among what the tail
+needs), ``denoiser_tail`` (outputs ``noise_pred`` and ``tail_residual``, its
+image output minus its image input) and ``denoiser_reuse``, which turns the
+input embedding plus a kept ``blocks_residual`` into a prediction when a
+step skips the blocks (see ensembles/cache.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from machgen.ensembles.api import GenerationRequest
+from machgen.ensembles.cache import CacheSettings, StepCache, StepPlan
 
 RunComponent = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
 StepCallback = Callable[[int, int], None]
@@ -35,42 +47,131 @@ class Conditioning(Protocol):
     def decoder_latents(self, latents: Any, height: int, width: int) -> np.ndarray: ...
 
 
-class Sampler:
-    """Runs one request: encode, denoise with head then tail per step, unpack.
+@dataclass
+class GenerationStats:
+    """What one request cost; returned to clients as the ``stats`` output."""
 
-    ``tail_inputs`` are the names the tail takes; each comes from the head's
-    outputs when the head produces it, otherwise from the head's inputs (for
-    example the position ids both halves use).
+    steps: int = 0
+    cache_policy: str = "none"
+    cache_threshold: float | None = None
+    denoiser_head_calls: int = 0
+    denoiser_tail_calls: int = 0
+    # Rows through the tail: with true CFG a call carries two (diffusers makes two passes).
+    denoiser_tail_passes: int = 0
+    text_cache_hits: int = 0
+    text_cache_misses: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass
+class Generation:
+    latents: np.ndarray  # [1, C, h, w], ready for the VAE decoder
+    stats: GenerationStats
+
+
+class PromptEmbeddingCache:
+    """Bounded LRU of text-encoder outputs keyed by prompt: clients resend the
+    same prompts (and every true-CFG request the same negative prompt).
+
+    Values are one prompt's rows of the conditioning arrays. Shared by the
+    requests of one sampler instance; the lock covers in-process callers
+    that run requests on several threads.
     """
 
-    def __init__(self, conditioning: Conditioning, run_component: RunComponent, tail_inputs: Sequence[str]):
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def encode(self, prompts: list[str], encode: Callable[[list[str]], dict[str, np.ndarray]],
+               stats: GenerationStats) -> dict[str, np.ndarray]:
+        with self._lock:
+            cached = {p: self._entries[p] for p in prompts if p in self._entries}
+            for prompt in cached:
+                self._entries.move_to_end(prompt)
+        missing = list(dict.fromkeys(p for p in prompts if p not in cached))
+        stats.text_cache_hits += len(prompts) - sum(prompts.count(p) for p in missing)
+        stats.text_cache_misses += sum(prompts.count(p) for p in missing)
+        if missing:
+            encoded = encode(missing)
+            for row, prompt in enumerate(missing):
+                cached[prompt] = {name: value[row:row + 1] for name, value in encoded.items()}
+            if self.capacity:
+                with self._lock:
+                    for prompt in missing:
+                        self._entries[prompt] = cached[prompt]
+                        self._entries.move_to_end(prompt)
+                    while len(self._entries) > self.capacity:
+                        self._entries.popitem(last=False)
+        names = cached[prompts[0]].keys()
+        return {name: np.concatenate([cached[p][name] for p in prompts], axis=0) for name in names}
+
+
+def _route(names: Sequence[str], available: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: available[name] for name in names}
+
+
+class Sampler:
+    """Runs one request: encode, denoise (per step: head and tail, or a kept
+    residual through ``denoiser_reuse``), unpack.
+
+    ``component_inputs`` are the input names of the tail and reuse
+    components; each comes from the head's outputs or the head's inputs
+    (for example the position ids every part uses).
+    """
+
+    def __init__(self, conditioning: Conditioning, run_component: RunComponent,
+                 component_inputs: Mapping[str, Sequence[str]], cache_settings: CacheSettings = CacheSettings(),
+                 prompt_cache_size: int = 256):
         self.conditioning = conditioning
         self.run_component = run_component
-        self.tail_inputs = tuple(tail_inputs)
+        self.tail_inputs = tuple(component_inputs["denoiser_tail"])
+        self.reuse_inputs = tuple(component_inputs.get("denoiser_reuse", ()))
+        self.cache_settings = cache_settings
+        self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
 
-    def predict_noise(self, head_inputs: dict[str, np.ndarray]) -> np.ndarray:
-        head_outputs = self.run_component("denoiser_head", head_inputs)
-        tail_inputs = {name: head_outputs[name] if name in head_outputs else head_inputs[name]
-                       for name in self.tail_inputs}
-        return self.run_component("denoiser_tail", tail_inputs)["noise_pred"]
+    def predict_noise(self, step: int, head_inputs: dict[str, np.ndarray], cache: StepCache,
+                      stats: GenerationStats) -> np.ndarray:
+        plan = cache.plan(step)
+        head_outputs = None
+        if plan is not StepPlan.REUSE:
+            head_outputs = self.run_component("denoiser_head", head_inputs)
+            stats.denoiser_head_calls += 1
+            if plan is StepPlan.COMPUTE or cache.inspect(step, head_outputs):
+                tail_outputs = self.run_component("denoiser_tail",
+                                                  _route(self.tail_inputs, {**head_inputs, **head_outputs}))
+                stats.denoiser_tail_calls += 1
+                stats.denoiser_tail_passes += len(head_inputs["hidden_states"])
+                cache.computed(head_outputs, tail_outputs["tail_residual"])
+                return tail_outputs["noise_pred"]
+        cache.skipped(step)
+        available = {**head_inputs, "blocks_residual": cache.blocks_residual(head_outputs)}
+        return self.run_component("denoiser_reuse", _route(self.reuse_inputs, available))["noise_pred"]
 
-    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> np.ndarray:
-        """The latents to decode, [1, C, h, w], for one validated request."""
+    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
+        """The latents to decode and what they cost, for one validated request."""
         import torch
 
         cond = self.conditioning
+        policy = request.cache_policy or self.cache_settings.default_policy
+        cache = StepCache(policy, request.cache_threshold, self.cache_settings)
+        stats = GenerationStats(steps=request.num_inference_steps, cache_policy=policy,
+                                cache_threshold=cache.threshold)
         prompts = [request.prompt]
         if request.uses_true_cfg:
             prompts.append(request.negative_prompt)
-        conditioning = cond.encode_prompts(prompts)
+        conditioning = self.prompt_cache.encode(prompts, cond.encode_prompts, stats)
         latents = cond.initial_latents(request.seed, request.height, request.width)
         scheduler = cond.scheduler(request.num_inference_steps, image_tokens=latents.shape[1])
         timesteps = scheduler.timesteps
+        cache.start(len(timesteps))
         for index, timestep in enumerate(timesteps):
             # The positive and negative passes share one call: one batch of two rows.
             inputs = cond.denoiser_inputs(latents, timestep, conditioning, request.guidance_scale,
                                           request.height, request.width)
-            noise = self.predict_noise(inputs)
+            noise = self.predict_noise(index, inputs, cache, stats)
             if request.uses_true_cfg:
                 positive, negative = noise[:1], noise[1:2]
                 noise = negative + request.true_cfg_scale * (positive - negative)
@@ -78,4 +179,18 @@ class Sampler:
                                      return_dict=False)[0]
             if on_step is not None:
                 on_step(index + 1, len(timesteps))
-        return cond.decoder_latents(latents, request.height, request.width)
+        return Generation(cond.decoder_latents(latents, request.height, request.width), stats)
+
+
+def load_sampler(pipeline: Mapping[str, Any], assets_dir: str, run_component: RunComponent) -> Sampler:
+    """The sampler a generated ``pipeline.json`` describes (Triton's and in-process)."""
+    from machgen.builder.registry import get_family
+
+    family = get_family(pipeline["family"])
+    conditioning = family.make_sampler(pipeline["family_settings"], assets_dir, run_component)
+    components = pipeline["components"]
+    return Sampler(conditioning, run_component,
+                   {name: components[name]["inputs"] for name in ("denoiser_tail", "denoiser_reuse")
+                    if name in components},
+                   cache_settings=CacheSettings.from_json(pipeline.get("cache")),
+                   prompt_cache_size=int(pipeline.get("prompt_cache_size", 256)))

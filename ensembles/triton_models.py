@@ -76,19 +76,14 @@ class SamplerModel:
     def initialize(self, args: dict) -> None:
         import torch
 
-        from machgen.builder.registry import get_family
-        from machgen.ensembles.sampler import Sampler
+        from machgen.ensembles.sampler import load_sampler
 
         # The sampler only steps the scheduler; the components own the cores.
         torch.set_num_threads(1)
         model_dir = _model_dir(args)
         self.pipeline = json.loads((model_dir / "pipeline.json").read_text())
         self.components = self.pipeline["components"]
-        family = get_family(self.pipeline["family"])
-        conditioning = family.make_sampler(self.pipeline["family_settings"], str(model_dir), self._run_component)
-        self.size_multiple = conditioning.size_multiple
-        self.sampler = Sampler(conditioning, self._run_component,
-                               tail_inputs=self.components["denoiser_tail"]["inputs"])
+        self.sampler = load_sampler(self.pipeline, str(model_dir), self._run_component)
         self.logger = pb_utils.Logger
 
     def _run_component(self, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -108,14 +103,18 @@ class SamplerModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
-        parsed = parse_request(get_input, self.pipeline["defaults"], self.size_multiple)
+        parsed = parse_request(get_input, self.pipeline["defaults"], self.sampler.conditioning.size_multiple,
+                               self.sampler.cache_settings.available())
         request_id = request.request_id() or "-"
 
         def on_step(step: int, total: int) -> None:
             self.logger.log_verbose(f"request {request_id}: step {step}/{total}")
 
-        latents = self.sampler.generate(parsed, on_step=on_step)
-        return pb_utils.InferenceResponse([pb_utils.Tensor("latents", latents.astype(np.float32))])
+        result = self.sampler.generate(parsed, on_step=on_step)
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("latents", result.latents.astype(np.float32)),
+            pb_utils.Tensor("stats", np.array([result.stats.to_json().encode()], dtype=np.object_)),
+        ])
 
     def execute(self, requests):
         responses = []

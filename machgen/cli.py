@@ -62,6 +62,8 @@ def generate(
     true_cfg_scale: Optional[float] = typer.Option(None, "--true-cfg-scale"),
     height: Optional[int] = typer.Option(None, "--height"),
     width: Optional[int] = typer.Option(None, "--width"),
+    cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help="none, fbcache or magcache"),
+    cache_threshold: Optional[float] = typer.Option(None, "--cache-threshold"),
 ) -> None:
     """Generate an image through a served pipeline and save it as PNG."""
     import time
@@ -73,9 +75,10 @@ def generate(
     try:
         with MachgenClient(url, protocol=protocol) as client:
             start = time.perf_counter()
-            images = client.generate(model, prompt, negative_prompt=negative_prompt, seed=seed,
-                                     num_inference_steps=steps, guidance_scale=guidance_scale,
-                                     true_cfg_scale=true_cfg_scale, height=height, width=width)
+            images, stats = client.generate_with_stats(
+                model, prompt, negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
+                guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width,
+                cache_policy=cache_policy, cache_threshold=cache_threshold)
             seconds = time.perf_counter() - start
     except GenerationError as err:
         typer.secho(f"error ({err.status}): {err}", fg=typer.colors.RED, err=True)
@@ -84,7 +87,9 @@ def generate(
     paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(images))]
     for path, image in zip(paths, images):
         Image.fromarray(image).save(path)
-    typer.echo(f"wrote {', '.join(map(str, paths))} ({images.shape[2]}x{images.shape[1]}, {seconds:.2f} s)")
+    typer.echo(f"wrote {', '.join(map(str, paths))} ({images.shape[2]}x{images.shape[1]}, {seconds:.2f} s, "
+               f"{stats['denoiser_tail_calls']}/{stats['steps']} steps ran the full denoiser, "
+               f"cache {stats['cache_policy']})")
 
 
 if __name__ == "__main__":  # pragma: no cover

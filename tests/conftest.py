@@ -60,3 +60,16 @@ def triton_server(built_repository):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def conditioning_factory(built_repository):
+    """Flux's run-time conditioning over any run_component (a fake, for example)."""
+    import json
+
+    repository, _ = built_repository
+    sampler_dir = repository / "flux_sampler" / "1"
+    settings = json.loads((sampler_dir / "pipeline.json").read_text())["family_settings"]
+    from machgen.builder.registry import get_family
+
+    return lambda run: get_family("flux").make_sampler(settings, str(sampler_dir), run)

@@ -16,7 +16,7 @@ def parse(**inputs):
             arrays[name] = np.array([value if isinstance(value, bytes) else value.encode()], dtype=object)
         else:
             arrays[name] = np.array([value], dtype={"INT64": np.int64, "INT32": np.int32, "FP32": np.float32}[TYPES[name]])
-    return parse_request(arrays.get, DEFAULTS, size_multiple=16)
+    return parse_request(arrays.get, DEFAULTS, size_multiple=16, cache_policies=("none", "fbcache"))
 
 
 def test_defaults_fill_absent_inputs():
@@ -28,6 +28,12 @@ def test_defaults_fill_absent_inputs():
 def test_absent_seed_is_drawn_at_random_and_zero_is_kept():
     assert parse(prompt="x", seed=0).seed == 0
     assert len({parse(prompt="x").seed for _ in range(5)}) > 1
+
+
+def test_cache_inputs_are_optional_and_passed_through():
+    assert (parse(prompt="x").cache_policy, parse(prompt="x").cache_threshold) == (None, None)
+    req = parse(prompt="x", cache_policy="fbcache", cache_threshold=0.25)
+    assert (req.cache_policy, req.cache_threshold) == ("fbcache", 0.25)
 
 
 def test_true_cfg_needs_a_scale_above_one_and_a_negative_prompt():
@@ -47,6 +53,9 @@ def test_true_cfg_needs_a_scale_above_one_and_a_negative_prompt():
     ({"prompt": "x", "seed": -1}, "seed", "outside"),
     ({"prompt": "x", "guidance_scale": float("nan")}, "guidance_scale", "outside"),
     ({"prompt": "x", "true_cfg_scale": -1.0}, "true_cfg_scale", "outside"),
+    ({"prompt": "x", "cache_policy": "teacache"}, "cache_policy", "not one of none, fbcache"),
+    ({"prompt": "x", "cache_threshold": -0.1}, "cache_threshold", "outside"),
+    ({"prompt": "x", "cache_threshold": float("inf")}, "cache_threshold", "outside"),
 ])
 def test_bad_inputs_are_named(inputs, field, words):
     with pytest.raises(InvalidArgument) as err:

@@ -68,6 +68,9 @@ BAD_REQUESTS = [
     ("num_inference_steps", lambda c: [c.make_input("prompt", "x"), c.make_input("num_inference_steps", 0)], "outside"),
     ("num_inference_steps", lambda c: [c.make_input("prompt", "x"), c.make_input("num_inference_steps", 1001)],
      "outside"),
+    ("cache_policy", lambda c: [c.make_input("prompt", "x"), c.make_input("cache_policy", "magcache")],
+     "not one of none, fbcache"),  # MagCache is offered only once calibrated
+    ("cache_threshold", lambda c: [c.make_input("prompt", "x"), c.make_input("cache_threshold", -1.0)], "outside"),
 ]
 
 
@@ -84,6 +87,43 @@ def test_bad_input_is_invalid_argument_naming_the_field(field, make_inputs, word
     # the server keeps serving
     with MachgenClient(triton_server.grpc_url) as client:
         assert client.generate(PIPELINE_NAME, "a red cat", seed=1, num_inference_steps=1).shape == (1, 64, 64, 3)
+
+
+CACHED = dict(seed=4, num_inference_steps=12, cache_policy="fbcache")
+
+
+def test_cached_request_equals_the_same_policy_in_process(triton_server, built_repository):
+    from machgen.ensembles.local import LocalPipeline
+
+    repository, _ = built_repository
+    local = LocalPipeline(repository, PIPELINE_NAME)
+    for threshold in (0.05, 0.5):
+        expected, expected_stats = local.generate("a red cat", cache_threshold=threshold, **CACHED)
+        with MachgenClient(triton_server.grpc_url) as client:
+            images, stats = client.generate_with_stats(PIPELINE_NAME, "a red cat", cache_threshold=threshold,
+                                                       **CACHED)
+        assert np.abs(images.astype(int) - expected.astype(int)).max() <= 1
+        assert stats["denoiser_tail_calls"] == expected_stats.denoiser_tail_calls
+        assert stats["denoiser_head_calls"] == 12 and stats["cache_policy"] == "fbcache"
+    assert stats["denoiser_tail_calls"] < 12, stats  # the loose threshold really skipped
+
+
+def test_concurrent_requests_with_different_policies_equal_alone(triton_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    requests = [dict(cache_policy="none", seed=1), dict(cache_policy="fbcache", cache_threshold=0.5, seed=1),
+                dict(cache_policy="fbcache", cache_threshold=0.1, seed=2), dict(cache_policy="none", seed=2)]
+
+    def generate(options):
+        with MachgenClient(triton_server.grpc_url) as client:
+            return client.generate(PIPELINE_NAME, "a red cat", num_inference_steps=12, **options)
+
+    alone = [generate(options) for options in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(generate, requests))
+    for single, concurrent in zip(alone, together):
+        np.testing.assert_array_equal(single, concurrent)
+    assert not np.array_equal(alone[0], alone[1])  # the policies do differ
 
 
 def test_generate_cli_writes_the_served_image(triton_server, tmp_path):

@@ -1,78 +1,18 @@
-"""The sampler against a closed-form fake denoiser (no Triton, no ONNX).
-
-Flow matching moves x along v = (x - mu) / sigma when all data sits at mu;
-an Euler step then scales x - mu by sigma_next / sigma, so whatever the
-shifted sigma schedule, the last step (sigma = 0) lands exactly on mu.
-"""
+"""The sampler against the closed-form point-mass denoiser (tests/point_mass.py)."""
 
 import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from machgen.builder.registry import get_family
-from machgen.ensembles.api import GenerationRequest
 from machgen.ensembles.sampler import Sampler
-
-TAIL_INPUTS = ("image_hidden", "text_hidden", "temb", "img_ids", "txt_ids")
-
-
-class PointMassDenoiser:
-    """Fake components: the 'text encoders' turn each prompt's length into a
-    target mu; the head passes latents through; the tail returns the exact
-    velocity towards that row's mu. Every call is recorded."""
-
-    def __init__(self, channels: int):
-        self.channels = channels
-        self.calls: list[tuple[str, int]] = []
-        self.sigmas_seen: list[float] = []
-
-    def target(self, prompt_tokens: int) -> float:
-        return float(prompt_tokens) / 10.0
-
-    def __call__(self, name, inputs):
-        rows = next(iter(inputs.values())).shape[0]
-        self.calls.append((name, rows))
-        if name == "text_encoder":
-            return {"pooled_prompt_embeds": np.zeros((rows, 32), np.float32)}
-        if name == "text_encoder_2":
-            ids = inputs["input_ids"]
-            length = (ids != 0).sum(axis=1).astype(np.float32)  # 0 is <pad>
-            embeds = np.broadcast_to(length[:, None, None], (rows, ids.shape[1], 32)).astype(np.float32)
-            return {"prompt_embeds": np.ascontiguousarray(embeds)}
-        if name == "denoiser_head":
-            self.sigmas_seen.append(float(inputs["timestep"][0, 0]))
-            mu = inputs["encoder_hidden_states"][:, :1, :1] / 10.0
-            return {"image_hidden": inputs["hidden_states"], "text_hidden": np.broadcast_to(mu, (rows, 1, 1)),
-                    "temb": inputs["timestep"]}
-        if name == "denoiser_tail":
-            mu = inputs["text_hidden"][:, :1, :1]
-            sigma = inputs["temb"][:, :, None]
-            return {"noise_pred": ((inputs["image_hidden"] - mu) / sigma).astype(np.float32)}
-        raise AssertionError(name)
-
-
-@pytest.fixture(scope="module")
-def conditioning_factory(built_repository):
-    import json
-
-    repository, _ = built_repository
-    sampler_dir = repository / "flux_sampler" / "1"
-    settings = json.loads((sampler_dir / "pipeline.json").read_text())["family_settings"]
-    return lambda run: get_family("flux").make_sampler(settings, str(sampler_dir), run)
-
-
-def request(**overrides):
-    values = dict(prompt="a red cat", negative_prompt=None, seed=5, num_inference_steps=6, guidance_scale=3.5,
-                  true_cfg_scale=1.0, height=32, width=48)
-    values.update(overrides)
-    return GenerationRequest(**values)
+from point_mass import COMPONENT_INPUTS, PointMassDenoiser, request
 
 
 def run(conditioning_factory, req):
     fake = PointMassDenoiser(channels=4)
     cond = conditioning_factory(fake)
-    latents = Sampler(cond, fake, TAIL_INPUTS).generate(req)
+    latents = Sampler(cond, fake, COMPONENT_INPUTS).generate(req).latents
     return fake, cond, latents
 
 
@@ -119,7 +59,7 @@ def test_noise_and_timesteps_are_those_of_flux_pipeline(conditioning_factory, ti
     expected, _ = retrieve_timesteps(reference, req.num_inference_steps, "cpu", sigmas=sigmas, mu=mu)
     assert torch.equal(scheduler.timesteps, expected)
 
-    Sampler(cond, fake, TAIL_INPUTS).generate(req)
+    Sampler(cond, fake, COMPONENT_INPUTS).generate(req)
     np.testing.assert_allclose(fake.sigmas_seen, (expected / 1000).numpy(), rtol=1e-6)
 
 
@@ -134,6 +74,6 @@ def test_unpacking_matches_flux_pipeline(conditioning_factory, tiny_flux_pipelin
 def test_progress_is_reported_per_step(conditioning_factory):
     fake = PointMassDenoiser(channels=4)
     steps = []
-    Sampler(conditioning_factory(fake), fake, TAIL_INPUTS).generate(request(num_inference_steps=3),
+    Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS).generate(request(num_inference_steps=3),
                                                                     on_step=lambda i, n: steps.append((i, n)))
     assert steps == [(1, 3), (2, 3), (3, 3)]

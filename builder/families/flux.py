@@ -5,8 +5,12 @@ Components, as Triton serves them:
 - ``text_encoder``   CLIP, input ids -> pooled embedding
 - ``text_encoder_2`` T5, input ids -> per-token embeddings
 - ``denoiser_head``  input embeddings, timestep/guidance embedding and the
-  first double-stream block; its outputs are what cache reuse inspects
-- ``denoiser_tail``  the remaining blocks, final norm and projection
+  first double-stream block; also outputs that block's image residual,
+  which First-Block Cache compares across steps
+- ``denoiser_tail``  the remaining blocks, final norm and projection; also
+  outputs the blocks' image residual, which cache reuse keeps
+- ``denoiser_reuse`` input embedding plus a kept blocks residual, final norm
+  and projection: the prediction of a step that skips the blocks
 - ``vae_decoder``    latents -> image in [-1, 1]
 - ``postprocess``    image in [-1, 1] -> uint8 HWC, as diffusers' PIL output
 
@@ -42,15 +46,14 @@ def _flux_specs(*, clip_length: int, pooled_dim: int, t5_dim: int, joint_dim: in
     image_hidden = TensorSpec("image_hidden", "float32", ("batch", "image_tokens", inner_dim))
     text_hidden = TensorSpec("text_hidden", "float32", ("batch", "text_tokens", inner_dim))
     temb = TensorSpec("temb", "float32", ("batch", inner_dim))
-    head_inputs = [
-        TensorSpec("hidden_states", "float32", ("batch", "image_tokens", in_channels)),
-        TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", joint_dim)),
-        TensorSpec("pooled_projections", "float32", ("batch", pooled_dim)),
-        TensorSpec("timestep", "float32", _SCALAR),
-    ]
-    head_inputs += [ids_img, ids_txt]
-    if guidance:  # guidance-distilled models (FLUX.1-dev) embed the guidance scale
-        head_inputs.append(TensorSpec("guidance", "float32", _SCALAR))
+    noise_pred = TensorSpec("noise_pred", "float32", ("batch", "image_tokens", out_channels))
+    latents = TensorSpec("hidden_states", "float32", ("batch", "image_tokens", in_channels))
+    pooled = TensorSpec("pooled_projections", "float32", ("batch", pooled_dim))
+    timestep = TensorSpec("timestep", "float32", _SCALAR)
+    # guidance-distilled models (FLUX.1-dev) embed the guidance scale
+    guidance_input = (TensorSpec("guidance", "float32", _SCALAR),) if guidance else ()
+    head_inputs = (latents, TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", joint_dim)),
+                   pooled, timestep, ids_img, ids_txt) + guidance_input
     specs = [
         ComponentSpec(
             "text_encoder",
@@ -66,14 +69,22 @@ def _flux_specs(*, clip_length: int, pooled_dim: int, t5_dim: int, joint_dim: in
         ),
         ComponentSpec(
             "denoiser_head",
-            inputs=tuple(head_inputs),
-            outputs=(image_hidden, text_hidden, temb),
+            inputs=head_inputs,
+            outputs=(image_hidden, text_hidden, temb,
+                     TensorSpec("first_block_residual", "float32", ("batch", "image_tokens", inner_dim))),
             tolerance=1e-4,
         ),
         ComponentSpec(
             "denoiser_tail",
             inputs=(image_hidden, text_hidden, temb, ids_img, ids_txt),
-            outputs=(TensorSpec("noise_pred", "float32", ("batch", "image_tokens", out_channels)),),
+            outputs=(noise_pred, TensorSpec("tail_residual", "float32", ("batch", "image_tokens", inner_dim))),
+            tolerance=1e-4,
+        ),
+        ComponentSpec(
+            "denoiser_reuse",
+            inputs=(latents, pooled, timestep) + guidance_input
+            + (TensorSpec("blocks_residual", "float32", ("batch", "image_tokens", inner_dim)),),
+            outputs=(noise_pred,),
             tolerance=1e-4,
         ),
         ComponentSpec(
@@ -117,6 +128,13 @@ def _modules():
         # All rows of a batch share one shape bucket, so one set of ids holds.
         return transformer.pos_embed(torch.cat((txt_ids[0], img_ids[0]), dim=0))
 
+    def time_embedding(transformer, timestep, pooled_projections, guidance):
+        timestep = timestep.reshape(-1).to(pooled_projections.dtype) * 1000
+        if guidance is None:
+            return transformer.time_text_embed(timestep, pooled_projections)
+        guidance = guidance.reshape(-1).to(pooled_projections.dtype) * 1000
+        return transformer.time_text_embed(timestep, guidance, pooled_projections)
+
     class DenoiserHead(torch.nn.Module):
         """FluxTransformer2DModel.forward up to and including the first double block."""
 
@@ -127,21 +145,16 @@ def _modules():
         def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                     guidance=None):
             tr = self.transformer
-            hidden_states = tr.x_embedder(hidden_states)
-            timestep = timestep.reshape(-1).to(hidden_states.dtype) * 1000
-            if guidance is None:
-                temb = tr.time_text_embed(timestep, pooled_projections)
-            else:
-                guidance = guidance.reshape(-1).to(hidden_states.dtype) * 1000
-                temb = tr.time_text_embed(timestep, guidance, pooled_projections)
+            embedded = tr.x_embedder(hidden_states)
+            temb = time_embedding(tr, timestep, pooled_projections, guidance)
             encoder_hidden_states = tr.context_embedder(encoder_hidden_states)
             encoder_hidden_states, hidden_states = tr.transformer_blocks[0](
-                hidden_states=hidden_states,
+                hidden_states=embedded,
                 encoder_hidden_states=encoder_hidden_states,
                 temb=temb,
                 image_rotary_emb=rotary(tr, img_ids, txt_ids),
             )
-            return hidden_states, encoder_hidden_states, temb
+            return hidden_states, encoder_hidden_states, temb, hidden_states - embedded
 
     class DenoiserTail(torch.nn.Module):
         """The rest of FluxTransformer2DModel.forward after the first double block."""
@@ -154,14 +167,27 @@ def _modules():
             tr = self.transformer
             image_rotary_emb = rotary(tr, img_ids, txt_ids)
             blocks = list(tr.transformer_blocks)[1:] + list(tr.single_transformer_blocks)
+            image_final = image_hidden
             for block in blocks:
-                text_hidden, image_hidden = block(
-                    hidden_states=image_hidden,
+                text_hidden, image_final = block(
+                    hidden_states=image_final,
                     encoder_hidden_states=text_hidden,
                     temb=temb,
                     image_rotary_emb=image_rotary_emb,
                 )
-            return tr.proj_out(tr.norm_out(image_hidden, temb))
+            return tr.proj_out(tr.norm_out(image_final, temb)), image_final - image_hidden
+
+    class DenoiserReuse(torch.nn.Module):
+        """FluxTransformer2DModel.forward with every block replaced by a kept residual."""
+
+        def __init__(self, transformer):
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, hidden_states, pooled_projections, timestep, blocks_residual, guidance=None):
+            tr = self.transformer
+            image_final = tr.x_embedder(hidden_states) + blocks_residual
+            return tr.proj_out(tr.norm_out(image_final, time_embedding(tr, timestep, pooled_projections, guidance)))
 
     class VaeDecoder(torch.nn.Module):
         """FluxPipeline's latent scaling followed by AutoencoderKL.decode."""
@@ -183,7 +209,7 @@ def _modules():
             image = (image / 2 + 0.5).clamp(0, 1)
             return (image.permute(0, 2, 3, 1) * 255).round().to(torch.uint8)
 
-    return TextEncoderPooled, TextEncoderSequence, DenoiserHead, DenoiserTail, VaeDecoder, Postprocess
+    return TextEncoderPooled, TextEncoderSequence, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoder, Postprocess
 
 
 def _vae_scale_factor(vae_config) -> int:
@@ -216,7 +242,7 @@ class Flux(Family):
     def components(self, pipe) -> list[ExportableComponent]:
         import torch
 
-        pooled, sequence, head, tail, vae_decoder, postprocess = _modules()
+        pooled, sequence, head, tail, reuse, vae_decoder, postprocess = _modules()
         specs = self.specs(pipe)
         tr = pipe.transformer.config
         # Sample sizes: batch 2 (batch 1 would be specialised by the exporter),
@@ -246,7 +272,7 @@ class Flux(Family):
         if tr.guidance_embeds:
             head_inputs["guidance"] = torch.tensor([[3.5], [1.0]])
         with torch.no_grad():
-            image_hidden, text_hidden, temb = head_module(**head_inputs)
+            image_hidden, text_hidden, temb, _ = head_module(**head_inputs)
         clip_ids = torch.randint(0, vocab, (batch, specs["text_encoder"].inputs[0].shape[1]), generator=gen)
         latent_channels = pipe.vae.config.latent_channels
         vae_scale = _vae_scale_factor(pipe.vae.config)
@@ -261,6 +287,11 @@ class Flux(Family):
                 specs["denoiser_tail"], tail(pipe.transformer).eval(),
                 {"image_hidden": image_hidden, "text_hidden": text_hidden, "temb": temb,
                  "img_ids": img_ids, "txt_ids": txt_ids},
+            ),
+            ExportableComponent(
+                specs["denoiser_reuse"], reuse(pipe.transformer).eval(),
+                {**{t.name: head_inputs[t.name] for t in specs["denoiser_reuse"].inputs if t.name in head_inputs},
+                 "blocks_residual": randn(*image_hidden.shape)},
             ),
             ExportableComponent(
                 specs["vae_decoder"], vae_decoder(pipe.vae).eval(),

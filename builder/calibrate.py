@@ -1,0 +1,139 @@
+"""Fit each cache policy's threshold to a quality target, in-process.
+
+Runs a prompt set uncached (recording MagCache's magnitude ratios on the
+way), then each policy over a threshold grid, and keeps per policy the
+threshold that skips most while holding the target PSNR against the
+uncached images, on average and in the worst case. The policy with the
+fewest tail passes becomes the served default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from machgen.ensembles.cache import CacheSettings, magnitude_ratios
+
+THRESHOLD_GRIDS = {
+    "fbcache": (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5),
+    "magcache": (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
+}
+
+
+def psnr(image: np.ndarray, reference: np.ndarray) -> float:
+    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return 99.0 if mse == 0 else float(10 * np.log10(255.0**2 / mse))
+
+
+@dataclass(frozen=True)
+class Trial:
+    policy: str
+    threshold: float
+    tail_passes: float  # mean per image
+    psnr_mean: float
+    psnr_worst: float
+
+
+def run_prompts(pipeline, prompts: Sequence[tuple[str, int]], **options) -> tuple[list[np.ndarray], list]:
+    images, stats = [], []
+    for prompt, seed in prompts:
+        image, stat = pipeline.generate(prompt, seed=seed, **options)
+        images.append(image[0])
+        stats.append(stat)
+    return images, stats
+
+
+def record_magnitude_ratios(pipeline, prompts: Sequence[tuple[str, int]]) -> tuple[list[np.ndarray], list[float]]:
+    """Uncached images, and the mean per-step magnitude ratio of the blocks' residual."""
+    residuals: list[np.ndarray] = []
+    run = pipeline.sampler.run_component
+
+    def recording(name: str, inputs: dict) -> dict:
+        outputs = run(name, inputs)
+        if name == "denoiser_head":
+            recording.head = outputs["first_block_residual"]
+        elif name == "denoiser_tail":
+            residuals.append(recording.head + outputs["tail_residual"])
+        return outputs
+
+    pipeline.sampler.run_component = recording
+    try:
+        per_prompt, images = [], []
+        for prompt, seed in prompts:
+            residuals.clear()
+            image, _ = pipeline.generate(prompt, seed=seed, cache_policy="none")
+            images.append(image[0])
+            per_prompt.append(magnitude_ratios(residuals))
+    finally:
+        pipeline.sampler.run_component = run
+    return images, [float(r) for r in np.mean(per_prompt, axis=0)]
+
+
+def choose(trials: Sequence[Trial], target_psnr: float, worst_psnr: float) -> Trial | None:
+    """The trial with the fewest tail passes that holds both bounds."""
+    holding = [t for t in trials if t.psnr_mean >= target_psnr and t.psnr_worst >= worst_psnr]
+    return min(holding, key=lambda t: (t.tail_passes, -t.psnr_mean)) if holding else None
+
+
+def calibrate(pipeline, prompts: Sequence[tuple[str, int]], target_psnr: float, worst_psnr: float,
+              log: Callable[[str], None] = print) -> tuple[CacheSettings, list[Trial]]:
+    """New cache settings for ``pipeline`` (a LocalPipeline) at its served defaults."""
+    log(f"uncached reference: {len(prompts)} prompts")
+    reference, ratios = record_magnitude_ratios(pipeline, prompts)
+    settings = pipeline.sampler.cache_settings.with_updates(magnitude_ratios=tuple(round(r, 5) for r in ratios))
+    pipeline.sampler.cache_settings = settings
+    _, uncached_stats = run_prompts(pipeline, prompts[:1], cache_policy="none")
+    trials: list[Trial] = [Trial("none", 0.0, float(uncached_stats[0].denoiser_tail_passes), 99.0, 99.0)]
+    chosen: dict[str, Trial] = {}
+    for policy, grid in THRESHOLD_GRIDS.items():
+        for threshold in grid:
+            images, stats = run_prompts(pipeline, prompts, cache_policy=policy, cache_threshold=threshold)
+            scores = [psnr(a, b) for a, b in zip(images, reference)]
+            trial = Trial(policy, threshold, float(np.mean([s.denoiser_tail_passes for s in stats])),
+                          round(float(np.mean(scores)), 2), round(float(np.min(scores)), 2))
+            trials.append(trial)
+            log(f"{policy} threshold {threshold:g}: {trial.tail_passes:.1f} tail passes, PSNR mean "
+                f"{trial.psnr_mean:.1f} dB, worst {trial.psnr_worst:.1f} dB")
+        best = choose([t for t in trials if t.policy == policy], target_psnr, worst_psnr)
+        if best is not None:
+            chosen[policy] = best
+    default = choose([trials[0], *chosen.values()], target_psnr, worst_psnr)
+    thresholds = {**settings.thresholds, **{p: t.threshold for p, t in chosen.items()}}
+    settings = settings.with_updates(
+        default_policy=default.policy, thresholds=thresholds,
+        calibration={"target_psnr": target_psnr, "worst_psnr": worst_psnr, "prompts": len(prompts),
+                     "chosen": {p: asdict(t) for p, t in chosen.items()}})
+    log(f"default: {default.policy}" + (f" threshold {default.threshold:g}" if default.policy != "none" else ""))
+    return settings, trials
+
+
+def write_settings(target: Path, name: str | None, settings: CacheSettings) -> Path:
+    """Store ``settings`` as the default: in a model folder's machgen.json (every
+    later build takes it) or in a repository's generated pipeline.json."""
+    from machgen.builder.build import SERVING_FILE
+
+    if (target / "model_index.json").is_file():
+        path = target / SERVING_FILE
+        card = json.loads(path.read_text()) if path.is_file() else {}
+        card["cache"] = settings.to_json()
+    else:
+        path = sampler_dir(target, name) / "pipeline.json"
+        card = json.loads(path.read_text())
+        card["cache"] = settings.to_json()
+    path.write_text(json.dumps(card, indent=2, sort_keys=not (target / "model_index.json").is_file()) + "\n")
+    return path
+
+
+def sampler_dir(repository: Path, name: str | None) -> Path:
+    """The sampler folder of pipeline ``name`` (or of the only pipeline) in a repository."""
+    samplers = sorted(p.parent for p in repository.glob("*_sampler/1/pipeline.json"))
+    if name is not None:
+        samplers = [p for p in samplers if p.parent.name == f"{name}_sampler"]
+    if len(samplers) != 1:
+        found = ", ".join(p.parent.name.removesuffix("_sampler") for p in samplers) or "none"
+        raise ValueError(f"{repository}: name one pipeline with --name (found: {found})")
+    return samplers[0]

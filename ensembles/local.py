@@ -1,0 +1,62 @@
+"""A generated model repository run in-process: the same sampler, the same
+ONNX files and the same API validation as Triton serves, without a server.
+
+For calibration, benchmarks and tests that compare served output with what
+the same code gives locally.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from machgen.ensembles.api import API_INPUTS, numpy_dtype, parse_request
+from machgen.ensembles.sampler import GenerationStats, load_sampler
+
+_API = {t.name: t for t in API_INPUTS}
+
+
+class LocalPipeline:
+    """``LocalPipeline(repository, name).generate(prompt, seed=..., ...)``."""
+
+    def __init__(self, repository: Path, name: str, intra_op_threads: int = 0):
+        from machgen.builder.repository import model_name
+
+        self.repository = Path(repository)
+        self.name = name
+        sampler_dir = self.repository / model_name(name, "sampler") / "1"
+        self.pipeline = json.loads((sampler_dir / "pipeline.json").read_text())
+        self._model_name = model_name
+        self._intra_op_threads = intra_op_threads
+        self._sessions: dict[str, Any] = {}
+        self.sampler = load_sampler(self.pipeline, str(sampler_dir), self.run_component)
+
+    def run_component(self, component: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from machgen.ensembles.onnx_runner import OnnxSession
+
+        if component not in self._sessions:
+            path = self.repository / self._model_name(self.name, component) / "1" / "model.onnx"
+            self._sessions[component] = OnnxSession(path, intra_op_threads=self._intra_op_threads)
+        return self._sessions[component].run(inputs)
+
+    def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:
+        """Images [1, H, W, 3] and stats; options are the API's optional inputs."""
+        from machgen.builder.repository import DECODE_STAGES
+
+        unknown = set(options) - set(_API)
+        if unknown:
+            raise TypeError(f"unknown generation options: {sorted(unknown)}")
+        arrays = {name: np.array([value], dtype=numpy_dtype(_API[name].triton_dtype))
+                  for name, value in {"prompt": prompt, **options}.items() if value is not None}
+        request = parse_request(arrays.get, self.pipeline["defaults"], self.sampler.conditioning.size_multiple,
+                                self.sampler.cache_settings.available())
+        result = self.sampler.generate(request)
+        value = result.latents.astype(np.float32)
+        for stage in DECODE_STAGES:
+            component = self.pipeline["components"][stage]
+            (stage_input,), (stage_output,) = component["inputs"], component["outputs"]
+            value = self.run_component(stage, {stage_input: value})[stage_output]
+        return value, result.stats

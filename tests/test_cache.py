@@ -1,0 +1,159 @@
+"""Cache policies: the pure decisions, and the sampler reusing residuals
+with the closed-form point-mass denoiser of test_sampler."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from machgen.ensembles.cache import (
+    CacheControls,
+    CacheSettings,
+    FirstBlockCacheConfig,
+    FirstBlockCacheState,
+    MagCacheConfig,
+    MagCacheState,
+    first_block_cache_computes,
+    magcache_computes,
+    magnitude_ratios,
+)
+from machgen.ensembles.sampler import Sampler
+from point_mass import COMPONENT_INPUTS, PointMassDenoiser, request
+
+CONTROLS = CacheControls(warmup_steps=3, final_steps=1, max_consecutive_skips=2)
+
+
+def test_controls_force_warmup_final_and_a_skip_cap():
+    forced = [CONTROLS.must_compute(step, 10, consecutive_skips=0) for step in range(10)]
+    assert forced == [True] * 3 + [False] * 6 + [True]
+    assert CONTROLS.must_compute(5, 10, consecutive_skips=2)
+
+
+def test_fbcache_skips_while_the_first_block_barely_changes():
+    config = FirstBlockCacheConfig(threshold=0.1, controls=CONTROLS)
+    state = FirstBlockCacheState(reference_residual=np.full((1, 4, 2), 2.0))
+    assert not first_block_cache_computes(config, state, 5, 10, np.full((1, 4, 2), 2.1))  # 5 % change
+    assert first_block_cache_computes(config, state, 5, 10, np.full((1, 4, 2), 2.3))  # 15 %
+    assert first_block_cache_computes(config, state, 1, 10, np.full((1, 4, 2), 2.0))  # warm-up
+    state.reset()
+    assert first_block_cache_computes(config, state, 5, 10, np.full((1, 4, 2), 2.0))  # nothing kept yet
+
+
+def test_magcache_accumulates_the_calibrated_error():
+    config = MagCacheConfig(threshold=0.15, magnitude_ratios=(1.0,) * 4 + (0.9,) * 6, controls=CONTROLS)
+    state = MagCacheState(has_residual=True)
+    # one skip: |1 - 0.9| = 0.1 <= 0.15; a second: 0.1 + |1 - 0.81| = 0.29 > 0.15
+    assert not magcache_computes(config, state, 5, 10)
+    state.accumulated_ratio, state.accumulated_error = 0.9, 0.1
+    assert magcache_computes(config, state, 6, 10)
+    assert magcache_computes(config, MagCacheState(), 5, 10)  # nothing kept yet
+
+
+def test_magcache_ratios_resample_to_other_step_counts():
+    config = MagCacheConfig(magnitude_ratios=(1.0, 0.5, 0.25))
+    assert [config.ratio(step, 5) for step in range(5)] == [1.0, 0.5, 0.5, 0.25, 0.25]
+    assert config.ratio(2, 3) == 0.25
+
+
+@pytest.fixture
+def generate(conditioning_factory):
+    def run(settings, req, fake=None):
+        fake = fake or PointMassDenoiser(channels=4)
+        return fake, Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS, cache_settings=settings,
+                             prompt_cache_size=0).generate(req)
+
+    return run
+
+
+def calibrated_settings(generate, steps: int) -> CacheSettings:
+    """MagCache ratios recorded from an uncached run, as ``calibrate`` does."""
+    fake = PointMassDenoiser(channels=4)
+    residuals, head = [], {}
+
+    def recording(name, inputs):
+        outputs = fake(name, inputs)
+        if name == "denoiser_head":
+            head["residual"] = outputs["first_block_residual"]
+        elif name == "denoiser_tail":
+            residuals.append(head["residual"] + outputs["tail_residual"])
+        return outputs
+
+    generate(CacheSettings(controls=CONTROLS), request(num_inference_steps=steps), fake=recording)
+    return CacheSettings(magnitude_ratios=tuple(magnitude_ratios(residuals)), controls=CONTROLS)
+
+
+def test_policy_none_runs_every_tail(generate):
+    fake, result = generate(CacheSettings(), request(num_inference_steps=10))
+    stats = result.stats
+    assert (stats.steps, stats.denoiser_head_calls, stats.denoiser_tail_calls, stats.denoiser_tail_passes) == \
+        (10, 10, 10, 10)
+    assert not [c for c in fake.calls if c[0] == "denoiser_reuse"]
+
+
+def test_magcache_reuse_is_exact_on_the_point_mass(generate):
+    """Residuals shrink by exactly sigma_next / sigma here, so the calibrated
+    ratios rescale a kept residual into the true one: skipping costs nothing."""
+    settings = calibrated_settings(generate, 10)
+    _, uncached = generate(settings, request(num_inference_steps=10))
+    fake, cached = generate(settings, request(num_inference_steps=10, cache_policy="magcache",
+                                              cache_threshold=10.0))
+    np.testing.assert_allclose(cached.latents, uncached.latents, atol=1e-5)
+    # computed: warm-up 0-2, then every third step (two skips at most), and the last
+    assert cached.stats.denoiser_tail_calls == 6 and cached.stats.denoiser_head_calls == 6
+    assert fake.calls.count(("denoiser_reuse", 1)) == 4
+    assert (cached.stats.cache_policy, cached.stats.cache_threshold) == ("magcache", 10.0)
+
+
+def test_fbcache_runs_the_head_every_step_and_skips_tails(generate):
+    settings = CacheSettings(controls=CONTROLS)
+    _, uncached = generate(settings, request(num_inference_steps=10))
+    fake, exact = generate(settings, request(num_inference_steps=10, cache_policy="fbcache", cache_threshold=0.0))
+    np.testing.assert_array_equal(exact.latents, uncached.latents)
+    fake, cached = generate(settings, request(num_inference_steps=10, cache_policy="fbcache",
+                                              cache_threshold=10.0))
+    assert (cached.stats.denoiser_head_calls, cached.stats.denoiser_tail_calls) == (10, 6)
+    assert fake.calls.count(("denoiser_reuse", 1)) == 4
+    # reusing the tail of an earlier step is approximate: the result moves, a little
+    difference = np.abs(cached.latents - uncached.latents).max()
+    assert 0 < difference < 0.1 * np.abs(uncached.latents).max()
+
+
+def test_cfg_rows_count_as_two_tail_passes(generate):
+    _, result = generate(CacheSettings(), request(num_inference_steps=4, negative_prompt="x", true_cfg_scale=2.0))
+    assert (result.stats.denoiser_tail_calls, result.stats.denoiser_tail_passes) == (4, 8)
+
+
+def test_prompt_embeddings_are_cached_by_prompt(conditioning_factory):
+    fake = PointMassDenoiser(channels=4)
+    sampler = Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS, prompt_cache_size=2)
+    first = sampler.generate(request(negative_prompt="blurry", true_cfg_scale=2.0))
+    again = sampler.generate(request(negative_prompt="blurry", true_cfg_scale=2.0))
+    np.testing.assert_array_equal(first.latents, again.latents)
+    assert (first.stats.text_cache_hits, first.stats.text_cache_misses) == (0, 2)
+    assert (again.stats.text_cache_hits, again.stats.text_cache_misses) == (2, 0)
+    assert sum(name.startswith("text_encoder") for name, _ in fake.calls) == 2  # one batched call per encoder
+    sampler.generate(request(prompt="a green dog"))  # capacity 2: evicts the oldest, "a red cat"
+    assert sampler.generate(request()).stats.text_cache_misses == 1
+
+
+def test_concurrent_requests_keep_their_own_cache_state(generate, conditioning_factory):
+    settings = calibrated_settings(generate, 8)
+    fake = PointMassDenoiser(channels=4)
+    sampler = Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS, cache_settings=settings)
+    requests = [request(num_inference_steps=8, cache_policy=policy, cache_threshold=10.0, seed=seed)
+                for policy, seed in (("fbcache", 1), ("magcache", 2), ("none", 3), ("fbcache", 4))]
+    alone = [sampler.generate(r).latents for r in requests]
+    together: dict[int, np.ndarray] = {}
+    barrier = threading.Barrier(len(requests))
+
+    def run(index):
+        barrier.wait()
+        together[index] = sampler.generate(requests[index]).latents
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, latents in enumerate(alone):
+        np.testing.assert_array_equal(together[index], latents)
