@@ -1,9 +1,9 @@
-"""Fit each cache policy's threshold to a quality target, in-process.
+"""Fit each cache policy's threshold and controls to a quality target, in-process.
 
 Runs a prompt set uncached (recording MagCache's magnitude ratios on the
-way), then each policy over a threshold grid, and keeps per policy the
-threshold that skips most while holding the target PSNR against the
-uncached images, on average and in the worst case. The policy with the
+way), then each policy over a grid of thresholds and controls, and keeps per
+policy the setting that skips most while holding the target PSNR against
+the uncached images, on average and in the worst case. The policy with the
 fewest tail passes becomes the served default.
 """
 
@@ -16,17 +16,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from machgen.ensembles.cache import CacheSettings, magnitude_ratios
+from machgen.builder.evaluate import psnr
+from machgen.ensembles.cache import CacheControls, CacheSettings, magnitude_ratios
 
 THRESHOLD_GRIDS = {
-    "fbcache": (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5),
-    "magcache": (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
+    "fbcache": (0.1, 0.2, 0.3, 0.4),
+    "magcache": (0.05, 0.1, 0.2, 0.3),
 }
-
-
-def psnr(image: np.ndarray, reference: np.ndarray) -> float:
-    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
-    return 99.0 if mse == 0 else float(10 * np.log10(255.0**2 / mse))
+CONTROL_GRID = tuple(CacheControls(warmup, final, skips) for warmup in (3, 4) for final in (0, 1) for skips in (2, 3))
 
 
 @dataclass(frozen=True)
@@ -36,6 +33,7 @@ class Trial:
     tail_passes: float  # mean per image
     psnr_mean: float
     psnr_worst: float
+    controls: CacheControls = CacheControls()
 
 
 def run_prompts(pipeline, prompts: Sequence[tuple[str, int]], **options) -> tuple[list[np.ndarray], list]:
@@ -50,14 +48,15 @@ def run_prompts(pipeline, prompts: Sequence[tuple[str, int]], **options) -> tupl
 def record_magnitude_ratios(pipeline, prompts: Sequence[tuple[str, int]]) -> tuple[list[np.ndarray], list[float]]:
     """Uncached images, and the mean per-step magnitude ratio of the blocks' residual."""
     residuals: list[np.ndarray] = []
+    head: dict[str, np.ndarray] = {}
     run = pipeline.sampler.run_component
 
     def recording(name: str, inputs: dict) -> dict:
         outputs = run(name, inputs)
         if name == "denoiser_head":
-            recording.head = outputs["first_block_residual"]
+            head["residual"] = outputs["first_block_residual"]
         elif name == "denoiser_tail":
-            residuals.append(recording.head + outputs["tail_residual"])
+            residuals.append(head["residual"] + outputs["tail_residual"])
         return outputs
 
     pipeline.sampler.run_component = recording
@@ -74,39 +73,45 @@ def record_magnitude_ratios(pipeline, prompts: Sequence[tuple[str, int]]) -> tup
 
 
 def choose(trials: Sequence[Trial], target_psnr: float, worst_psnr: float) -> Trial | None:
-    """The trial with the fewest tail passes that holds both bounds."""
+    """The trial with the fewest tail passes (to the nearest whole pass) that
+    holds both bounds; among equals, the one with the best worst case."""
     holding = [t for t in trials if t.psnr_mean >= target_psnr and t.psnr_worst >= worst_psnr]
-    return min(holding, key=lambda t: (t.tail_passes, -t.psnr_mean)) if holding else None
+    return min(holding, key=lambda t: (round(t.tail_passes), -t.psnr_worst)) if holding else None
 
 
 def calibrate(pipeline, prompts: Sequence[tuple[str, int]], target_psnr: float, worst_psnr: float,
+              control_grid: Sequence[CacheControls] = CONTROL_GRID,
               log: Callable[[str], None] = print) -> tuple[CacheSettings, list[Trial]]:
     """New cache settings for ``pipeline`` (a LocalPipeline) at its served defaults."""
     log(f"uncached reference: {len(prompts)} prompts")
     reference, ratios = record_magnitude_ratios(pipeline, prompts)
     settings = pipeline.sampler.cache_settings.with_updates(magnitude_ratios=tuple(round(r, 5) for r in ratios))
-    pipeline.sampler.cache_settings = settings
     _, uncached_stats = run_prompts(pipeline, prompts[:1], cache_policy="none")
     trials: list[Trial] = [Trial("none", 0.0, float(uncached_stats[0].denoiser_tail_passes), 99.0, 99.0)]
     chosen: dict[str, Trial] = {}
     for policy, grid in THRESHOLD_GRIDS.items():
-        for threshold in grid:
-            images, stats = run_prompts(pipeline, prompts, cache_policy=policy, cache_threshold=threshold)
-            scores = [psnr(a, b) for a, b in zip(images, reference)]
-            trial = Trial(policy, threshold, float(np.mean([s.denoiser_tail_passes for s in stats])),
-                          round(float(np.mean(scores)), 2), round(float(np.min(scores)), 2))
-            trials.append(trial)
-            log(f"{policy} threshold {threshold:g}: {trial.tail_passes:.1f} tail passes, PSNR mean "
-                f"{trial.psnr_mean:.1f} dB, worst {trial.psnr_worst:.1f} dB")
+        for controls in control_grid:
+            pipeline.sampler.cache_settings = settings.with_updates(controls={policy: controls})
+            for threshold in grid:
+                images, stats = run_prompts(pipeline, prompts, cache_policy=policy, cache_threshold=threshold)
+                scores = [psnr(a, b) for a, b in zip(images, reference)]
+                trial = Trial(policy, threshold, float(np.mean([s.denoiser_tail_passes for s in stats])),
+                              round(float(np.mean(scores)), 2), round(float(np.min(scores)), 2), controls)
+                trials.append(trial)
+                log(f"{policy} threshold {threshold:g}, {controls}: {trial.tail_passes:.1f} tail passes, "
+                    f"PSNR mean {trial.psnr_mean:.1f} dB, worst {trial.psnr_worst:.1f} dB")
         best = choose([t for t in trials if t.policy == policy], target_psnr, worst_psnr)
         if best is not None:
             chosen[policy] = best
     default = choose([trials[0], *chosen.values()], target_psnr, worst_psnr)
-    thresholds = {**settings.thresholds, **{p: t.threshold for p, t in chosen.items()}}
     settings = settings.with_updates(
-        default_policy=default.policy, thresholds=thresholds,
+        default_policy=default.policy,
+        thresholds={**settings.thresholds, **{p: t.threshold for p, t in chosen.items()}},
+        controls={**settings.controls, **{p: t.controls for p, t in chosen.items()}},
         calibration={"target_psnr": target_psnr, "worst_psnr": worst_psnr, "prompts": len(prompts),
-                     "chosen": {p: asdict(t) for p, t in chosen.items()}})
+                     "chosen": {p: {k: v for k, v in asdict(t).items() if k != "controls"}
+                                for p, t in chosen.items()}})
+    pipeline.sampler.cache_settings = settings
     log(f"default: {default.policy}" + (f" threshold {default.threshold:g}" if default.policy != "none" else ""))
     return settings, trials
 

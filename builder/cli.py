@@ -68,16 +68,17 @@ def calibrate(
     prompts_file: Path = typer.Option(None, "--prompts", exists=True, dir_okay=False,
                                       help="one prompt per line (default: captions of the shapes dataset)"),
     count: int = typer.Option(16, "--count", help="prompts to use"),
-    warmup_steps: int = typer.Option(3, "--warmup-steps", help="first steps always computed"),
-    final_steps: int = typer.Option(1, "--final-steps", help="last steps always computed"),
-    max_consecutive_skips: int = typer.Option(2, "--max-consecutive-skips"),
+    warmup_steps: int = typer.Option(None, "--warmup-steps",
+                                     help="first steps always computed (default: fitted, 3 or 4)"),
+    final_steps: int = typer.Option(None, "--final-steps", help="last steps always computed (default: fitted, 0 or 1)"),
+    max_consecutive_skips: int = typer.Option(None, "--max-consecutive-skips", help="(default: fitted, 2 or 3)"),
 ) -> None:
     """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target; store the best as default."""
     import tempfile
 
     from machgen.builder.build import build_repository
+    from machgen.builder.calibrate import CONTROL_GRID, sampler_dir, write_settings
     from machgen.builder.calibrate import calibrate as fit
-    from machgen.builder.calibrate import sampler_dir, write_settings
     from machgen.ensembles.cache import CacheControls
     from machgen.ensembles.local import LocalPipeline
 
@@ -88,8 +89,13 @@ def calibrate(
         from machgen.builder import shapes
 
         prompts = [(prompt, seed) for prompt, seed, _ in shapes.evaluation_prompts(count, seed=77)]
-    controls = CacheControls(warmup_steps=warmup_steps, final_steps=final_steps,
-                             max_consecutive_skips=max_consecutive_skips)
+    grid = [c for c in CONTROL_GRID
+            if warmup_steps in (None, c.warmup_steps) and final_steps in (None, c.final_steps)
+            and max_consecutive_skips in (None, c.max_consecutive_skips)]
+    if not grid:
+        fixed = {"warmup_steps": warmup_steps, "final_steps": final_steps,
+                 "max_consecutive_skips": max_consecutive_skips}
+        grid = [CacheControls(**{k: v for k, v in fixed.items() if v is not None})]
     with tempfile.TemporaryDirectory(prefix="machgen-calibrate-") as scratch:
         repository, pipeline_name = target, name
         if (target / "model_index.json").is_file():
@@ -100,9 +106,8 @@ def calibrate(
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--name") from None
         pipeline = LocalPipeline(repository, pipeline_name)
-        pipeline.sampler.cache_settings = pipeline.sampler.cache_settings.with_updates(controls=controls)
-        settings, _ = fit(pipeline, prompts, target_psnr,
-                          target_psnr - 7 if worst_psnr is None else worst_psnr, log=typer.echo)
+        settings, _ = fit(pipeline, prompts, target_psnr, target_psnr - 7 if worst_psnr is None else worst_psnr,
+                          control_grid=grid, log=typer.echo)
     written = write_settings(target, pipeline_name, settings)
     typer.echo(f"wrote the cache defaults into {written}")
 

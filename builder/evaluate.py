@@ -64,12 +64,12 @@ def generate_with_diffusers(model_dir: Path, prompts, chunk: int = 35, lora: Pat
     return np.concatenate(images)
 
 
-def generate_served(url: str, model: str, prompts, protocol: str = "grpc") -> np.ndarray:
-    """Images from a served model, sending only prompt and seed."""
+def generate_served(url: str, model: str, prompts, protocol: str = "grpc", **options) -> np.ndarray:
+    """Images from a served model, sending only prompt and seed (and ``options``)."""
     from machgen.client import MachgenClient
 
     with MachgenClient(url, protocol) as client:
-        return np.stack([client.generate(model, prompt, seed=seed)[0] for prompt, seed, _ in prompts])
+        return np.stack([client.generate(model, prompt, seed=seed, **options)[0] for prompt, seed, _ in prompts])
 
 
 def save_grid(images: np.ndarray, path: Path, columns: int = 10, scale: int = 2) -> None:
@@ -82,6 +82,37 @@ def save_grid(images: np.ndarray, path: Path, columns: int = 10, scale: int = 2)
         r, c = divmod(i, columns)
         grid[r * (size + 2) + 1:r * (size + 2) + 1 + size, c * (size + 2) + 1:c * (size + 2) + 1 + size] = image
     Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST).save(path)
+
+
+def psnr(image: np.ndarray, reference: np.ndarray) -> float:
+    """Peak signal-to-noise ratio of two uint8 images, dB (99 when identical)."""
+    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return 99.0 if mse == 0 else float(10 * np.log10(255.0**2 / mse))
+
+
+def _box_mean(channel: np.ndarray, size: int) -> np.ndarray:
+    """Mean over each valid size x size window."""
+    total = np.cumsum(np.cumsum(np.pad(channel, ((1, 0), (1, 0))), axis=0), axis=1)
+    return (total[size:, size:] - total[:-size, size:] - total[size:, :-size] + total[:-size, :-size]) / size**2
+
+
+def ssim(image: np.ndarray, reference: np.ndarray, window: int = 7) -> float:
+    """Structural similarity of two uint8 HxWx3 images: 7x7 uniform windows,
+    the usual constants, averaged over windows and channels (as scikit-image's
+    default)."""
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    scores = []
+    for channel in range(image.shape[-1]):
+        x = image[..., channel].astype(np.float64)
+        y = reference[..., channel].astype(np.float64)
+        n = window**2
+        mx, my = _box_mean(x, window), _box_mean(y, window)
+        # sample (co)variances, as scikit-image computes them
+        vx = (_box_mean(x * x, window) - mx * mx) * n / (n - 1)
+        vy = (_box_mean(y * y, window) - my * my) * n / (n - 1)
+        cov = (_box_mean(x * y, window) - mx * my) * n / (n - 1)
+        scores.append(((2 * mx * my + c1) * (2 * cov + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2))).mean())
+    return float(np.mean(scores))
 
 
 def report(accuracy: Accuracy) -> str:

@@ -3,9 +3,10 @@
 The denoiser is a head (embeddings and the first block) and a tail (every
 other block). A step either runs both, and the blocks' residuals (output
 minus input) are kept, or skips the tail and adds a kept residual to this
-step's input embedding instead (``denoiser_reuse``). Policies decide which; each is a frozen Config, a State
-with ``reset()`` that lives for one request only, and a pure decision
-function of (config, state, step, signal). Only numpy is imported.
+step's input embedding instead (``denoiser_reuse``). Policies decide which;
+each is a frozen Config, a State with ``reset()`` that lives for one request
+only, and a pure decision function of (config, state, step, signal). Only
+numpy is imported.
 
 - ``none``      every step runs the tail.
 - ``fbcache``   First-Block Cache: runs the head every step; skips the tail
@@ -20,15 +21,16 @@ function of (config, state, step, signal). Only numpy is imported.
   neither head nor tail and reuses the residual of all blocks, scaled by
   the product of the ratios since it was kept.
 
-Shared controls keep the steps that matter most computed: the first
-``warmup_steps`` (they fix the composition), the last ``final_steps`` (they
-fix the detail) and at most ``max_consecutive_skips`` in a row.
+Shared controls (per policy, fitted by calibration) keep the steps that
+matter most computed: the first ``warmup_steps`` (they fix the composition),
+the last ``final_steps`` (they fix the detail) and at most
+``max_consecutive_skips`` in a row.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -38,7 +40,7 @@ POLICY_NAMES = ("none", "fbcache", "magcache")
 
 @dataclass(frozen=True)
 class CacheControls:
-    warmup_steps: int = 3
+    warmup_steps: int = 4
     final_steps: int = 1
     max_consecutive_skips: int = 2
 
@@ -54,7 +56,7 @@ def relative_l1(current: np.ndarray, reference: np.ndarray) -> float:
 # ------------------------------------------------------------------ fbcache
 @dataclass(frozen=True)
 class FirstBlockCacheConfig:
-    threshold: float = 0.2
+    threshold: float = 0.2  # relative L1 change of the first block's residual below which the tail is skipped
     controls: CacheControls = CacheControls()
 
 
@@ -79,7 +81,7 @@ def first_block_cache_computes(config: FirstBlockCacheConfig, state: FirstBlockC
 # ----------------------------------------------------------------- magcache
 @dataclass(frozen=True)
 class MagCacheConfig:
-    threshold: float = 0.1
+    threshold: float = 0.1  # accumulated magnitude error up to which steps are skipped
     # Calibrated mean ||blocks residual(step)|| / ||blocks residual(step - 1)||, one per step.
     magnitude_ratios: tuple[float, ...] = ()
     controls: CacheControls = CacheControls()
@@ -139,7 +141,7 @@ class StepCache:
         self.total_steps = 0
         self.tail_residual: np.ndarray | None = None  # fbcache: blocks after the first
         self.full_residual: np.ndarray | None = None  # magcache: every block
-        controls = settings.controls
+        controls = settings.controls_for(policy)
         if policy == "fbcache":
             self.config: Any = FirstBlockCacheConfig(
                 threshold=settings.threshold_for(policy, threshold), controls=controls)
@@ -208,12 +210,15 @@ class CacheSettings:
     default_policy: str = "none"
     thresholds: Mapping[str, float] = field(default_factory=lambda: {"fbcache": 0.2, "magcache": 0.1})
     magnitude_ratios: tuple[float, ...] = ()
-    controls: CacheControls = CacheControls()
+    controls: Mapping[str, CacheControls] = field(default_factory=dict)  # per policy; absent: the defaults
     # Provenance of the defaults (target PSNR, prompts, measured figures); informational.
     calibration: Mapping[str, Any] = field(default_factory=dict)
 
     def threshold_for(self, policy: str, requested: float | None) -> float:
         return float(self.thresholds[policy]) if requested is None else requested
+
+    def controls_for(self, policy: str) -> CacheControls:
+        return self.controls.get(policy, CacheControls())
 
     def available(self) -> tuple[str, ...]:
         # MagCache without calibrated ratios would skip blindly.
@@ -222,8 +227,7 @@ class CacheSettings:
     def to_json(self) -> dict[str, Any]:
         return {"default_policy": self.default_policy, "thresholds": dict(self.thresholds),
                 "magnitude_ratios": list(self.magnitude_ratios),
-                "controls": {"warmup_steps": self.controls.warmup_steps, "final_steps": self.controls.final_steps,
-                             "max_consecutive_skips": self.controls.max_consecutive_skips},
+                "controls": {policy: asdict(controls) for policy, controls in self.controls.items()},
                 "calibration": dict(self.calibration)}
 
     @classmethod
@@ -232,7 +236,8 @@ class CacheSettings:
             return cls()
         return cls(default_policy=data["default_policy"], thresholds=dict(data["thresholds"]),
                    magnitude_ratios=tuple(data.get("magnitude_ratios", ())),
-                   controls=CacheControls(**data.get("controls", {})), calibration=data.get("calibration", {}))
+                   controls={policy: CacheControls(**values) for policy, values in data.get("controls", {}).items()},
+                   calibration=data.get("calibration", {}))
 
     def with_updates(self, **changes: Any) -> "CacheSettings":
         return replace(self, **changes)

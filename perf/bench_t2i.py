@@ -129,14 +129,14 @@ def main() -> int:
     return 0
 
 
-def _record(path: Path, section: str, table: str) -> None:
+def _record(path: Path, section: str, table: str, title: str = "Text-to-image latency (perf/bench_t2i.py)") -> None:
     begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
     text = path.read_text() if path.exists() else "# Results\n"
     block = f"{begin}\n{table}\n{end}"
     if begin in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
-        text = text.rstrip() + f"\n\n## Text-to-image latency (perf/bench_t2i.py), {section.split(':')[1]}\n\n{block}\n"
+        text = text.rstrip() + f"\n\n## {title}, {section.split(':')[1]}\n\n{block}\n"
     path.write_text(text)
 
 

@@ -21,6 +21,7 @@ from machgen.ensembles.sampler import Sampler
 from point_mass import COMPONENT_INPUTS, PointMassDenoiser, request
 
 CONTROLS = CacheControls(warmup_steps=3, final_steps=1, max_consecutive_skips=2)
+BOTH = {"fbcache": CONTROLS, "magcache": CONTROLS}
 
 
 def test_controls_force_warmup_final_and_a_skip_cap():
@@ -78,8 +79,8 @@ def calibrated_settings(generate, steps: int) -> CacheSettings:
             residuals.append(head["residual"] + outputs["tail_residual"])
         return outputs
 
-    generate(CacheSettings(controls=CONTROLS), request(num_inference_steps=steps), fake=recording)
-    return CacheSettings(magnitude_ratios=tuple(magnitude_ratios(residuals)), controls=CONTROLS)
+    generate(CacheSettings(controls=BOTH), request(num_inference_steps=steps), fake=recording)
+    return CacheSettings(magnitude_ratios=tuple(magnitude_ratios(residuals)), controls=BOTH)
 
 
 def test_policy_none_runs_every_tail(generate):
@@ -105,7 +106,7 @@ def test_magcache_reuse_is_exact_on_the_point_mass(generate):
 
 
 def test_fbcache_runs_the_head_every_step_and_skips_tails(generate):
-    settings = CacheSettings(controls=CONTROLS)
+    settings = CacheSettings(controls=BOTH)
     _, uncached = generate(settings, request(num_inference_steps=10))
     fake, exact = generate(settings, request(num_inference_steps=10, cache_policy="fbcache", cache_threshold=0.0))
     np.testing.assert_array_equal(exact.latents, uncached.latents)

@@ -15,9 +15,10 @@ from conftest import PIPELINE_NAME
 
 def test_choose_takes_the_fewest_passes_that_hold_both_bounds():
     trials = [Trial("none", 0, 40, 99, 99), Trial("fbcache", 0.1, 30, 40, 35), Trial("fbcache", 0.3, 18, 34, 25),
-              Trial("magcache", 0.1, 22, 33.5, 27)]
-    assert choose(trials, 33, 26) == trials[3]
-    assert choose(trials, 33, 20) == trials[2]
+              Trial("magcache", 0.1, 22, 33.5, 27), Trial("magcache", 0.2, 18.2, 33.1, 26.5)]
+    assert choose(trials, 33, 26) == trials[4]
+    assert choose(trials, 33, 20) == trials[4]  # as few passes, better worst case
+    assert choose(trials[:3], 33, 20) == trials[2]
     assert choose(trials[1:], 50, 40) is None
 
 
@@ -28,13 +29,14 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\na green circle at the top left\na blue dog\n")
     result = CliRunner().invoke(app, ["calibrate", str(repository), "--prompts", str(prompts), "--count", "3",
-                                      "--target-psnr", "25", "--warmup-steps", "1", "--final-steps", "1"])
+                                      "--target-psnr", "25", "--warmup-steps", "1", "--final-steps", "1",
+                                      "--max-consecutive-skips", "2"])
     assert result.exit_code == 0, result.output
     cache = json.loads((repository / f"{PIPELINE_NAME}_sampler" / "1" / "pipeline.json").read_text())["cache"]
     steps = json.loads((repository / f"{PIPELINE_NAME}_sampler" / "1" / "pipeline.json").read_text())[
         "defaults"]["num_inference_steps"]
     assert len(cache["magnitude_ratios"]) == steps and cache["magnitude_ratios"][0] == 1.0
-    assert cache["calibration"]["target_psnr"] == 25 and cache["controls"]["warmup_steps"] == 1
+    assert cache["calibration"]["target_psnr"] == 25 and all(c["warmup_steps"] == 1 for c in cache["controls"].values())
     chosen = cache["calibration"]["chosen"]
     assert set(chosen) <= {"fbcache", "magcache"}
     for policy, trial in chosen.items():
