@@ -19,7 +19,7 @@ UNSEEN_SIZES = {"batch": 3, "image_tokens": 48, "text_tokens": 19, "latent_heigh
 def test_build_reports_parity_within_tolerance_for_every_component(built_repository):
     _, results = built_repository
     assert [r.name for r in results] == ["text_encoder", "text_encoder_2", "denoiser_head", "denoiser_tail",
-                                         "vae_decoder", "postprocess"]
+                                         "denoiser_reuse", "vae_decoder", "postprocess"]
     for result in results:
         assert 0.0 <= result.max_abs_diff <= result.tolerance, result
 
@@ -32,7 +32,7 @@ def _random_input(spec, generator):
 
 
 @pytest.mark.parametrize("component", ["text_encoder", "text_encoder_2", "denoiser_head", "denoiser_tail",
-                                       "vae_decoder", "postprocess"])
+                                       "denoiser_reuse", "vae_decoder", "postprocess"])
 def test_onnx_matches_torch_on_unseen_dynamic_sizes(component, built_repository, tiny_flux_pipeline):
     repository, _ = built_repository
     exportable = {c.spec.name: c for c in get_family("flux").components(tiny_flux_pipeline)}[component]
@@ -58,14 +58,19 @@ def test_split_denoiser_equals_the_whole_transformer(tiny_flux_pipeline):
     """head then tail is FluxTransformer2DModel.forward, bit for bit in torch."""
     family = get_family("flux")
     components = {c.spec.name: c for c in family.components(tiny_flux_pipeline)}
-    head, tail = components["denoiser_head"], components["denoiser_tail"]
+    head, tail, reuse = components["denoiser_head"], components["denoiser_tail"], components["denoiser_reuse"]
     inputs = head.sample_inputs
     with torch.no_grad():
-        image_hidden, text_hidden, temb = head.module(**inputs)
-        split = tail.module(image_hidden, text_hidden, temb, inputs["img_ids"], inputs["txt_ids"])
+        image_hidden, text_hidden, temb, first_block_residual = head.module(**inputs)
+        split, tail_residual = tail.module(image_hidden, text_hidden, temb, inputs["img_ids"], inputs["txt_ids"])
         whole = tiny_flux_pipeline.transformer(
             hidden_states=inputs["hidden_states"], encoder_hidden_states=inputs["encoder_hidden_states"],
             pooled_projections=inputs["pooled_projections"], timestep=inputs["timestep"].reshape(-1),
             guidance=inputs["guidance"].reshape(-1), img_ids=inputs["img_ids"][0], txt_ids=inputs["txt_ids"][0],
             return_dict=False)[0]
+        # the blocks' residuals put back on the input embedding give the same prediction
+        reused = reuse.module(**{name: inputs[name] for name in ("hidden_states", "pooled_projections", "timestep",
+                                                                  "guidance")},
+                              blocks_residual=first_block_residual + tail_residual)
     assert torch.equal(split, whole)
+    torch.testing.assert_close(reused, whole, rtol=0, atol=1e-5)
