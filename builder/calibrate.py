@@ -121,15 +121,12 @@ def write_settings(target: Path, name: str | None, settings: CacheSettings) -> P
     later build takes it) or in a repository's generated pipeline.json."""
     from machgen.builder.build import SERVING_FILE
 
-    if (target / "model_index.json").is_file():
-        path = target / SERVING_FILE
-        card = json.loads(path.read_text()) if path.is_file() else {}
-        card["cache"] = settings.to_json()
-    else:
-        path = sampler_dir(target, name) / "pipeline.json"
-        card = json.loads(path.read_text())
-        card["cache"] = settings.to_json()
-    path.write_text(json.dumps(card, indent=2, sort_keys=not (target / "model_index.json").is_file()) + "\n")
+    is_model_folder = (target / "model_index.json").is_file()
+    path = target / SERVING_FILE if is_model_folder else sampler_dir(target, name) / "pipeline.json"
+    card = json.loads(path.read_text()) if path.is_file() else {}
+    card["cache"] = settings.to_json()
+    # pipeline.json is generated with sorted keys; a model card keeps its authors' order
+    path.write_text(json.dumps(card, indent=2, sort_keys=not is_model_folder) + "\n")
     return path
 
 
