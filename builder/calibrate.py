@@ -10,14 +10,14 @@ fewest tail passes becomes the served default.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from machgen.builder.evaluate import psnr
-from machgen.ensembles.cache import CacheControls, CacheSettings, magnitude_ratios
+from machgen.ensembles.cache import BlocksResidualRecorder, CacheControls, CacheSettings, magnitude_ratios
 
 THRESHOLD_GRIDS = {
     "fbcache": (0.1, 0.2, 0.3, 0.4),
@@ -45,31 +45,21 @@ def run_prompts(pipeline, prompts: Sequence[tuple[str, int]], **options) -> tupl
     return images, stats
 
 
-def record_magnitude_ratios(pipeline, prompts: Sequence[tuple[str, int]]) -> tuple[list[np.ndarray], list[float]]:
-    """Uncached images, and the mean per-step magnitude ratio of the blocks' residual."""
-    residuals: list[np.ndarray] = []
-    head: dict[str, np.ndarray] = {}
+def record_magnitude_ratios(pipeline, prompts: Sequence[tuple[str, int]]
+                            ) -> tuple[list[np.ndarray], list, list[float]]:
+    """Uncached images and stats, and the mean per-step magnitude ratio of the blocks' residual."""
     run = pipeline.sampler.run_component
-
-    def recording(name: str, inputs: dict) -> dict:
-        outputs = run(name, inputs)
-        if name == "denoiser_head":
-            head["residual"] = outputs["first_block_residual"]
-        elif name == "denoiser_tail":
-            residuals.append(head["residual"] + outputs["tail_residual"])
-        return outputs
-
-    pipeline.sampler.run_component = recording
+    per_prompt, images, stats = [], [], []
     try:
-        per_prompt, images = [], []
         for prompt, seed in prompts:
-            residuals.clear()
-            image, _ = pipeline.generate(prompt, seed=seed, cache_policy="none")
+            pipeline.sampler.run_component = recorder = BlocksResidualRecorder(run)
+            image, stat = pipeline.generate(prompt, seed=seed, cache_policy="none")
             images.append(image[0])
-            per_prompt.append(magnitude_ratios(residuals))
+            stats.append(stat)
+            per_prompt.append(magnitude_ratios(recorder.residuals))
     finally:
         pipeline.sampler.run_component = run
-    return images, [float(r) for r in np.mean(per_prompt, axis=0)]
+    return images, stats, [float(r) for r in np.mean(per_prompt, axis=0)]
 
 
 def choose(trials: Sequence[Trial], target_psnr: float, worst_psnr: float) -> Trial | None:
@@ -84,14 +74,14 @@ def calibrate(pipeline, prompts: Sequence[tuple[str, int]], target_psnr: float, 
               log: Callable[[str], None] = print) -> tuple[CacheSettings, list[Trial]]:
     """New cache settings for ``pipeline`` (a LocalPipeline) at its served defaults."""
     log(f"uncached reference: {len(prompts)} prompts")
-    reference, ratios = record_magnitude_ratios(pipeline, prompts)
-    settings = pipeline.sampler.cache_settings.with_updates(magnitude_ratios=tuple(round(r, 5) for r in ratios))
-    _, uncached_stats = run_prompts(pipeline, prompts[:1], cache_policy="none")
-    trials: list[Trial] = [Trial("none", 0.0, float(uncached_stats[0].denoiser_tail_passes), 99.0, 99.0)]
+    reference, uncached_stats, ratios = record_magnitude_ratios(pipeline, prompts)
+    settings = replace(pipeline.sampler.cache_settings, magnitude_ratios=tuple(round(r, 5) for r in ratios))
+    uncached_passes = float(np.mean([s.denoiser_tail_passes for s in uncached_stats]))
+    trials: list[Trial] = [Trial("none", 0.0, uncached_passes, 99.0, 99.0)]
     chosen: dict[str, Trial] = {}
     for policy, grid in THRESHOLD_GRIDS.items():
         for controls in control_grid:
-            pipeline.sampler.cache_settings = settings.with_updates(controls={policy: controls})
+            pipeline.sampler.cache_settings = replace(settings, controls={policy: controls})
             for threshold in grid:
                 images, stats = run_prompts(pipeline, prompts, cache_policy=policy, cache_threshold=threshold)
                 scores = [psnr(a, b) for a, b in zip(images, reference)]
@@ -104,7 +94,8 @@ def calibrate(pipeline, prompts: Sequence[tuple[str, int]], target_psnr: float, 
         if best is not None:
             chosen[policy] = best
     default = choose([trials[0], *chosen.values()], target_psnr, worst_psnr)
-    settings = settings.with_updates(
+    settings = replace(
+        settings,
         default_policy=default.policy,
         thresholds={**settings.thresholds, **{p: t.threshold for p, t in chosen.items()}},
         controls={**settings.controls, **{p: t.controls for p, t in chosen.items()}},

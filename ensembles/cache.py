@@ -30,7 +30,7 @@ the last ``final_steps`` (they fix the detail) and at most
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -239,9 +239,6 @@ class CacheSettings:
                    controls={policy: CacheControls(**values) for policy, values in data.get("controls", {}).items()},
                    calibration=data.get("calibration", {}))
 
-    def with_updates(self, **changes: Any) -> "CacheSettings":
-        return replace(self, **changes)
-
 
 def magnitude_ratios(tail_residuals: Sequence[np.ndarray]) -> list[float]:
     """Per-step mean over tokens of ||residual(step)|| / ||residual(step - 1)||
@@ -251,3 +248,22 @@ def magnitude_ratios(tail_residuals: Sequence[np.ndarray]) -> list[float]:
         norms = np.linalg.norm(current, axis=-1) / (np.linalg.norm(previous, axis=-1) + 1e-8)
         ratios.append(float(norms.mean()))
     return ratios
+
+
+class BlocksResidualRecorder:
+    """Wraps a ``run_component`` and keeps, for every step that ran the tail,
+    the residual of all blocks (first block's plus the tail's): what
+    ``magnitude_ratios`` is calibrated from."""
+
+    def __init__(self, run_component):
+        self.run_component = run_component
+        self.residuals: list[np.ndarray] = []
+        self._first_block: np.ndarray | None = None
+
+    def __call__(self, name: str, inputs: dict) -> dict:
+        outputs = self.run_component(name, inputs)
+        if name == "denoiser_head":
+            self._first_block = outputs["first_block_residual"]
+        elif name == "denoiser_tail":
+            self.residuals.append(self._first_block + outputs["tail_residual"])
+        return outputs

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from machgen.builder.repository import DECODE_STAGES, model_name
 from machgen.ensembles.api import API_INPUTS, numpy_dtype, parse_request
 from machgen.ensembles.sampler import GenerationStats, load_sampler
 
@@ -23,13 +24,10 @@ class LocalPipeline:
     """``LocalPipeline(repository, name).generate(prompt, seed=..., ...)``."""
 
     def __init__(self, repository: Path, name: str, intra_op_threads: int = 0):
-        from machgen.builder.repository import model_name
-
         self.repository = Path(repository)
         self.name = name
         sampler_dir = self.repository / model_name(name, "sampler") / "1"
         self.pipeline = json.loads((sampler_dir / "pipeline.json").read_text())
-        self._model_name = model_name
         self._intra_op_threads = intra_op_threads
         self._sessions: dict[str, Any] = {}
         self.sampler = load_sampler(self.pipeline, str(sampler_dir), self.run_component)
@@ -38,14 +36,12 @@ class LocalPipeline:
         from machgen.ensembles.onnx_runner import OnnxSession
 
         if component not in self._sessions:
-            path = self.repository / self._model_name(self.name, component) / "1" / "model.onnx"
+            path = self.repository / model_name(self.name, component) / "1" / "model.onnx"
             self._sessions[component] = OnnxSession(path, intra_op_threads=self._intra_op_threads)
         return self._sessions[component].run(inputs)
 
     def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:
         """Images [1, H, W, 3] and stats; options are the API's optional inputs."""
-        from machgen.builder.repository import DECODE_STAGES
-
         unknown = set(options) - set(_API)
         if unknown:
             raise TypeError(f"unknown generation options: {sorted(unknown)}")

@@ -35,14 +35,14 @@ SERVED_SETTINGS = [("fbcache", 0.1), ("fbcache", 0.2), ("fbcache", 0.3),
                    ("magcache", 0.05), ("magcache", 0.1), ("magcache", 0.2)]
 
 
-def summarise(name, images, reference, seconds, passes, labels):
+def summarise(stack, name, images, reference, seconds, passes, labels):
     import numpy as np
 
     from machgen.builder.evaluate import psnr, score, ssim
 
     psnrs = [psnr(a, b) for a, b in zip(images, reference)]
     accuracy = score(images, labels)
-    return {"setting": name, "tail_passes": float(np.mean(passes)), "seconds": float(np.mean(seconds)),
+    return {"stack": stack, "setting": f"{stack} {name}", "tail_passes": float(np.mean(passes)), "seconds": float(np.mean(seconds)),
             "psnr_mean": float(np.mean(psnrs)), "psnr_worst": float(np.min(psnrs)),
             "ssim": float(np.mean([ssim(a, b) for a, b in zip(images, reference)])),
             "accuracy": accuracy.colour_shape}
@@ -70,8 +70,31 @@ def served_rows(repository: Path, name: str, prompts):
                 label = f"default ({stats['cache_policy']} {stats['cache_threshold']})" if policy == "default" \
                     else (policy if threshold is None else f"{policy} {threshold:g}")
                 reference = images if reference is None else reference
-                rows.append(summarise(f"machgen {label}", images, reference, seconds, passes, labels))
+                rows.append(summarise("machgen", label, images, reference, seconds, passes, labels))
                 print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def in_process_rows(repository: Path, name: str, prompts):
+    """The same repository without Triton (ensembles/local.py): what the served
+    path costs on top of the components' own work."""
+    from machgen.ensembles.local import LocalPipeline
+
+    pipeline = LocalPipeline(repository, name)
+    pipeline.generate(prompts[0][0], seed=prompts[0][1])  # warm-up: sessions and first-call allocations
+    rows, reference, labels = [], None, [label for _, _, label in prompts]
+    for policy in ("none", None):
+        images, seconds, passes = [], [], []
+        for prompt, seed, _ in prompts:
+            start = time.perf_counter()
+            image, stats = pipeline.generate(prompt, seed=seed, cache_policy=policy)
+            seconds.append(time.perf_counter() - start)
+            images.append(image[0])
+            passes.append(stats.denoiser_tail_passes)
+        reference = images if reference is None else reference
+        label = "none" if policy else f"default ({stats.cache_policy} {stats.cache_threshold})"
+        rows.append(summarise("machgen in-process", label, images, reference, seconds, passes, labels))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -132,7 +155,7 @@ def diffusers_rows(model_dir: Path, prompts):
         if config is not None:
             transformer.disable_cache()
         reference = images if reference is None else reference
-        rows.append(summarise(f"diffusers {name}", images, reference, seconds, counted, labels))
+        rows.append(summarise("diffusers", name, images, reference, seconds, counted, labels))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -156,12 +179,13 @@ def main() -> int:
             repository = Path(scratch) / "repository"
             build_repository(args.model_dir, args.name, repository)
         rows = served_rows(repository, args.name, prompts)
+        rows += in_process_rows(repository, args.name, prompts)
     rows += diffusers_rows(args.model_dir, prompts)
 
-    baseline = {r["setting"].split()[0]: r for r in rows if r["setting"].endswith(" none")}
+    baseline = {r["stack"]: r for r in rows if r["setting"] == f"{r['stack']} none"}
     lines = []
     for r in rows:
-        base = baseline[r["setting"].split()[0]]
+        base = baseline[r["stack"]]
         quality = "-" if r is base else f"{r['psnr_mean']:.1f} ({r['psnr_worst']:.1f}) | {r['ssim']:.4f}"
         if r is base:
             quality += " | -"
@@ -172,7 +196,8 @@ def main() -> int:
         f"Model `{args.model_dir.name}` at its served defaults, {len(prompts)} prompt/seed pairs, "
         f"{os.cpu_count()} CPU cores ({platform.machine()}), measured {time.strftime('%Y-%m-%d %H:%M')}. "
         "Quality is against the uncached output of the same stack; speed-ups are against that stack's uncached "
-        "run. machgen: served through Triton, end to end. diffusers: FluxPipeline with its cache hooks "
+        "run. machgen: served through Triton, end to end; machgen in-process: the same repository run by "
+        "ensembles/local.py without Triton. diffusers: FluxPipeline with its cache hooks "
         "(MagCache ratios from diffusers' own calibration mode).",
         "",
         "| setting | tail passes / image | fewer | s / image | faster | PSNR mean (worst) dB | SSIM | "

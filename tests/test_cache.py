@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from machgen.ensembles.cache import (
+    BlocksResidualRecorder,
     CacheControls,
     CacheSettings,
     FirstBlockCacheConfig,
@@ -68,19 +69,10 @@ def generate(conditioning_factory):
 
 def calibrated_settings(generate, steps: int) -> CacheSettings:
     """MagCache ratios recorded from an uncached run, as ``calibrate`` does."""
-    fake = PointMassDenoiser(channels=4)
-    residuals, head = [], {}
-
-    def recording(name, inputs):
-        outputs = fake(name, inputs)
-        if name == "denoiser_head":
-            head["residual"] = outputs["first_block_residual"]
-        elif name == "denoiser_tail":
-            residuals.append(head["residual"] + outputs["tail_residual"])
-        return outputs
-
-    generate(CacheSettings(controls=BOTH), request(num_inference_steps=steps), fake=recording)
-    return CacheSettings(magnitude_ratios=tuple(magnitude_ratios(residuals)), controls=BOTH)
+    recorder = BlocksResidualRecorder(PointMassDenoiser(channels=4))
+    generate(CacheSettings(controls=BOTH), request(num_inference_steps=steps), fake=recorder)
+    assert len(recorder.residuals) == steps
+    return CacheSettings(magnitude_ratios=tuple(magnitude_ratios(recorder.residuals)), controls=BOTH)
 
 
 def test_policy_none_runs_every_tail(generate):

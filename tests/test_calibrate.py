@@ -38,7 +38,8 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     assert len(cache["magnitude_ratios"]) == steps and cache["magnitude_ratios"][0] == 1.0
     assert cache["calibration"]["target_psnr"] == 25 and all(c["warmup_steps"] == 1 for c in cache["controls"].values())
     chosen = cache["calibration"]["chosen"]
-    assert set(chosen) <= {"fbcache", "magcache"}
+    assert chosen and set(chosen) <= {"fbcache", "magcache"}
+    assert cache["default_policy"] in chosen
     for policy, trial in chosen.items():
         assert trial["psnr_mean"] >= 25 and trial["psnr_worst"] >= 18
         assert cache["thresholds"][policy] == trial["threshold"]

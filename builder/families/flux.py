@@ -21,6 +21,7 @@ concurrent requests.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Callable
@@ -377,6 +378,18 @@ class Flux(Family):
         return FluxConditioning(settings, assets_dir, run_component)
 
 
+@functools.lru_cache(maxsize=16)
+def _image_ids(lat_h: int, lat_w: int, rows: int):
+    import numpy as np
+
+    ids = np.zeros((lat_h // 2, lat_w // 2, 3), np.float32)
+    ids[..., 1] += np.arange(lat_h // 2)[:, None]
+    ids[..., 2] += np.arange(lat_w // 2)[None, :]
+    ids = np.ascontiguousarray(np.repeat(ids.reshape(1, -1, 3), rows, axis=0))
+    ids.flags.writeable = False  # shared by every request of this size
+    return ids
+
+
 class FluxConditioning:
     """The Flux-specific half of the sampler: prompts, latents, ids, timesteps.
 
@@ -435,14 +448,10 @@ class FluxConditioning:
         noise = noise.view(1, channels, lat_h // 2, 2, lat_w // 2, 2).permute(0, 2, 4, 1, 3, 5)
         return noise.reshape(1, (lat_h // 2) * (lat_w // 2), channels * 4)
 
-    def image_ids(self, height: int, width: int):
-        import numpy as np
-
-        lat_h, lat_w = self.latent_size(height, width)
-        ids = np.zeros((lat_h // 2, lat_w // 2, 3), np.float32)
-        ids[..., 1] += np.arange(lat_h // 2)[:, None]
-        ids[..., 2] += np.arange(lat_w // 2)[None, :]
-        return ids.reshape(1, -1, 3)
+    def image_ids(self, height: int, width: int, rows: int = 1):
+        """FluxPipeline's latent image ids, one copy per row; built once per
+        size (read-only), not once per denoising step."""
+        return _image_ids(*self.latent_size(height, width), rows)
 
     def scheduler(self, num_inference_steps: int, image_tokens: int):
         """A fresh scheduler with FluxPipeline's sigmas and resolution-dependent shift."""
@@ -479,7 +488,7 @@ class FluxConditioning:
         }
         if self.settings["guidance_embeds"]:
             inputs["guidance"] = np.full((rows, 1), guidance_scale, np.float32)
-        inputs["img_ids"] = np.repeat(self.image_ids(height, width), rows, axis=0)
+        inputs["img_ids"] = self.image_ids(height, width, rows)
         inputs["txt_ids"] = conditioning["txt_ids"]
         return inputs
 
