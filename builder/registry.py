@@ -51,6 +51,10 @@ class ComponentSpec:
     # Runtime and the torch module on the sample inputs.
     tolerance: float
     max_batch_size: int = 8
+    # Run inside the sampler's own process (ONNX Runtime, one thread) rather
+    # than as a Triton model: for graphs so small that a BLS round trip costs
+    # more than their work.
+    in_sampler: bool = False
 
 
 @dataclass

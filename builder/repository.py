@@ -5,6 +5,9 @@ Layout for a pipeline served as NAME (all generated, never hand-edited):
     NAME/                    the public ensemble: sampler -> vae_decoder -> postprocess
     NAME_sampler/1/          BLS model: model.py shim, pipeline.json, tokenizers, scheduler
     NAME_<component>/1/      one model per exported component: model.py shim, model.onnx
+    NAME_sampler/1/components/<component>/model.onnx
+                             components the sampler runs in its own process
+                             (``ComponentSpec.in_sampler``)
 
 ``render_repository`` is pure (specs and settings in, file texts out) so a
 golden test can pin the rendered configs.
@@ -136,8 +139,8 @@ def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec]
         "name": pipeline,
         "family": family.name,
         "components": {
-            name: {"model": model_name(pipeline, name), "inputs": [t.name for t in spec.inputs],
-                   "outputs": [t.name for t in spec.outputs]}
+            name: {**({"onnx": in_sampler_onnx(name)} if spec.in_sampler else {"model": model_name(pipeline, name)}),
+                   "inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs]}
             for name, spec in specs.items()
         },
         "defaults": defaults.to_json(),
@@ -162,29 +165,38 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
             indent=2, sort_keys=True) + "\n",
     }
     for name, spec in specs.items():
+        if spec.in_sampler:
+            continue
         files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_component_config(pipeline, spec, options)
         files[f"{model_name(pipeline, name)}/1/model.py"] = _SHIM.format(cls="OnnxComponentModel")
     return files
 
 
-def pipeline_model_dirs(pipeline: str, specs: Iterable[str]) -> list[str]:
-    return [pipeline, model_name(pipeline, "sampler")] + [model_name(pipeline, s) for s in specs]
+def in_sampler_onnx(component: str) -> str:
+    """Where an ``in_sampler`` component's ONNX file lives, relative to the sampler's version folder."""
+    return f"components/{component}/model.onnx"
 
 
 def write_repository(out: Path, pipeline: str, files: dict[str, str], onnx_files: dict[str, Path],
                      sampler_assets: dict[str, Path]) -> None:
-    """Replace the pipeline's models in ``out`` (other pipelines there are kept)."""
+    """Replace the pipeline's models in ``out`` (other pipelines there are kept).
+
+    An ONNX file goes to its component's model folder, or under the sampler
+    when ``files`` renders no model for the component (it runs in the sampler).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    for model in pipeline_model_dirs(pipeline, onnx_files):
+    for model in [pipeline, model_name(pipeline, "sampler"), *(model_name(pipeline, c) for c in onnx_files)]:
         shutil.rmtree(out / model, ignore_errors=True)
     for relative, text in files.items():
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    sampler_dir = out / model_name(pipeline, "sampler") / "1"
     for component, onnx_path in onnx_files.items():
-        target = out / model_name(pipeline, component) / "1"
+        served = out / model_name(pipeline, component)
+        target = served / "1" if served.is_dir() else (sampler_dir / in_sampler_onnx(component)).parent
+        target.mkdir(parents=True, exist_ok=True)
         for produced in onnx_path.parent.iterdir():  # model.onnx and any external data file
             shutil.copy2(produced, target / produced.name)
-    sampler_dir = out / model_name(pipeline, "sampler") / "1"
     for asset, source in sampler_assets.items():
         shutil.copytree(source, sampler_dir / asset)

@@ -40,7 +40,8 @@ API_INPUTS: tuple[ApiTensor, ...] = (
 API_OUTPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("images", "UINT8", (-1, -1, -1, 3), "generated images, [N, height, width, RGB]"),
     ApiTensor("stats", "BYTES", (1,), "JSON: steps, cache_policy, cache_threshold, denoiser_head_calls, "
-                                      "denoiser_tail_calls, denoiser_tail_passes, text_cache_hits/misses"),
+                                      "denoiser_tail_calls, denoiser_tail_passes, negative_rows_derived, "
+                                      "text_cache_hits/misses"),
 )
 
 _NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}

@@ -24,7 +24,12 @@ numpy is imported.
 Shared controls (per policy, fitted by calibration) keep the steps that
 matter most computed: the first ``warmup_steps`` (they fix the composition),
 the last ``final_steps`` (they fix the detail) and at most
-``max_consecutive_skips`` in a row.
+``max_consecutive_skips`` in a row. With true classifier-free guidance they
+also thin out the negative-prompt row: outside warm-up and the final steps
+it runs at most every ``negative_interval`` steps, and in between its
+prediction is this step's positive one plus the difference (negative minus
+positive) kept from the last step that ran both rows, which drifts far more
+slowly than either prediction (FasterCache's CFG reuse).
 """
 
 from __future__ import annotations
@@ -43,10 +48,18 @@ class CacheControls:
     warmup_steps: int = 4
     final_steps: int = 1
     max_consecutive_skips: int = 2
+    negative_interval: int = 1  # 1: the negative-prompt row runs whenever the positive one does
 
     def must_compute(self, step: int, total_steps: int, consecutive_skips: int) -> bool:
         return (step < self.warmup_steps or step >= total_steps - self.final_steps
                 or consecutive_skips >= self.max_consecutive_skips)
+
+
+def negative_row_due(controls: CacheControls, step: int, total_steps: int, last_negative_step: int) -> bool:
+    """Whether a true-CFG step runs its negative-prompt row rather than
+    deriving it from the kept guidance difference."""
+    return (controls.negative_interval <= 1 or step < controls.warmup_steps
+            or step >= total_steps - controls.final_steps or step - last_negative_step >= controls.negative_interval)
 
 
 def relative_l1(current: np.ndarray, reference: np.ndarray) -> float:
@@ -75,7 +88,8 @@ def first_block_cache_computes(config: FirstBlockCacheConfig, state: FirstBlockC
     if state.reference_residual is None or config.controls.must_compute(step, total_steps,
                                                                         state.consecutive_skips):
         return True
-    return relative_l1(head_residual, state.reference_residual) >= config.threshold
+    rows = min(len(head_residual), len(state.reference_residual))  # the negative row may not have run
+    return relative_l1(head_residual[:rows], state.reference_residual[:rows]) >= config.threshold
 
 
 # ----------------------------------------------------------------- magcache
@@ -133,7 +147,7 @@ class StepCache:
     Per step the sampler asks ``plan(step)``; for INSPECT it runs the head
     and asks ``inspect(step, head_outputs)``; then it reports ``computed``
     (the tail ran) or ``skipped``, and for a skipped step adds
-    ``blocks_residual(head_outputs)`` to the input embedding.
+    ``blocks_residual(head_outputs, rows)`` to the input embedding.
     """
 
     def __init__(self, policy: str, threshold: float | None, settings: "CacheSettings"):
@@ -141,7 +155,10 @@ class StepCache:
         self.total_steps = 0
         self.tail_residual: np.ndarray | None = None  # fbcache: blocks after the first
         self.full_residual: np.ndarray | None = None  # magcache: every block
-        controls = settings.controls_for(policy)
+        # True CFG: negative minus positive prediction at the last step that ran both rows.
+        self.guidance_difference: np.ndarray | None = None
+        self.last_negative_step = -1
+        self.controls = controls = settings.controls_for(policy) if policy != "none" else CacheControls()
         if policy == "fbcache":
             self.config: Any = FirstBlockCacheConfig(
                 threshold=settings.threshold_for(policy, threshold), controls=controls)
@@ -159,9 +176,29 @@ class StepCache:
 
     def start(self, total_steps: int) -> None:
         self.total_steps = total_steps
-        self.tail_residual = self.full_residual = None
+        self.tail_residual = self.full_residual = self.guidance_difference = None
+        self.last_negative_step = -1
         if self.state is not None:
             self.state.reset()
+
+    def rows(self, step: int, plan: "StepPlan", rows: int) -> int:
+        """How many of a step's rows (positive first, then negative) to run: a
+        skipped step never runs the negative row once its difference is kept."""
+        if rows == 1 or self.controls.negative_interval <= 1 or self.guidance_difference is None:
+            return rows
+        if plan is StepPlan.REUSE:
+            return 1
+        return rows if negative_row_due(self.controls, step, self.total_steps, self.last_negative_step) else 1
+
+    def guidance_rows(self, step: int, prediction: np.ndarray, ran_tail: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(positive, negative) predictions of a true-CFG step from the rows it ran."""
+        if len(prediction) == 1:
+            return prediction, prediction + self.guidance_difference
+        positive, negative = prediction[:1], prediction[1:2]
+        if ran_tail:
+            self.guidance_difference = negative - positive
+            self.last_negative_step = step
+        return positive, negative
 
     def plan(self, step: int) -> StepPlan:
         if self.policy == "fbcache":
@@ -175,6 +212,11 @@ class StepCache:
         """fbcache: whether the tail runs, from this step's head residual."""
         return first_block_cache_computes(self.config, self.state, step, self.total_steps,
                                           head_outputs["first_block_residual"])
+
+    def kept_rows(self) -> int:
+        """Rows of the kept residual: a skipped step reuses at most these."""
+        kept = self.tail_residual if self.policy == "fbcache" else self.full_residual
+        return 0 if kept is None else len(kept)
 
     def computed(self, head_outputs: Mapping[str, np.ndarray], tail_residual: np.ndarray) -> None:
         if self.policy == "fbcache":
@@ -192,14 +234,15 @@ class StepCache:
             self.state.accumulated_ratio, self.state.accumulated_error = magcache_error_if_skipped(
                 self.config, self.state, step, self.total_steps)
 
-    def blocks_residual(self, head_outputs: Mapping[str, np.ndarray] | None) -> np.ndarray:
-        """What replaces every block for a skipped step: fbcache keeps this
-        step's first block and reuses the rest; magcache reuses all."""
+    def blocks_residual(self, head_outputs: Mapping[str, np.ndarray] | None, rows: int) -> np.ndarray:
+        """What replaces every block for the first ``rows`` rows of a skipped
+        step: fbcache keeps this step's first block and reuses the rest;
+        magcache reuses all."""
         if self.policy == "fbcache":
-            return head_outputs["first_block_residual"] + self.tail_residual
+            return head_outputs["first_block_residual"][:rows] + self.tail_residual[:rows]
         # Scaled by the calibrated magnitude drift since it was kept: measured
         # on the shapes model, +0.9 dB mean PSNR at the same skips.
-        return self.full_residual * self.state.accumulated_ratio
+        return self.full_residual[:rows] * self.state.accumulated_ratio
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import numpy as np
 
 from machgen.builder.repository import DECODE_STAGES, model_name
 from machgen.ensembles.api import API_INPUTS, numpy_dtype, parse_request
+from machgen.ensembles.onnx_runner import InSamplerComponents, OnnxSession
 from machgen.ensembles.sampler import GenerationStats, load_sampler
 
 _API = {t.name: t for t in API_INPUTS}
@@ -30,11 +31,12 @@ class LocalPipeline:
         self.pipeline = json.loads((sampler_dir / "pipeline.json").read_text())
         self._intra_op_threads = intra_op_threads
         self._sessions: dict[str, Any] = {}
+        self.in_sampler = InSamplerComponents(self.pipeline["components"], sampler_dir)
         self.sampler = load_sampler(self.pipeline, str(sampler_dir), self.run_component)
 
     def run_component(self, component: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from machgen.ensembles.onnx_runner import OnnxSession
-
+        if component in self.in_sampler:
+            return self.in_sampler.run(component, inputs)
         if component not in self._sessions:
             path = self.repository / model_name(self.name, component) / "1" / "model.onnx"
             self._sessions[component] = OnnxSession(path, intra_op_threads=self._intra_op_threads)

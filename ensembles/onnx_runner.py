@@ -70,3 +70,20 @@ class OnnxSession:
 
 def _shape_key(inputs: Mapping[str, np.ndarray], names: Sequence[str]) -> tuple:
     return tuple((inputs[n].dtype.str, inputs[n].shape[1:]) for n in names)
+
+
+class InSamplerComponents:
+    """The components a pipeline runs in the sampler's own process (their
+    ``pipeline.json`` entry names an ``onnx`` file under the sampler's folder
+    instead of a Triton model). One single-threaded session each: they are
+    tiny, and the sampler shares the cores with the served components."""
+
+    def __init__(self, components: Mapping[str, Mapping], sampler_dir: str | os.PathLike):
+        self._sessions = {name: OnnxSession(Path(sampler_dir) / entry["onnx"], intra_op_threads=1)
+                          for name, entry in components.items() if "onnx" in entry}
+
+    def __contains__(self, component: str) -> bool:
+        return component in self._sessions
+
+    def run(self, component: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._sessions[component].run(inputs)

@@ -58,6 +58,8 @@ class GenerationStats:
     denoiser_tail_calls: int = 0
     # Rows through the tail: with true CFG a call carries two (diffusers makes two passes).
     denoiser_tail_passes: int = 0
+    # True-CFG steps whose negative prediction came from the kept guidance difference.
+    negative_rows_derived: int = 0
     text_cache_hits: int = 0
     text_cache_misses: int = 0
 
@@ -109,6 +111,10 @@ class PromptEmbeddingCache:
         return {name: np.concatenate([cached[p][name] for p in prompts], axis=0) for name in names}
 
 
+def _first_rows(arrays: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    return {name: value[:rows] for name, value in arrays.items()}
+
+
 def _route(names: Sequence[str], available: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: available[name] for name in names}
 
@@ -132,9 +138,11 @@ class Sampler:
         self.cache_settings = cache_settings
         self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
 
-    def predict_noise(self, step: int, head_inputs: dict[str, np.ndarray], cache: StepCache,
-                      stats: GenerationStats) -> np.ndarray:
+    def predict_noise(self, step: int, inputs: dict[str, np.ndarray], cache: StepCache,
+                      stats: GenerationStats) -> tuple[np.ndarray, bool]:
+        """This step's prediction for the rows the cache runs, and whether the tail ran."""
         plan = cache.plan(step)
+        head_inputs = _first_rows(inputs, cache.rows(step, plan, len(inputs["hidden_states"])))
         head_outputs = None
         if plan is not StepPlan.REUSE:
             head_outputs = self.run_component("denoiser_head", head_inputs)
@@ -145,10 +153,13 @@ class Sampler:
                 stats.denoiser_tail_calls += 1
                 stats.denoiser_tail_passes += len(head_inputs["hidden_states"])
                 cache.computed(head_outputs, tail_outputs["tail_residual"])
-                return tail_outputs["noise_pred"]
+                return tail_outputs["noise_pred"], True
+            # A row without a kept residual (a negative row that ran no tail) comes from the guidance difference.
+            head_inputs = _first_rows(head_inputs, cache.kept_rows())
         cache.skipped(step)
-        available = {**head_inputs, "blocks_residual": cache.blocks_residual(head_outputs)}
-        return self.run_component("denoiser_reuse", _route(self.reuse_inputs, available))["noise_pred"]
+        available = {**head_inputs,
+                     "blocks_residual": cache.blocks_residual(head_outputs, len(head_inputs["hidden_states"]))}
+        return self.run_component("denoiser_reuse", _route(self.reuse_inputs, available))["noise_pred"], False
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
         """The latents to decode and what they cost, for one validated request."""
@@ -171,9 +182,10 @@ class Sampler:
             # The positive and negative passes share one call: one batch of two rows.
             inputs = cond.denoiser_inputs(latents, timestep, conditioning, request.guidance_scale,
                                           request.height, request.width)
-            noise = self.predict_noise(index, inputs, cache, stats)
+            noise, ran_tail = self.predict_noise(index, inputs, cache, stats)
             if request.uses_true_cfg:
-                positive, negative = noise[:1], noise[1:2]
+                stats.negative_rows_derived += len(noise) == 1
+                positive, negative = cache.guidance_rows(index, noise, ran_tail)
                 noise = negative + request.true_cfg_scale * (positive - negative)
             latents = scheduler.step(torch.from_numpy(np.ascontiguousarray(noise)), timestep, latents,
                                      return_dict=False)[0]

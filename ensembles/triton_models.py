@@ -76,6 +76,7 @@ class SamplerModel:
     def initialize(self, args: dict) -> None:
         import torch
 
+        from machgen.ensembles.onnx_runner import InSamplerComponents
         from machgen.ensembles.sampler import load_sampler
 
         # The sampler only steps the scheduler; the components own the cores.
@@ -83,10 +84,13 @@ class SamplerModel:
         model_dir = _model_dir(args)
         self.pipeline = json.loads((model_dir / "pipeline.json").read_text())
         self.components = self.pipeline["components"]
+        self.in_sampler = InSamplerComponents(self.components, model_dir)
         self.sampler = load_sampler(self.pipeline, str(model_dir), self._run_component)
         self.logger = pb_utils.Logger
 
     def _run_component(self, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if name in self.in_sampler:
+            return self.in_sampler.run(name, inputs)
         component = self.components[name]
         request = pb_utils.InferenceRequest(
             model_name=component["model"],

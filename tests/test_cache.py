@@ -2,6 +2,7 @@
 with the closed-form point-mass denoiser of test_sampler."""
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,9 +15,11 @@ from machgen.ensembles.cache import (
     FirstBlockCacheState,
     MagCacheConfig,
     MagCacheState,
+    StepCache,
     first_block_cache_computes,
     magcache_computes,
     magnitude_ratios,
+    negative_row_due,
 )
 from machgen.ensembles.sampler import Sampler
 from point_mass import COMPONENT_INPUTS, PointMassDenoiser, request
@@ -114,6 +117,63 @@ def test_fbcache_runs_the_head_every_step_and_skips_tails(generate):
 def test_cfg_rows_count_as_two_tail_passes(generate):
     _, result = generate(CacheSettings(), request(num_inference_steps=4, negative_prompt="x", true_cfg_scale=2.0))
     assert (result.stats.denoiser_tail_calls, result.stats.denoiser_tail_passes) == (4, 8)
+
+
+def test_negative_row_runs_every_interval_outside_warmup_and_final_steps():
+    controls = CacheControls(warmup_steps=3, final_steps=1, negative_interval=3)
+    last, due = -1, []
+    for step in range(10):
+        due.append(negative_row_due(controls, step, 10, last))
+        last = step if due[-1] else last
+    assert due == [True, True, True, False, False, True, False, False, True, True]
+    assert all(negative_row_due(CacheControls(negative_interval=1), step, 10, 0) for step in range(10))
+
+
+def cfg_request(**overrides):
+    return request(num_inference_steps=10, negative_prompt="a blue bird", true_cfg_scale=3.0, **overrides)
+
+
+def test_a_derived_negative_is_the_positive_plus_the_kept_difference():
+    cache = StepCache("magcache", None, CacheSettings(controls={"magcache": CacheControls(negative_interval=2)}))
+    cache.start(10)
+    positive, negative = cache.guidance_rows(0, np.array([[1.0, 2.0], [4.0, 0.0]]), ran_tail=True)
+    np.testing.assert_array_equal(negative, [[4.0, 0.0]])
+    positive, negative = cache.guidance_rows(1, np.array([[2.0, 2.0]]), ran_tail=True)
+    np.testing.assert_array_equal(negative, [[5.0, 0.0]])
+    # Two rows from reused residuals are used as they are, and do not replace the kept difference.
+    cache.guidance_rows(2, np.array([[0.0, 0.0], [9.0, 9.0]]), ran_tail=False)
+    np.testing.assert_array_equal(cache.guidance_rows(3, np.array([[0.0, 0.0]]), ran_tail=True)[1], [[3.0, -2.0]])
+
+
+@pytest.mark.parametrize("policy", ["fbcache", "magcache"])
+def test_negative_row_runs_every_interval(generate, policy):
+    controls = CacheControls(warmup_steps=3, final_steps=0, max_consecutive_skips=0, negative_interval=3)
+    settings = CacheSettings(magnitude_ratios=(1.0,) * 10, controls={policy: controls})
+    _, uncached = generate(settings, cfg_request())
+    # Threshold 0 and no skips allowed: every step runs the tail, only the negative row is thinned out.
+    fake, cached = generate(settings, cfg_request(cache_policy=policy, cache_threshold=0.0))
+    assert [rows for name, rows in fake.calls if name == "denoiser_tail"] == [2, 2, 2, 1, 1, 2, 1, 1, 2, 1]
+    assert (cached.stats.denoiser_tail_passes, cached.stats.negative_rows_derived) == (15, 5)
+    assert np.abs(cached.latents - uncached.latents).max() > 1e-3
+    # On the point mass a last step that runs both rows lands exactly on the guided target, whatever came before.
+    with_final = CacheSettings(magnitude_ratios=(1.0,) * 10, controls={policy: replace(controls, final_steps=1)})
+    _, landed = generate(with_final, cfg_request(cache_policy=policy, cache_threshold=0.0))
+    assert landed.stats.negative_rows_derived == 4
+    np.testing.assert_allclose(landed.latents, uncached.latents, atol=1e-5)
+    every_step = CacheSettings(magnitude_ratios=(1.0,) * 10, controls={policy: replace(controls, negative_interval=1)})
+    _, exact = generate(every_step, cfg_request(cache_policy=policy, cache_threshold=0.0))
+    np.testing.assert_array_equal(exact.latents, uncached.latents)
+    assert exact.stats.negative_rows_derived == 0
+
+
+def test_skipped_steps_derive_the_negative_row(generate):
+    settings = calibrated_settings(generate, 10)
+    settings = CacheSettings(magnitude_ratios=settings.magnitude_ratios,
+                             controls={"magcache": replace(CONTROLS, negative_interval=2)})
+    fake, cached = generate(settings, cfg_request(cache_policy="magcache", cache_threshold=10.0))
+    reuse_rows = [rows for name, rows in fake.calls if name == "denoiser_reuse"]
+    assert reuse_rows and set(reuse_rows) == {1}
+    assert cached.stats.negative_rows_derived >= len(reuse_rows)
 
 
 def test_prompt_embeddings_are_cached_by_prompt(conditioning_factory):

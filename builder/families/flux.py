@@ -87,6 +87,7 @@ def _flux_specs(*, clip_length: int, pooled_dim: int, t5_dim: int, joint_dim: in
             + (TensorSpec("blocks_residual", "float32", ("batch", "image_tokens", inner_dim)),),
             outputs=(noise_pred,),
             tolerance=1e-4,
+            in_sampler=True,
         ),
         ComponentSpec(
             "vae_decoder",
