@@ -70,8 +70,11 @@ def calibrate(
     count: int = typer.Option(16, "--count", help="prompts to use"),
     warmup_steps: int = typer.Option(None, "--warmup-steps",
                                      help="first steps always computed (default: fitted, 3 or 4)"),
-    final_steps: int = typer.Option(None, "--final-steps", help="last steps always computed (default: fitted, 0 or 1)"),
+    final_steps: int = typer.Option(None, "--final-steps", help="last steps always computed (default: 0)"),
     max_consecutive_skips: int = typer.Option(None, "--max-consecutive-skips", help="(default: fitted, 2 or 3)"),
+    negative_interval: int = typer.Option(None, "--negative-interval",
+                                          help="true CFG: steps between runs of the negative row "
+                                               "(default: fitted, 1, 3 or 5)"),
 ) -> None:
     """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target; store the best as default."""
     import tempfile
@@ -89,13 +92,11 @@ def calibrate(
         from machgen.builder import shapes
 
         prompts = [(prompt, seed) for prompt, seed, _ in shapes.evaluation_prompts(count, seed=77)]
-    grid = [c for c in CONTROL_GRID
-            if warmup_steps in (None, c.warmup_steps) and final_steps in (None, c.final_steps)
-            and max_consecutive_skips in (None, c.max_consecutive_skips)]
-    if not grid:
-        fixed = {"warmup_steps": warmup_steps, "final_steps": final_steps,
-                 "max_consecutive_skips": max_consecutive_skips}
-        grid = [CacheControls(**{k: v for k, v in fixed.items() if v is not None})]
+    fixed = {key: value for key, value in {
+        "warmup_steps": warmup_steps, "final_steps": final_steps, "max_consecutive_skips": max_consecutive_skips,
+        "negative_interval": negative_interval}.items() if value is not None}
+    grid = [c for c in CONTROL_GRID if all(getattr(c, key) == value for key, value in fixed.items())]
+    grid = grid or [CacheControls(**fixed)]
     with tempfile.TemporaryDirectory(prefix="machgen-calibrate-") as scratch:
         repository, pipeline_name = target, name
         if (target / "model_index.json").is_file():
@@ -121,6 +122,8 @@ def train(
                                          "pip download --no-deps open_clip_torch==3.3.0"),
     vae_steps: int = typer.Option(6000, "--vae-steps"),
     vae_minutes: float = typer.Option(None, "--vae-minutes", help="time budget of the VAE stage"),
+    decoder_steps: int = typer.Option(3000, "--decoder-steps", help="steps of the last stage: the VAE decoder alone"),
+    decoder_minutes: float = typer.Option(None, "--decoder-minutes", help="time budget of the decoder stage"),
     steps: int = typer.Option(20000, "--steps", help="transformer (or LoRA) steps"),
     minutes: float = typer.Option(None, "--minutes", help="time budget of the transformer (or LoRA) stage"),
     batch: int = typer.Option(32, "--batch"),
@@ -151,7 +154,8 @@ def train(
 
     if clip_vocab is None:
         raise typer.BadParameter("training from scratch needs the CLIP vocabulary", param_hint="--clip-vocab")
-    settings = TrainingSettings(seed=seed, vae_steps=vae_steps, vae_minutes=vae_minutes, steps=steps,
+    settings = TrainingSettings(seed=seed, vae_steps=vae_steps, vae_minutes=vae_minutes, decoder_steps=decoder_steps,
+                                decoder_minutes=decoder_minutes, steps=steps,
                                 minutes=minutes, batch=batch, bf16=bf16)
     record = train_shapes_model(out, settings, clip_vocab, resume=resume, log=typer.echo)
     typer.echo(f"trained: {record['transformer_steps']} transformer steps; model in {out / 'model'}")

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_t2i import _free_port, _record  # noqa: E402
 
 SECTION = "bench_cache"
-SERVED_SETTINGS = [("fbcache", 0.1), ("fbcache", 0.2), ("fbcache", 0.3),
-                   ("magcache", 0.05), ("magcache", 0.1), ("magcache", 0.2)]
+SERVED_SETTINGS = [("fbcache", 0.1), ("fbcache", 0.2), ("fbcache", 0.3), ("fbcache", 0.4),
+                   ("magcache", 0.1), ("magcache", 0.2), ("magcache", 0.3), ("magcache", 0.4)]
 
 
 def summarise(stack, name, images, reference, seconds, passes, labels):

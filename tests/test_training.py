@@ -8,8 +8,8 @@ import torch
 
 from machgen.builder import shapes
 from machgen.builder.tiny import tiny_clip_tokenizer
-from machgen.builder.training import (ShapesModelConfig, TrainingSettings, assemble_pipeline, train_t5_tokenizer,
-                                      train_transformer, train_vae)
+from machgen.builder.training import (ShapesModelConfig, TrainingSettings, assemble_pipeline, refine_vae_decoder,
+                                      train_t5_tokenizer, train_transformer, train_vae)
 
 TINY = ShapesModelConfig(vae_channels=(8, 16, 16), latent_channels=4, transformer_heads=2, head_dim=16,
                          double_blocks=1, single_blocks=1, text_dim=32)
@@ -77,3 +77,18 @@ def test_vae_checkpoint_resumes_finished_stage(tmp_path):
     _, metrics = train_vae(tmp_path, settings(), log=logs.append)
     assert "vae: resumed at step 6" in logs and metrics["vae_steps"] == 6
     assert json.loads(json.dumps(metrics))  # JSON-able for the model card
+
+
+def test_decoder_stage_trains_the_decoder_alone(tmp_path):
+    """The transformer learned the encoder's latents: the last stage must not move them."""
+    vae, _ = train_vae(tmp_path, settings(), log=lambda line: None)
+    before = {name: value.clone() for name, value in vae.state_dict().items()}
+    scaling, shift = vae.config.scaling_factor, vae.config.shift_factor
+    metrics = refine_vae_decoder(tmp_path, settings(decoder_steps=4), vae, log=lambda line: None)
+    changed = {name for name, value in vae.state_dict().items() if not torch.equal(before[name], value)}
+    assert changed and all(name.startswith(("decoder.", "post_quant_conv.")) for name in changed)
+    assert (vae.config.scaling_factor, vae.config.shift_factor) == (scaling, shift)
+    assert metrics["vae_decoder_steps"] == 4 and 0 <= metrics["vae_decoder_reconstructions_read_correctly"] <= 1
+    logs = []
+    refine_vae_decoder(tmp_path, settings(decoder_steps=4), vae, log=logs.append)
+    assert "vae decoder: resumed at step 4" in logs
