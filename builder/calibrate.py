@@ -20,12 +20,12 @@ from machgen.builder.evaluate import psnr
 from machgen.ensembles.cache import BlocksResidualRecorder, CacheControls, CacheSettings, magnitude_ratios
 
 THRESHOLD_GRIDS = {
-    "fbcache": (0.2, 0.3, 0.4),
-    "magcache": (0.1, 0.2, 0.3, 0.4),
+    "fbcache": (0.2, 0.3, 0.4, 0.6),
+    "magcache": (0.1, 0.2, 0.3, 0.4, 0.6, 0.8),
 }
 # Forcing the last step never paid on the shapes model (calibrated: final 0 for both policies), so the
-# grid spends its time on the negative row instead.
-CONTROL_GRID = tuple(CacheControls(warmup, 0, skips, negative) for warmup in (3, 4) for skips in (2, 3)
+# grid spends its time on longer skip runs and the negative row instead.
+CONTROL_GRID = tuple(CacheControls(warmup, 0, skips, negative) for warmup in (3, 4) for skips in (2, 3, 4)
                      for negative in (1, 3, 5))
 
 

@@ -71,7 +71,7 @@ def calibrate(
     warmup_steps: int = typer.Option(None, "--warmup-steps",
                                      help="first steps always computed (default: fitted, 3 or 4)"),
     final_steps: int = typer.Option(None, "--final-steps", help="last steps always computed (default: 0)"),
-    max_consecutive_skips: int = typer.Option(None, "--max-consecutive-skips", help="(default: fitted, 2 or 3)"),
+    max_consecutive_skips: int = typer.Option(None, "--max-consecutive-skips", help="(default: fitted, 2, 3 or 4)"),
     negative_interval: int = typer.Option(None, "--negative-interval",
                                           help="true CFG: steps between runs of the negative row "
                                                "(default: fitted, 1, 3 or 5)"),
