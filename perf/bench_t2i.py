@@ -4,6 +4,8 @@ Both run the same model folder, prompt, seed, steps and size in one process
 run, alternating request by request so that machine noise hits both alike.
 Prints a markdown table with the ratio (diffusers time / served time; above
 1 means the served pipeline is faster) and the largest pixel difference.
+The served requests are uncached (``cache_policy`` none): the same work as
+diffusers; cache reuse has its own benchmark (perf/bench_cache.py).
 
     python perf/bench_t2i.py                       # the tiny Flux, built on the fly
     python perf/bench_t2i.py --model-dir DIR --repository REPO --name NAME
@@ -94,8 +96,9 @@ def main() -> int:
             url = server.grpc_url if args.protocol == "grpc" else server.http_url
             with MachgenClient(url, args.protocol) as client:
                 def run_served(seed: int, size: int):
+                    # Uncached, so both sides do the same work (cache reuse: perf/bench_cache.py).
                     return client.generate(args.name, args.prompt, seed=seed, num_inference_steps=steps,
-                                           height=size, width=size)[0]
+                                           height=size, width=size, cache_policy="none")[0]
 
                 for size in sizes:
                     run_served(0, size), run_diffusers(0, size)  # warm-up: first-call allocations

@@ -20,6 +20,15 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 PIPELINE_NAME = "flux"
 
 
+def component_onnx(repository: Path, component: str, pipeline: str = PIPELINE_NAME) -> Path:
+    """A built component's ONNX file: in its Triton model, or under the sampler when it runs there."""
+    import json
+
+    sampler_dir = repository / f"{pipeline}_sampler" / "1"
+    entry = json.loads((sampler_dir / "pipeline.json").read_text())["components"][component]
+    return sampler_dir / entry["onnx"] if "onnx" in entry else repository / entry["model"] / "1" / "model.onnx"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

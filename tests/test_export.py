@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from machgen.builder.registry import get_family
-from machgen.builder.repository import model_name
 from machgen.ensembles.onnx_runner import OnnxSession
 
-from conftest import PIPELINE_NAME
+from conftest import component_onnx
 
 # Sizes for every dynamic axis, all different from the traced ones.
 UNSEEN_SIZES = {"batch": 3, "image_tokens": 48, "text_tokens": 19, "latent_height": 12, "latent_width": 8,
@@ -44,7 +43,7 @@ def test_onnx_matches_torch_on_unseen_dynamic_sizes(component, built_repository,
     with torch.no_grad():
         expected = exportable.module(**inputs)
     expected = expected if isinstance(expected, tuple) else (expected,)
-    session = OnnxSession(repository / model_name(PIPELINE_NAME, component) / "1" / "model.onnx")
+    session = OnnxSession(component_onnx(repository, component))
     got = session.run({k: v.numpy() for k, v in inputs.items()})
     for tensor, want in zip(spec.outputs, expected):
         have = got[tensor.name]

@@ -1,6 +1,5 @@
 """The generated repository is pinned by golden files (UPDATE_GOLDEN=1 rewrites them)."""
 
-import json
 import os
 from pathlib import Path
 
@@ -9,6 +8,8 @@ import pytest
 from machgen.builder.build import served_defaults
 from machgen.builder.registry import get_family
 from machgen.builder.repository import render_repository
+
+from conftest import component_onnx
 
 GOLDEN = Path(__file__).parent / "golden" / "flux"
 
@@ -36,13 +37,10 @@ def test_built_repository_holds_the_rendered_files_and_engines(rendered, built_r
     repository, results = built_repository
     for relative, text in rendered.items():
         assert (repository / relative).read_text() == text
-    sampler_dir = repository / "flux_sampler" / "1"
-    components = json.loads((sampler_dir / "pipeline.json").read_text())["components"]
     for result in results:
-        entry = components[result.name]
-        onnx = sampler_dir / entry["onnx"] if "onnx" in entry else repository / entry["model"] / "1" / "model.onnx"
-        assert onnx.stat().st_size > 0
+        assert component_onnx(repository, result.name).stat().st_size > 0
     # in-sampler components are no Triton models
-    assert "onnx" in components["denoiser_reuse"] and not (repository / "flux_denoiser_reuse").exists()
+    assert component_onnx(repository, "denoiser_reuse").parent.parent.name == "components"
+    assert not (repository / "flux_denoiser_reuse").exists()
     for asset in ("tokenizer", "tokenizer_2", "scheduler"):
         assert (repository / "flux_sampler" / "1" / asset).is_dir()
