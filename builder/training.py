@@ -172,6 +172,19 @@ def _budget_left(start_seconds: float, elapsed_before: float, minutes: float | N
 
 
 # ----------------------------------------------------------------- VAE stage
+def _resume_vae_stage(checkpoint: "Checkpointer | None", vae, optimizer, rng: np.random.Generator, stage: str,
+                      log: Callable[[str], None]) -> tuple[int, float]:
+    """(step, elapsed seconds) of a VAE stage, restored from its checkpoint when there is one."""
+    state = checkpoint.load() if checkpoint is not None else None
+    if state is None:
+        return 0, 0.0
+    vae.load_state_dict(state["vae"])
+    optimizer.load_state_dict(state["optimizer"])
+    rng.bit_generator.state = state["rng"]
+    log(f"{stage}: resumed at step {state['step']}")
+    return state["step"], state["elapsed"]
+
+
 def build_vae(config: ShapesModelConfig):
     from diffusers import AutoencoderKL
 
@@ -200,13 +213,8 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
     vae = build_vae(settings.config).train()
     optimizer = torch.optim.AdamW(vae.parameters(), lr=settings.vae_lr, weight_decay=0.0)
     checkpoint = Checkpointer(out / "checkpoints" / "vae.pt", settings.checkpoint_minutes)
-    step, elapsed, rng = 0, 0.0, np.random.default_rng(settings.seed + 1)
-    state = checkpoint.load() if resume else None
-    if state is not None:
-        vae.load_state_dict(state["vae"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
-        log(f"vae: resumed at step {step}")
+    rng = np.random.default_rng(settings.seed + 1)
+    step, elapsed = _resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "vae", log)
     start = time.monotonic()
     latent_size = shapes.SIZE // 2 ** (len(settings.config.vae_channels) - 1)
     latent_elements = settings.config.latent_channels * latent_size**2
@@ -279,13 +287,8 @@ def refine_vae_decoder(out: Path, settings: TrainingSettings, vae, resume: bool 
     params = [p for part in decoder_parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(params, lr=settings.decoder_lr, weight_decay=0.0)
     checkpoint = Checkpointer(out / "checkpoints" / "vae_decoder.pt", settings.checkpoint_minutes)
-    step, elapsed, rng = 0, 0.0, np.random.default_rng(settings.seed + 3)
-    state = checkpoint.load() if resume else None
-    if state is not None:
-        vae.load_state_dict(state["vae"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
-        log(f"vae decoder: resumed at step {step}")
+    rng = np.random.default_rng(settings.seed + 3)
+    step, elapsed = _resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "vae decoder", log)
     start = time.monotonic()
 
     def snapshot() -> dict:
