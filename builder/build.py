@@ -8,9 +8,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from machgen.builder.registry import Family, ServedDefaults, family_for_pipeline
+
+if TYPE_CHECKING:  # pragma: no cover
+    from machgen.builder.repository import ServingOptions
 
 # A model folder's served defaults (key "serving") and calibrated cache defaults (key "cache").
 SERVING_FILE = "machgen.json"
@@ -76,11 +79,12 @@ def _quiet_exporter() -> None:
 
 
 def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
+                     options: "ServingOptions | None" = None,
                      log: Callable[[str], None] = print) -> list[ComponentResult]:
     """Export, check and write every component of the model in ``model_dir``
-    (with ``lora`` fused into its weights first)."""
+    (with ``lora`` fused into its weights first), served with ``options``."""
     from machgen.builder.export import check_parity, export_onnx
-    from machgen.builder.repository import render_repository, write_repository
+    from machgen.builder.repository import ServingOptions, render_repository, write_repository
 
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not available here; choose from {', '.join(TARGETS)}")
@@ -111,7 +115,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance, seconds))
         specs = {c.spec.name: c.spec for c in components}
         files = render_repository(name, family, specs, defaults, family.sampler_settings(pipe, defaults),
-                                  cache=model_cache_settings(model_dir))
+                                  options=options or ServingOptions(), cache=model_cache_settings(model_dir))
         write_repository(out, name, files, onnx_files,
                          {asset: model_dir / asset for asset in family.sampler_assets})
     log(f"wrote model repository {out} (public model '{name}')")

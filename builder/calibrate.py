@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from machgen.builder.evaluate import psnr
+from machgen.builder.repository import find_pipeline_dir
 from machgen.ensembles.cache import BlocksResidualRecorder, CacheControls, CacheSettings, magnitude_ratios
 
 THRESHOLD_GRIDS = {
@@ -116,20 +117,9 @@ def write_settings(target: Path, name: str | None, settings: CacheSettings) -> P
     from machgen.builder.build import SERVING_FILE
 
     is_model_folder = (target / "model_index.json").is_file()
-    path = target / SERVING_FILE if is_model_folder else sampler_dir(target, name) / "pipeline.json"
+    path = target / SERVING_FILE if is_model_folder else find_pipeline_dir(target, name) / "pipeline.json"
     card = json.loads(path.read_text()) if path.is_file() else {}
     card["cache"] = settings.to_json()
     # pipeline.json is generated with sorted keys; a model card keeps its authors' order
     path.write_text(json.dumps(card, indent=2, sort_keys=not is_model_folder) + "\n")
     return path
-
-
-def sampler_dir(repository: Path, name: str | None) -> Path:
-    """The sampler folder of pipeline ``name`` (or of the only pipeline) in a repository."""
-    samplers = sorted(p.parent for p in repository.glob("*_sampler/1/pipeline.json"))
-    if name is not None:
-        samplers = [p for p in samplers if p.parent.name == f"{name}_sampler"]
-    if len(samplers) != 1:
-        found = ", ".join(p.parent.name.removesuffix("_sampler") for p in samplers) or "none"
-        raise ValueError(f"{repository}: name one pipeline with --name (found: {found})")
-    return samplers[0]

@@ -7,6 +7,9 @@ from pathlib import Path
 import typer
 
 from machgen.builder.registry import family_names
+from machgen.builder.repository import ServingOptions
+
+_SERVING = ServingOptions()
 
 app = typer.Typer(help="Export diffusion models and write Triton model repositories.", no_args_is_help=True,
                   add_completion=False)
@@ -43,6 +46,18 @@ def build(
     target: str = typer.Option("onnxruntime", "--target", help="engine target: onnxruntime (CPU)"),
     out: Path = typer.Option(Path("model_repository"), "--out", help="model repository to write into"),
     lora: Path = typer.Option(None, "--lora", exists=True, help="a LoRA (diffusers format) to fuse before export"),
+    sampler_instances: int = typer.Option(_SERVING.sampler_instances, "--sampler-instances", min=1,
+                                          help="requests in flight at once (public model instances)"),
+    max_queue_size: int = typer.Option(_SERVING.max_queue_size, "--max-queue-size", min=0,
+                                       help="requests waiting for an instance; beyond it: UNAVAILABLE"),
+    batching: bool = typer.Option(_SERVING.batching, "--batching/--no-batching",
+                                  help="batch the calls of concurrent requests in each component"),
+    max_batch_size: int = typer.Option(_SERVING.max_batch_size, "--max-batch-size", min=1,
+                                       help="rows one component forward may carry"),
+    step_queue_delay_us: int = typer.Option(_SERVING.step_queue_delay_us, "--step-queue-delay-us", min=0,
+                                            help="how long a denoiser call waits for other requests' calls"),
+    intra_op_threads: int = typer.Option(_SERVING.intra_op_threads, "--intra-op-threads", min=0,
+                                         help="ONNX Runtime threads per component (0: one per core)"),
 ) -> None:
     """Export every component, check it against torch, and write the model repository."""
     from machgen.builder.build import build_repository
@@ -50,8 +65,11 @@ def build(
 
     if not name.replace("_", "").replace("-", "").isalnum():
         raise typer.BadParameter("use letters, digits, '_' and '-'", param_hint="--name")
+    options = ServingOptions(sampler_instances=sampler_instances, max_queue_size=max_queue_size, batching=batching,
+                             max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
+                             intra_op_threads=intra_op_threads)
     try:
-        build_repository(model_dir, name, out, target=target, lora=lora, log=typer.echo)
+        build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo)
     except (ParityError, ValueError, KeyError, FileNotFoundError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -80,7 +98,8 @@ def calibrate(
     import tempfile
 
     from machgen.builder.build import build_repository
-    from machgen.builder.calibrate import CONTROL_GRID, sampler_dir, write_settings
+    from machgen.builder.calibrate import CONTROL_GRID, write_settings
+    from machgen.builder.repository import find_pipeline_dir
     from machgen.builder.calibrate import calibrate as fit
     from machgen.ensembles.cache import CacheControls
     from machgen.ensembles.local import LocalPipeline
@@ -103,7 +122,7 @@ def calibrate(
             repository, pipeline_name = Path(scratch), "calibration"
             build_repository(target, pipeline_name, repository, log=typer.echo)
         try:
-            pipeline_name = sampler_dir(repository, pipeline_name).parent.name.removesuffix("_sampler")
+            pipeline_name = find_pipeline_dir(repository, pipeline_name).parent.name
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--name") from None
         pipeline = LocalPipeline(repository, pipeline_name)

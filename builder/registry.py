@@ -50,7 +50,9 @@ class ComponentSpec:
     # Largest max-abs difference allowed between the ONNX file under ONNX
     # Runtime and the torch module on the sample inputs.
     tolerance: float
-    max_batch_size: int = 8
+    # Called once per denoising step (rather than once per request): its
+    # batcher waits only briefly for other requests' calls.
+    per_step: bool = False
     # Run inside the sampler's own process (ONNX Runtime, one thread) rather
     # than as a Triton model: for graphs so small that a BLS round trip costs
     # more than their work.

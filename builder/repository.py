@@ -2,12 +2,20 @@
 
 Layout for a pipeline served as NAME (all generated, never hand-edited):
 
-    NAME/                    the public ensemble: sampler -> vae_decoder -> postprocess
-    NAME_sampler/1/          BLS model: model.py shim, pipeline.json, tokenizers, scheduler
-    NAME_<component>/1/      one model per exported component: model.py shim, model.onnx
-    NAME_sampler/1/components/<component>/model.onnx
-                             components the sampler runs in its own process
+    NAME/1/                  the public model, a Python BLS model that runs the whole
+                             request (encode, denoising loop, decode) by calling the
+                             component models: model.py shim, pipeline.json,
+                             tokenizers, scheduler config
+    NAME/1/components/<component>/model.onnx
+                             components it runs in its own process
                              (``ComponentSpec.in_sampler``)
+    NAME_<component>/1/      one model per exported component: model.py shim, model.onnx
+
+Why the public model is the sampler itself and not an ensemble: Triton
+delivers a client's cancellation only to the model the client called (an
+ensemble passes it on between steps, never into a running one), and only a
+model with a scheduler can bound its queue. Being called directly, the
+sampler sees ``is_cancelled()`` at every denoising step.
 
 ``render_repository`` is pure (specs and settings in, file texts out) so a
 golden test can pin the rendered configs.
@@ -34,20 +42,43 @@ _SHIM = '''\
 from machgen.ensembles.triton_models import {cls} as TritonPythonModel  # noqa: F401
 '''
 
-# The stages after the sampler, in order; each maps its output onto the next one's input.
-DECODE_STAGES = ("vae_decoder", "postprocess")
-
 
 @dataclass(frozen=True)
 class ServingOptions:
-    """Per-model serving knobs written into the generated configs."""
+    """Per-model serving knobs written into the generated configs.
 
-    sampler_instances: int = 2
+    Batching across requests comes from two settings together: several
+    instances of the public model each carry one request through its loop
+    (mostly waiting on component calls), and every component model has
+    Triton's dynamic batcher, so the calls of all in-flight requests that
+    reach a component together run as one forward (per denoising step:
+    requests join and leave at step boundaries).
+    """
+
+    # Requests in flight at once; each instance is one Python process.
+    sampler_instances: int = 8
+    # Requests waiting for a free instance beyond that; more are refused
+    # with UNAVAILABLE instead of queueing without bound.
+    max_queue_size: int = 64
     component_instances: int = 1
-    # Short: a lone request waits this long at every denoiser call for company.
-    max_queue_delay_us: int = 100
-    # ONNX Runtime threads per component session; 0: one per core the server may use.
-    intra_op_threads: int = 0
+    # False: components run each call alone (no dynamic batcher): the
+    # baseline the batching benchmark compares against.
+    batching: bool = True
+    # Rows one forward may carry (a true-CFG request sends two per denoiser call).
+    max_batch_size: int = 16
+    # How long a per-step call (denoiser) waits for calls of other requests,
+    # and the same for once-per-request stages (text encoders, VAE decoder).
+    # 0: no waiting; calls that queue while a forward runs still go together
+    # (5.3 rows per tail forward at concurrency 8 on the shapes model). On the
+    # CPU a wait only adds latency: the tiny model took 65 ms a request at
+    # 500/2000 us, 49 ms at 0, with no throughput gained.
+    step_queue_delay_us: int = 0
+    stage_queue_delay_us: int = 0
+    # ONNX Runtime threads per component session; 0: one per core the server
+    # may use. One: on the 2-core CPU a lone request ran no faster with two
+    # (183 ms either way, shapes model) while the second thread took the
+    # core that concurrent requests need.
+    intra_op_threads: int = 1
     # Prompts whose text-encoder outputs each sampler instance keeps (0: none).
     prompt_cache_size: int = 256
 
@@ -74,12 +105,26 @@ def _component_io(tensors: tuple[TensorSpec, ...]):
     return [(t.name, t.dtype, _dims(t.shape[1:] if t.batched else t.shape), False) for t in tensors]
 
 
+def _dynamic_batching(spec: ComponentSpec, options: ServingOptions) -> str:
+    if not options.batching:
+        return ""
+    if spec.per_step:
+        # A request sends one or two rows per step (true CFG), so no batch
+        # size is "complete": run whatever has arrived once the delay is up.
+        return f"dynamic_batching {{\n  max_queue_delay_microseconds: {options.step_queue_delay_us}\n}}\n"
+    # One row per request: when every sampler instance has a request here,
+    # nobody else can come, so the batch goes without waiting out the delay.
+    preferred = min(options.sampler_instances, options.max_batch_size)
+    return (f"dynamic_batching {{\n  preferred_batch_size: [ {preferred} ]\n"
+            f"  max_queue_delay_microseconds: {options.stage_queue_delay_us}\n}}\n")
+
+
 def render_component_config(pipeline: str, spec: ComponentSpec, options: ServingOptions) -> str:
     return (
         f'name: "{model_name(pipeline, spec.name)}"\n'
         'backend: "python"\n'
-        f"max_batch_size: {spec.max_batch_size}\n"
-        f"dynamic_batching {{\n  max_queue_delay_microseconds: {options.max_queue_delay_us}\n}}\n"
+        f"max_batch_size: {options.max_batch_size}\n"
+        + _dynamic_batching(spec, options)
         + _tensor_block("input", _component_io(spec.inputs))
         + _tensor_block("output", _component_io(spec.outputs))
         + f"instance_group [\n  {{\n    count: {options.component_instances}\n    kind: KIND_CPU\n  }}\n]\n"
@@ -94,46 +139,24 @@ def _api_io(tensors, *, optional: bool):
     return [(t.name, t.triton_dtype, _dims(t.dims), optional) for t in tensors]
 
 
-def render_sampler_config(pipeline: str, latent_channels: int, options: ServingOptions) -> str:
-    return (
-        f'name: "{model_name(pipeline, "sampler")}"\n'
-        'backend: "python"\n'
-        "max_batch_size: 0\n"
-        + _tensor_block("input", _api_io(API_INPUTS, optional=True))
-        + _tensor_block("output", [("latents", "float32", _dims((1, latent_channels, -1, -1)), False),
-                                   ("stats", "BYTES", _dims((1,)), False)])
-        + f"instance_group [\n  {{\n    count: {options.sampler_instances}\n    kind: KIND_CPU\n  }}\n]\n"
-    )
-
-
-def render_ensemble_config(pipeline: str, specs: dict[str, ComponentSpec]) -> str:
-    def step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
-        maps = [f'      input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items()]
-        maps += [f'      output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items()]
-        return f'    {{\n      model_name: "{model}"\n      model_version: -1\n' + "\n".join(maps) + "\n    }"
-
-    steps = [step(model_name(pipeline, "sampler"), {t.name: t.name for t in API_INPUTS},
-                  {"latents": "latents", "stats": "stats"})]
-    previous = "latents"
-    for stage in DECODE_STAGES:
-        spec = specs[stage]
-        (stage_input,), (stage_output,) = spec.inputs, spec.outputs
-        produced = "images" if stage == DECODE_STAGES[-1] else f"{stage}_{stage_output.name}"
-        steps.append(step(model_name(pipeline, stage), {stage_input.name: previous}, {stage_output.name: produced}))
-        previous = produced
+def render_public_config(pipeline: str, options: ServingOptions) -> str:
+    # The scheduler here batches nothing (max_batch_size 0: one request per
+    # execute); it is what gives the model a bounded queue.
     return (
         f'name: "{pipeline}"\n'
-        'platform: "ensemble"\n'
+        'backend: "python"\n'
         "max_batch_size: 0\n"
+        "dynamic_batching {\n  default_queue_policy {\n"
+        f"    max_queue_size: {options.max_queue_size}\n  }}\n}}\n"
         + _tensor_block("input", _api_io(API_INPUTS, optional=True))
         + _tensor_block("output", _api_io(API_OUTPUTS, optional=False))
-        + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"
+        + f"instance_group [\n  {{\n    count: {options.sampler_instances}\n    kind: KIND_CPU\n  }}\n]\n"
     )
 
 
 def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
                   family_settings: dict[str, Any], cache: CacheSettings, options: ServingOptions) -> dict[str, Any]:
-    """What the sampler reads at start-up: who to call, defaults, family
+    """What the public model reads at start-up: who to call, defaults, family
     settings, cache defaults (``machgen-build calibrate`` rewrites them)."""
     return {
         "name": pipeline,
@@ -155,12 +178,9 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
                       cache: CacheSettings = CacheSettings()) -> dict[str, str]:
     """Every generated text file of the pipeline, keyed by path in the repository."""
     files = {
-        f"{pipeline}/config.pbtxt": render_ensemble_config(pipeline, specs),
-        f"{pipeline}/1/.keep": "",
-        f"{model_name(pipeline, 'sampler')}/config.pbtxt": render_sampler_config(
-            pipeline, family_settings["latent_channels"], options),
-        f"{model_name(pipeline, 'sampler')}/1/model.py": _SHIM.format(cls="SamplerModel"),
-        f"{model_name(pipeline, 'sampler')}/1/pipeline.json": json.dumps(
+        f"{pipeline}/config.pbtxt": render_public_config(pipeline, options),
+        f"{pipeline}/1/model.py": _SHIM.format(cls="SamplerModel"),
+        f"{pipeline}/1/pipeline.json": json.dumps(
             pipeline_json(pipeline, family, specs, defaults, family_settings, cache, options),
             indent=2, sort_keys=True) + "\n",
     }
@@ -173,8 +193,24 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
 
 
 def in_sampler_onnx(component: str) -> str:
-    """Where an ``in_sampler`` component's ONNX file lives, relative to the sampler's version folder."""
+    """Where an ``in_sampler`` component's ONNX file lives, relative to the public model's version folder."""
     return f"components/{component}/model.onnx"
+
+
+def pipeline_dir(repository: Path, name: str) -> Path:
+    """The public model's version folder: pipeline.json, assets, in-sampler components."""
+    return Path(repository) / name / "1"
+
+
+def find_pipeline_dir(repository: Path, name: str | None) -> Path:
+    """``pipeline_dir`` of pipeline ``name``, or of the only pipeline in the repository."""
+    found = sorted(p.parent for p in Path(repository).glob("*/1/pipeline.json"))
+    if name is not None:
+        found = [p for p in found if p.parent.name == name]
+    if len(found) != 1:
+        names = ", ".join(p.parent.name for p in found) or "none"
+        raise ValueError(f"{repository}: name one pipeline with --name (found: {names})")
+    return found[0]
 
 
 def write_repository(out: Path, pipeline: str, files: dict[str, str], onnx_files: dict[str, Path],
@@ -185,13 +221,14 @@ def write_repository(out: Path, pipeline: str, files: dict[str, str], onnx_files
     when ``files`` renders no model for the component (it runs in the sampler).
     """
     out.mkdir(parents=True, exist_ok=True)
+    # The public model of earlier versions was an ensemble over NAME_sampler.
     for model in [pipeline, model_name(pipeline, "sampler"), *(model_name(pipeline, c) for c in onnx_files)]:
         shutil.rmtree(out / model, ignore_errors=True)
     for relative, text in files.items():
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    sampler_dir = out / model_name(pipeline, "sampler") / "1"
+    sampler_dir = pipeline_dir(out, pipeline)
     for component, onnx_path in onnx_files.items():
         served = out / model_name(pipeline, component)
         target = served / "1" if served.is_dir() else (sampler_dir / in_sampler_onnx(component)).parent

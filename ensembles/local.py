@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from machgen.builder.repository import DECODE_STAGES, model_name
+from machgen.builder.repository import model_name, pipeline_dir
 from machgen.ensembles.api import API_INPUTS, numpy_dtype, parse_request
 from machgen.ensembles.onnx_runner import InSamplerComponents, OnnxSession
 from machgen.ensembles.sampler import GenerationStats, load_sampler
@@ -27,7 +27,7 @@ class LocalPipeline:
     def __init__(self, repository: Path, name: str, intra_op_threads: int = 0):
         self.repository = Path(repository)
         self.name = name
-        sampler_dir = self.repository / model_name(name, "sampler") / "1"
+        sampler_dir = pipeline_dir(self.repository, name)
         self.pipeline = json.loads((sampler_dir / "pipeline.json").read_text())
         self._intra_op_threads = intra_op_threads
         self._sessions: dict[str, Any] = {}
@@ -52,9 +52,4 @@ class LocalPipeline:
         request = parse_request(arrays.get, self.pipeline["defaults"], self.sampler.conditioning.size_multiple,
                                 self.sampler.cache_settings.available())
         result = self.sampler.generate(request)
-        value = result.latents.astype(np.float32)
-        for stage in DECODE_STAGES:
-            component = self.pipeline["components"][stage]
-            (stage_input,), (stage_output,) = component["inputs"], component["outputs"]
-            value = self.run_component(stage, {stage_input: value})[stage_output]
-        return value, result.stats
+        return self.sampler.decode(result.latents), result.stats

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -40,36 +40,50 @@ class OnnxSession:
         feed = {name: inputs[name] for name in self.input_names}
         return dict(zip(self.output_names, self._session.run(self.output_names, feed)))
 
-    def run_batches(self, batches: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Run several requests' inputs as one forward where their shapes allow.
-
-        Requests are grouped in arrival order into runs of equal per-item
-        shapes, concatenated along the batch axis, and the outputs are split
-        back by each request's batch size.
-        """
-        results: list[dict[str, np.ndarray]] = []
-        start = 0
-        while start < len(batches):
-            key = _shape_key(batches[start], self.input_names)
-            end = start + 1
-            while end < len(batches) and _shape_key(batches[end], self.input_names) == key:
-                end += 1
-            group = batches[start:end]
+    def run_batches(self, batches: Sequence[Mapping[str, np.ndarray]],
+                    max_rows: int | None = None) -> list[dict[str, np.ndarray]]:
+        """Run several requests' inputs, those of equal per-item shapes as one
+        forward (at most ``max_rows`` rows each); outputs in request order."""
+        keys = [_shape_key(b, self.input_names) for b in batches]
+        sizes = [len(b[self.input_names[0]]) for b in batches]
+        results: list[dict[str, np.ndarray] | None] = [None] * len(batches)
+        for group in group_requests(keys, sizes, max_rows):
             if len(group) == 1:
-                results.append(self.run(group[0]))
-            else:
-                sizes = [len(b[self.input_names[0]]) for b in group]
-                merged = {n: np.concatenate([b[n] for b in group], axis=0) for n in self.input_names}
-                outputs = self.run(merged)
-                offsets = np.cumsum([0] + sizes)
-                results.extend({n: v[offsets[i]:offsets[i + 1]] for n, v in outputs.items()}
-                               for i in range(len(group)))
-            start = end
+                results[group[0]] = self.run(batches[group[0]])
+                continue
+            merged = {n: np.concatenate([batches[i][n] for i in group], axis=0) for n in self.input_names}
+            outputs = self.run(merged)
+            offsets = np.cumsum([0] + [sizes[i] for i in group])
+            for position, index in enumerate(group):
+                results[index] = {n: v[offsets[position]:offsets[position + 1]] for n, v in outputs.items()}
         return results
 
 
 def _shape_key(inputs: Mapping[str, np.ndarray], names: Sequence[str]) -> tuple:
     return tuple((inputs[n].dtype.str, inputs[n].shape[1:]) for n in names)
+
+
+def group_requests(keys: Sequence[Hashable], sizes: Sequence[int], max_rows: int | None = None) -> list[list[int]]:
+    """Which requests run together: indices grouped by equal ``keys`` (shape
+    buckets never mix), groups in order of their first request's arrival,
+    each in arrival order, cut so no forward exceeds ``max_rows`` rows (a
+    request larger than that runs alone). Every index appears exactly once.
+    """
+    buckets: dict[Hashable, list[int]] = {}
+    for index, key in enumerate(keys):
+        buckets.setdefault(key, []).append(index)
+    groups: list[list[int]] = []
+    for members in buckets.values():
+        current: list[int] = []
+        rows = 0
+        for index in members:
+            if current and max_rows is not None and rows + sizes[index] > max_rows:
+                groups.append(current)
+                current, rows = [], 0
+            current.append(index)
+            rows += sizes[index]
+        groups.append(current)
+    return groups
 
 
 class InSamplerComponents:

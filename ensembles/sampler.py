@@ -10,7 +10,12 @@ The denoiser is three components that cache reuse recombines:
 needs), ``denoiser_tail`` (outputs ``noise_pred`` and ``tail_residual``, its
 image output minus its image input) and ``denoiser_reuse``, which turns the
 input embedding plus a kept ``blocks_residual`` into a prediction when a
-step skips the blocks (see ensembles/cache.py).
+step skips the blocks (see ensembles/cache.py). After the loop the latents
+go through ``DECODE_STAGES``.
+
+Batching across requests happens below this module: each in-flight request
+has its own Sampler call, and the component models batch the calls of
+different requests that arrive together.
 """
 
 from __future__ import annotations
@@ -28,6 +33,18 @@ from machgen.ensembles.cache import CacheSettings, StepCache, StepPlan
 
 RunComponent = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
 StepCallback = Callable[[int, int], None]
+
+# The components after the loop, in order, one input and one output each:
+# latents -> decoded image -> uint8 images.
+DECODE_STAGES = ("vae_decoder", "postprocess")
+
+
+class GenerationCancelled(Exception):
+    """The caller withdrew the request; raised at the next step boundary."""
+
+    def __init__(self, step: int, total: int):
+        super().__init__(f"cancelled after {step} of {total} steps")
+        self.step = step
 
 
 class Conditioning(Protocol):
@@ -121,11 +138,11 @@ def _route(names: Sequence[str], available: Mapping[str, np.ndarray]) -> dict[st
 
 class Sampler:
     """Runs one request: encode, denoise (per step: head and tail, or a kept
-    residual through ``denoiser_reuse``), unpack.
+    residual through ``denoiser_reuse``), unpack; ``decode`` makes images.
 
-    ``component_inputs`` are the input names of the tail and reuse
-    components; each comes from the head's outputs or the head's inputs
-    (for example the position ids every part uses).
+    ``component_inputs`` are the input names of the components; those of
+    the tail and reuse components come from the head's outputs or the
+    head's inputs (for example the position ids every part uses).
     """
 
     def __init__(self, conditioning: Conditioning, run_component: RunComponent,
@@ -133,8 +150,9 @@ class Sampler:
                  prompt_cache_size: int = 256):
         self.conditioning = conditioning
         self.run_component = run_component
-        self.tail_inputs = tuple(component_inputs["denoiser_tail"])
-        self.reuse_inputs = tuple(component_inputs.get("denoiser_reuse", ()))
+        self.component_inputs = {name: tuple(inputs) for name, inputs in component_inputs.items()}
+        self.tail_inputs = self.component_inputs["denoiser_tail"]
+        self.reuse_inputs = self.component_inputs.get("denoiser_reuse", ())
         self.cache_settings = cache_settings
         self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
 
@@ -161,8 +179,13 @@ class Sampler:
                      "blocks_residual": cache.blocks_residual(head_outputs, len(head_inputs["hidden_states"]))}
         return self.run_component("denoiser_reuse", _route(self.reuse_inputs, available))["noise_pred"], False
 
-    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
-        """The latents to decode and what they cost, for one validated request."""
+    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None,
+                 is_cancelled: Callable[[], bool] | None = None) -> Generation:
+        """The latents to decode and what they cost, for one validated request.
+
+        ``is_cancelled`` is asked before every step; when it answers True the
+        loop stops there with GenerationCancelled.
+        """
         import torch
 
         cond = self.conditioning
@@ -179,6 +202,8 @@ class Sampler:
         timesteps = scheduler.timesteps
         cache.start(len(timesteps))
         for index, timestep in enumerate(timesteps):
+            if is_cancelled is not None and is_cancelled():
+                raise GenerationCancelled(index, len(timesteps))
             # The positive and negative passes share one call: one batch of two rows.
             inputs = cond.denoiser_inputs(latents, timestep, conditioning, request.guidance_scale,
                                           request.height, request.width)
@@ -193,6 +218,14 @@ class Sampler:
                 on_step(index + 1, len(timesteps))
         return Generation(cond.decoder_latents(latents, request.height, request.width), stats)
 
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """uint8 images [N, H, W, 3] from ``Generation.latents``."""
+        value = latents.astype(np.float32)
+        for stage in DECODE_STAGES:
+            (input_name,) = self.component_inputs[stage]
+            (value,) = self.run_component(stage, {input_name: value}).values()
+        return value
+
 
 def load_sampler(pipeline: Mapping[str, Any], assets_dir: str, run_component: RunComponent) -> Sampler:
     """The sampler a generated ``pipeline.json`` describes (Triton's and in-process)."""
@@ -201,8 +234,6 @@ def load_sampler(pipeline: Mapping[str, Any], assets_dir: str, run_component: Ru
     family = get_family(pipeline["family"])
     conditioning = family.make_sampler(pipeline["family_settings"], assets_dir, run_component)
     components = pipeline["components"]
-    return Sampler(conditioning, run_component,
-                   {name: components[name]["inputs"] for name in ("denoiser_tail", "denoiser_reuse")
-                    if name in components},
+    return Sampler(conditioning, run_component, {name: entry["inputs"] for name, entry in components.items()},
                    cache_settings=CacheSettings.from_json(pipeline.get("cache")),
                    prompt_cache_size=int(pipeline.get("prompt_cache_size", 256)))

@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_t2i import _free_port, _record  # noqa: E402
+from common import free_port, record  # noqa: E402
 
 SECTION = "bench_cache"
 SERVED_SETTINGS = [("fbcache", 0.1), ("fbcache", 0.2), ("fbcache", 0.3), ("fbcache", 0.4),
@@ -54,7 +54,7 @@ def served_rows(repository: Path, name: str, prompts):
 
     rows, labels = [], [label for _, _, label in prompts]
     settings = [("none", None), *SERVED_SETTINGS, ("default", None)]
-    with TritonServer(repository, Ports(_free_port(), _free_port(), _free_port())) as server:
+    with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server:
         with MachgenClient(server.grpc_url) as client:
             client.generate_with_stats(name, prompts[0][0], seed=prompts[0][1])  # warm-up
             reference = None
@@ -207,7 +207,7 @@ def main() -> int:
     ])
     print(table)
     if args.record:
-        _record(args.record, f"{SECTION}:{args.model_dir.name}", table, "Cache reuse (perf/bench_cache.py)")
+        record(args.record, f"{SECTION}:{args.model_dir.name}", table, "Cache reuse (perf/bench_cache.py)")
         print(f"recorded in {args.record}")
     return 0
 

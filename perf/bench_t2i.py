@@ -25,16 +25,11 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import free_port, record  # noqa: E402
 
 SECTION = "bench_t2i"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _prepare(args, scratch: Path) -> tuple[Path, Path]:
@@ -70,12 +65,13 @@ def main() -> int:
     import torch
 
     from machgen.builder.build import detect_family, load_pipeline
+    from machgen.builder.repository import pipeline_dir
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 
     with tempfile.TemporaryDirectory(prefix="machgen-bench-") as scratch:
         model_dir, repository = _prepare(args, Path(scratch))
-        defaults = json.loads((repository / f"{args.name}_sampler" / "1" / "pipeline.json").read_text())["defaults"]
+        defaults = json.loads((pipeline_dir(repository, args.name) / "pipeline.json").read_text())["defaults"]
         steps = args.steps or defaults["num_inference_steps"]
         sizes = args.sizes or [defaults["height"]]
         pipe = load_pipeline(model_dir, detect_family(model_dir))
@@ -91,7 +87,7 @@ def main() -> int:
                                    generator=torch.Generator("cpu").manual_seed(seed)).images[0])
 
         rows = []
-        ports = Ports(_free_port(), _free_port(), _free_port())
+        ports = Ports(free_port(), free_port(), free_port())
         with TritonServer(repository, ports) as server:
             url = server.grpc_url if args.protocol == "grpc" else server.http_url
             with MachgenClient(url, args.protocol) as client:
@@ -127,20 +123,9 @@ def main() -> int:
     ])
     print(table)
     if args.record:
-        _record(args.record, f"{SECTION}:{model_dir.name}", table)
+        record(args.record, f"{SECTION}:{model_dir.name}", table, "Text-to-image latency (perf/bench_t2i.py)")
         print(f"recorded in {args.record}")
     return 0
-
-
-def _record(path: Path, section: str, table: str, title: str = "Text-to-image latency (perf/bench_t2i.py)") -> None:
-    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
-    text = path.read_text() if path.exists() else "# Results\n"
-    block = f"{begin}\n{table}\n{end}"
-    if begin in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + f"\n\n## {title}, {section.split(':')[1]}\n\n{block}\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":

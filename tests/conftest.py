@@ -24,9 +24,11 @@ def component_onnx(repository: Path, component: str, pipeline: str = PIPELINE_NA
     """A built component's ONNX file: in its Triton model, or under the sampler when it runs there."""
     import json
 
-    sampler_dir = repository / f"{pipeline}_sampler" / "1"
-    entry = json.loads((sampler_dir / "pipeline.json").read_text())["components"][component]
-    return sampler_dir / entry["onnx"] if "onnx" in entry else repository / entry["model"] / "1" / "model.onnx"
+    from machgen.builder.repository import pipeline_dir
+
+    public_dir = pipeline_dir(repository, pipeline)
+    entry = json.loads((public_dir / "pipeline.json").read_text())["components"][component]
+    return public_dir / entry["onnx"] if "onnx" in entry else repository / entry["model"] / "1" / "model.onnx"
 
 
 def free_port() -> int:
@@ -77,8 +79,9 @@ def conditioning_factory(built_repository):
     import json
 
     repository, _ = built_repository
-    sampler_dir = repository / "flux_sampler" / "1"
-    settings = json.loads((sampler_dir / "pipeline.json").read_text())["family_settings"]
     from machgen.builder.registry import get_family
+    from machgen.builder.repository import pipeline_dir
 
-    return lambda run: get_family("flux").make_sampler(settings, str(sampler_dir), run)
+    public_dir = pipeline_dir(repository, PIPELINE_NAME)
+    settings = json.loads((public_dir / "pipeline.json").read_text())["family_settings"]
+    return lambda run: get_family("flux").make_sampler(settings, str(public_dir), run)

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from machgen.builder.calibrate import Trial, choose
 from machgen.builder.cli import app
+from machgen.builder.repository import pipeline_dir
 from machgen.ensembles.local import LocalPipeline
 
 from conftest import PIPELINE_NAME
@@ -32,8 +33,8 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
                                       "--target-psnr", "25", "--warmup-steps", "1", "--final-steps", "1",
                                       "--max-consecutive-skips", "2"])
     assert result.exit_code == 0, result.output
-    cache = json.loads((repository / f"{PIPELINE_NAME}_sampler" / "1" / "pipeline.json").read_text())["cache"]
-    steps = json.loads((repository / f"{PIPELINE_NAME}_sampler" / "1" / "pipeline.json").read_text())[
+    cache = json.loads((pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json").read_text())["cache"]
+    steps = json.loads((pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json").read_text())[
         "defaults"]["num_inference_steps"]
     assert len(cache["magnitude_ratios"]) == steps and cache["magnitude_ratios"][0] == 1.0
     assert cache["calibration"]["target_psnr"] == 25 and all(c["warmup_steps"] == 1 for c in cache["controls"].values())

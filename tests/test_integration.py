@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from machgen.builder.repository import pipeline_dir
 from machgen.client import GenerationError, MachgenClient
 
 from conftest import PIPELINE_NAME, free_port
@@ -43,7 +44,7 @@ def defaults(built_repository):
     import json
 
     repository, _ = built_repository
-    return json.loads((repository / "flux_sampler" / "1" / "pipeline.json").read_text())["defaults"]
+    return json.loads((pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json").read_text())["defaults"]
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["defaults", "size-steps-guidance", "true-cfg"])
@@ -119,7 +120,7 @@ def test_calibrated_controls_served_equal_in_process(built_repository, tmp_path)
     source, _ = built_repository
     repository = tmp_path / "repository"
     shutil.copytree(source, repository)
-    path = repository / f"{PIPELINE_NAME}_sampler" / "1" / "pipeline.json"
+    path = pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json"
     pipeline = json.loads(path.read_text())
     controls = {"warmup_steps": 2, "final_steps": 0, "max_consecutive_skips": 2, "negative_interval": 2}
     pipeline["cache"].update(magnitude_ratios=[1.0] + [0.95] * 9, controls={"fbcache": controls, "magcache": controls})

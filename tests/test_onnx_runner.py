@@ -2,7 +2,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from machgen.ensembles.onnx_runner import OnnxSession
+from machgen.ensembles.onnx_runner import OnnxSession, group_requests
 
 
 def _scale_model(path):
@@ -24,7 +24,42 @@ def test_requests_with_equal_shapes_run_together_and_split_back(tmp_path, monkey
     requests = [{"x": np.full((1, 3), 1, np.float32)}, {"x": np.full((2, 3), 2, np.float32)},
                 {"x": np.full((1, 5), 3, np.float32)}, {"x": np.full((1, 3), 4, np.float32)}]
     results = session.run_batches(requests)
-    # arrival order is kept: the [*, 5] request splits the run of [*, 3] ones
-    assert forwards == [(3, 3), (1, 5), (1, 3)]
+    # one forward per shape bucket, in order of each bucket's first arrival
+    assert forwards == [(4, 3), (1, 5)]
     for request, result in zip(requests, results):
         np.testing.assert_array_equal(result["y"], request["x"] * 2)
+
+
+def test_a_forward_never_carries_more_than_the_maximum_rows(tmp_path, monkeypatch):
+    session = OnnxSession(_scale_model(tmp_path / "m.onnx"))
+    forwards = []
+    original = session.run
+    monkeypatch.setattr(session, "run", lambda inputs: forwards.append(len(inputs["x"])) or original(inputs))
+    requests = [{"x": np.full((2, 3), i, np.float32)} for i in range(5)]
+    results = session.run_batches(requests, max_rows=4)
+    assert forwards == [4, 4, 2]
+    for request, result in zip(requests, results):
+        np.testing.assert_array_equal(result["y"], request["x"] * 2)
+
+
+def test_grouping_is_fifo_per_bucket_and_serves_every_request_once():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        count = int(rng.integers(1, 24))
+        keys = [int(k) for k in rng.integers(0, 3, count)]
+        sizes = [int(s) for s in rng.integers(1, 3, count)]
+        max_rows = int(rng.integers(2, 9))
+        groups = group_requests(keys, sizes, max_rows)
+        assert sorted(i for group in groups for i in group) == list(range(count))
+        for group in groups:
+            assert len({keys[i] for i in group}) == 1, "shape buckets mixed"
+            assert group == sorted(group), "arrival order broken inside a forward"
+            assert len(group) == 1 or sum(sizes[i] for i in group) <= max_rows
+        # within a bucket, an earlier request never runs in a later forward (no overtaking)
+        for bucket in set(keys):
+            bucket_groups = [g for g in groups if keys[g[0]] == bucket]
+            assert [i for g in bucket_groups for i in g] == [i for i in range(count) if keys[i] == bucket]
+        # buckets are served in order of their first request's arrival
+        assert list(dict.fromkeys(keys[g[0]] for g in groups)) == list(dict.fromkeys(keys))
+    assert group_requests(["a", "b", "a"], [1, 1, 1]) == [[0, 2], [1]]
+    assert group_requests(["a"], [5], max_rows=2) == [[0]]

@@ -7,9 +7,9 @@ import pytest
 
 from machgen.builder.build import served_defaults
 from machgen.builder.registry import get_family
-from machgen.builder.repository import render_repository
+from machgen.builder.repository import pipeline_dir, render_repository
 
-from conftest import component_onnx
+from conftest import PIPELINE_NAME, component_onnx
 
 GOLDEN = Path(__file__).parent / "golden" / "flux"
 
@@ -43,4 +43,4 @@ def test_built_repository_holds_the_rendered_files_and_engines(rendered, built_r
     assert component_onnx(repository, "denoiser_reuse").parent.parent.name == "components"
     assert not (repository / "flux_denoiser_reuse").exists()
     for asset in ("tokenizer", "tokenizer_2", "scheduler"):
-        assert (repository / "flux_sampler" / "1" / asset).is_dir()
+        assert (pipeline_dir(repository, PIPELINE_NAME) / asset).is_dir()

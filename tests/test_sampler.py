@@ -5,7 +5,7 @@ import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from machgen.ensembles.sampler import Sampler
+from machgen.ensembles.sampler import GenerationCancelled, Sampler
 from point_mass import COMPONENT_INPUTS, PointMassDenoiser, request
 
 
@@ -77,3 +77,13 @@ def test_progress_is_reported_per_step(conditioning_factory):
     Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS).generate(request(num_inference_steps=3),
                                                                     on_step=lambda i, n: steps.append((i, n)))
     assert steps == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_a_cancelled_request_stops_at_the_next_step_boundary(conditioning_factory):
+    fake = PointMassDenoiser(channels=4)
+    steps = []
+    with pytest.raises(GenerationCancelled) as raised:
+        Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS).generate(
+            request(num_inference_steps=10), on_step=lambda i, n: steps.append(i), is_cancelled=lambda: len(steps) == 3)
+    assert raised.value.step == 3
+    assert [name for name, _ in fake.calls].count("denoiser_tail") == 3

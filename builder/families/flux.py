@@ -74,12 +74,14 @@ def _flux_specs(*, clip_length: int, pooled_dim: int, t5_dim: int, joint_dim: in
             outputs=(image_hidden, text_hidden, temb,
                      TensorSpec("first_block_residual", "float32", ("batch", "image_tokens", inner_dim))),
             tolerance=1e-4,
+            per_step=True,
         ),
         ComponentSpec(
             "denoiser_tail",
             inputs=(image_hidden, text_hidden, temb, ids_img, ids_txt),
             outputs=(noise_pred, TensorSpec("tail_residual", "float32", ("batch", "image_tokens", inner_dim))),
             tolerance=1e-4,
+            per_step=True,
         ),
         ComponentSpec(
             "denoiser_reuse",
@@ -87,6 +89,7 @@ def _flux_specs(*, clip_length: int, pooled_dim: int, t5_dim: int, joint_dim: in
             + (TensorSpec("blocks_residual", "float32", ("batch", "image_tokens", inner_dim)),),
             outputs=(noise_pred,),
             tolerance=1e-4,
+            per_step=True,
             in_sampler=True,
         ),
         ComponentSpec(
@@ -101,6 +104,8 @@ def _flux_specs(*, clip_length: int, pooled_dim: int, t5_dim: int, joint_dim: in
             outputs=(TensorSpec("images", "uint8", ("batch", "height", "width", 3)),),
             # One step of 255 where float rounding lands on the other side of .5.
             tolerance=1.0,
+            # Microseconds of work: a BLS round trip would cost more.
+            in_sampler=True,
         ),
     ]
     return {s.name: s for s in specs}

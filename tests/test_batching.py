@@ -1,0 +1,129 @@
+"""Batching across requests, cancellation and the bounded queue, on a real tritonserver."""
+
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from machgen.builder.repository import ServingOptions
+from machgen.client import GenerationError, MachgenClient
+
+from conftest import PIPELINE_NAME, free_port
+
+pytestmark = pytest.mark.integration
+
+MAX_PIXEL_DIFF = 2  # of 255
+
+
+def _rows_and_forwards(url: str, model: str) -> tuple[int, int]:
+    """Rows a component has run, and in how many forwards (Triton's statistics)."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as client:
+        (stats,) = client.get_inference_statistics(model, as_json=True)["model_stats"]
+    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+
+def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(triton_server):
+    requests = [dict(prompt=("a red cat", "a green circle at the top left")[i % 2], seed=100 + i,
+                     num_inference_steps=(2, 3, 5, 8)[i % 4]) for i in range(32)]
+
+    def generate(settings):
+        with MachgenClient(triton_server.grpc_url) as client:
+            return client.generate(PIPELINE_NAME, **settings)
+
+    solo = [generate(settings) for settings in requests]
+    tail = f"{PIPELINE_NAME}_denoiser_tail"
+    rows_before, forwards_before = _rows_and_forwards(triton_server.grpc_url, tail)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(generate, requests))
+    rows, forwards = _rows_and_forwards(triton_server.grpc_url, tail)
+    for settings, alone, batched in zip(requests, solo, together):
+        diff = np.abs(alone.astype(int) - batched.astype(int)).max()
+        assert diff <= MAX_PIXEL_DIFF, f"{settings}: max pixel difference {diff} from its solo run"
+    # the denoiser steps of different requests really shared forwards
+    assert rows - rows_before == sum(r["num_inference_steps"] for r in requests)
+    assert (rows - rows_before) / (forwards - forwards_before) > 1.5
+
+
+class _Calls:
+    """gRPC async_infer calls whose outcomes land in one queue: (tag, error or None)."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.inputs = MachgenClient(url)
+        self.outcomes: queue.Queue = queue.Queue()
+
+    def start(self, tag: str, steps: int, **kwargs):
+        inputs = [self.inputs.make_input("prompt", "a red cat"), self.inputs.make_input("seed", 1),
+                  self.inputs.make_input("num_inference_steps", steps)]
+        return self.client.async_infer(PIPELINE_NAME, inputs,
+                                       callback=lambda result, error: self.outcomes.put((tag, error)), **kwargs)
+
+    def wait(self, count: int, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        return dict(self.outcomes.get(timeout=max(0.1, deadline - time.monotonic())) for _ in range(count))
+
+    def close(self) -> None:
+        self.client.close()
+        self.inputs.close()
+
+
+def test_cancelled_and_timed_out_requests_free_their_slots_and_the_others_complete(triton_server):
+    slots = ServingOptions().sampler_instances
+    long_steps = 250  # seconds of work at this concurrency
+    calls = _Calls(triton_server.grpc_url)
+    try:
+        cancelled = calls.start("cancelled", long_steps)
+        calls.start("deadline", long_steps, client_timeout=1.0)
+        for index in range(slots - 2):
+            calls.start(f"long{index}", long_steps)
+        time.sleep(1.0)
+        cancelled.cancel()
+        # Two short requests can only run if the cancelled and timed-out ones gave their slots back.
+        for index in range(2):
+            calls.start(f"short{index}", 2)
+        first = calls.wait(4, timeout=30.0)
+        assert sorted(first) == ["cancelled", "deadline", "short0", "short1"], "the long requests finished first"
+        assert first["short0"] is None and first["short1"] is None
+        assert "cancel" in str(first["cancelled"]).lower()
+        assert "deadline" in str(first["deadline"]).lower()
+        rest = calls.wait(slots - 2)
+        assert rest == {f"long{index}": None for index in range(slots - 2)}
+    finally:
+        calls.close()
+    log = triton_server.log_file.read_text(errors="replace")
+    assert log.count("cancelled after") >= 2, "the server did not stop the withdrawn requests"
+
+
+def test_a_full_queue_answers_unavailable_and_keeps_serving(built_repository, tmp_path):
+    import shutil
+
+    from machgen.builder.repository import render_public_config
+    from machgen.server import Ports, TritonServer
+
+    source, _ = built_repository
+    repository = tmp_path / "repository"
+    shutil.copytree(source, repository)
+    (repository / PIPELINE_NAME / "config.pbtxt").write_text(
+        render_public_config(PIPELINE_NAME, ServingOptions(sampler_instances=1, max_queue_size=1)))
+    with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server:
+        calls = _Calls(server.grpc_url)
+        try:
+            calls.start("running", 300)
+            time.sleep(0.5)
+            calls.start("queued", 2)
+            time.sleep(0.2)
+            with MachgenClient(server.grpc_url) as client, pytest.raises(GenerationError) as refused:
+                client.generate(PIPELINE_NAME, "a red cat", num_inference_steps=2)
+            assert refused.value.status == "StatusCode.UNAVAILABLE"
+            assert "queue" in str(refused.value).lower()
+            assert calls.wait(2) == {"running": None, "queued": None}
+            with MachgenClient(server.grpc_url) as client:
+                assert client.generate(PIPELINE_NAME, "a red cat", num_inference_steps=2).shape[0] == 1
+        finally:
+            calls.close()
