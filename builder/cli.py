@@ -50,6 +50,8 @@ def build(
                                           help="requests in flight at once (public model instances)"),
     max_queue_size: int = typer.Option(_SERVING.max_queue_size, "--max-queue-size", min=0,
                                        help="requests waiting for an instance; beyond it: UNAVAILABLE"),
+    component_instances: int = typer.Option(_SERVING.component_instances, "--component-instances", min=1,
+                                            help="forwards each component runs at once"),
     batching: bool = typer.Option(_SERVING.batching, "--batching/--no-batching",
                                   help="batch the calls of concurrent requests in each component"),
     max_batch_size: int = typer.Option(_SERVING.max_batch_size, "--max-batch-size", min=1,
@@ -65,7 +67,8 @@ def build(
 
     if not name.replace("_", "").replace("-", "").isalnum():
         raise typer.BadParameter("use letters, digits, '_' and '-'", param_hint="--name")
-    options = ServingOptions(sampler_instances=sampler_instances, max_queue_size=max_queue_size, batching=batching,
+    options = ServingOptions(sampler_instances=sampler_instances, max_queue_size=max_queue_size,
+                             component_instances=component_instances, batching=batching,
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
                              intra_op_threads=intra_op_threads)
     try:

@@ -27,8 +27,11 @@ def _rows_and_forwards(url: str, model: str) -> tuple[int, int]:
 
 
 def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(triton_server):
+    # distinct seeds, mixed step counts, one or two rows per denoiser call (true CFG on every third)
     requests = [dict(prompt=("a red cat", "a green circle at the top left")[i % 2], seed=100 + i,
-                     num_inference_steps=(2, 3, 5, 8)[i % 4]) for i in range(32)]
+                     num_inference_steps=(2, 3, 5, 8)[i % 4],
+                     **(dict(negative_prompt="a blue dog", true_cfg_scale=4.0) if i % 3 == 0 else {}))
+                for i in range(32)]
 
     def generate(settings):
         with MachgenClient(triton_server.grpc_url) as client:
@@ -44,7 +47,8 @@ def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(triton_serve
         diff = np.abs(alone.astype(int) - batched.astype(int)).max()
         assert diff <= MAX_PIXEL_DIFF, f"{settings}: max pixel difference {diff} from its solo run"
     # the denoiser steps of different requests really shared forwards
-    assert rows - rows_before == sum(r["num_inference_steps"] for r in requests)
+    assert rows - rows_before == sum(r["num_inference_steps"] * (2 if "true_cfg_scale" in r else 1)
+                                     for r in requests)
     assert (rows - rows_before) / (forwards - forwards_before) > 1.5
 
 
