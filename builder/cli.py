@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from machgen.builder.registry import family_names
-from machgen.builder.repository import ServingOptions
+from machgen.builder.repository import ServingOptions, find_pipeline_dir
 
 _SERVING = ServingOptions()
 
@@ -102,7 +102,6 @@ def calibrate(
 
     from machgen.builder.build import build_repository
     from machgen.builder.calibrate import CONTROL_GRID, write_settings
-    from machgen.builder.repository import find_pipeline_dir
     from machgen.builder.calibrate import calibrate as fit
     from machgen.ensembles.cache import CacheControls
     from machgen.ensembles.local import LocalPipeline

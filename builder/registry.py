@@ -50,8 +50,9 @@ class ComponentSpec:
     # Largest max-abs difference allowed between the ONNX file under ONNX
     # Runtime and the torch module on the sample inputs.
     tolerance: float
-    # Called once per denoising step (rather than once per request): its
-    # batcher waits only briefly for other requests' calls.
+    # Called once per denoising step rather than once per request: its
+    # batcher has its own queue delay and no preferred batch size (a request
+    # sends one or two rows).
     per_step: bool = False
     # Run inside the sampler's own process (ONNX Runtime, one thread) rather
     # than as a Triton model: for graphs so small that a BLS round trip costs

@@ -63,7 +63,7 @@ class ServingOptions:
     # Forwards each component runs at once (one ONNX Runtime session each).
     # Two on the 2-core CPU: with one, the tail forward was the serial
     # bottleneck (1.66 of 2 cores busy at concurrency 8, 11.6 requests/s);
-    # with two, 1.95 cores and 12.9 requests/s.
+    # with two, 1.97 cores and 13.9 requests/s (perf/RESULTS.md).
     component_instances: int = 2
     # False: components run each call alone (no dynamic batcher): the
     # baseline the batching benchmark compares against.
@@ -73,15 +73,17 @@ class ServingOptions:
     # How long a per-step call (denoiser) waits for calls of other requests,
     # and the same for once-per-request stages (text encoders, VAE decoder).
     # 0: no waiting; calls that queue while a forward runs still go together
-    # (5.3 rows per tail forward at concurrency 8 on the shapes model). On the
+    # (3.1 rows per tail forward at concurrency 8 on the shapes model). On the
     # CPU a wait only adds latency: the tiny model took 65 ms a request at
     # 500/2000 us, 49 ms at 0, with no throughput gained.
     step_queue_delay_us: int = 0
     stage_queue_delay_us: int = 0
     # ONNX Runtime threads per component session; 0: one per core the server
-    # may use. One: on the 2-core CPU a lone request ran no faster with two
-    # (183 ms either way, shapes model) while the second thread took the
-    # core that concurrent requests need.
+    # may use. One is for throughput with small images: a lone shapes-model
+    # request (64x64) ran no faster with two (183 ms either way) while the
+    # second thread took the core that concurrent requests need. Large
+    # images at low concurrency want 0 (tiny model at 256x256: 1.75 s a
+    # request with one thread, 1.01 s with two).
     intra_op_threads: int = 1
     # Prompts whose text-encoder outputs each sampler instance keeps (0: none).
     prompt_cache_size: int = 256
@@ -232,12 +234,12 @@ def write_repository(out: Path, pipeline: str, files: dict[str, str], onnx_files
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    sampler_dir = pipeline_dir(out, pipeline)
+    public_dir = pipeline_dir(out, pipeline)
     for component, onnx_path in onnx_files.items():
         served = out / model_name(pipeline, component)
-        target = served / "1" if served.is_dir() else (sampler_dir / in_sampler_onnx(component)).parent
+        target = served / "1" if served.is_dir() else (public_dir / in_sampler_onnx(component)).parent
         target.mkdir(parents=True, exist_ok=True)
         for produced in onnx_path.parent.iterdir():  # model.onnx and any external data file
             shutil.copy2(produced, target / produced.name)
     for asset, source in sampler_assets.items():
-        shutil.copytree(source, sampler_dir / asset)
+        shutil.copytree(source, public_dir / asset)

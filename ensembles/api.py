@@ -1,6 +1,6 @@
 """The public API of a served pipeline: its inputs, outputs and validation.
 
-This is the contract clients, the generated ensemble config, the sampler and
+This is the contract clients, the generated public model config, the sampler and
 the perf inputs all read; the README documents it. Only numpy is imported.
 """
 

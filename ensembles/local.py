@@ -27,12 +27,12 @@ class LocalPipeline:
     def __init__(self, repository: Path, name: str, intra_op_threads: int = 0):
         self.repository = Path(repository)
         self.name = name
-        sampler_dir = pipeline_dir(self.repository, name)
-        self.pipeline = json.loads((sampler_dir / "pipeline.json").read_text())
+        public_dir = pipeline_dir(self.repository, name)
+        self.pipeline = json.loads((public_dir / "pipeline.json").read_text())
         self._intra_op_threads = intra_op_threads
         self._sessions: dict[str, Any] = {}
-        self.in_sampler = InSamplerComponents(self.pipeline["components"], sampler_dir)
-        self.sampler = load_sampler(self.pipeline, str(sampler_dir), self.run_component)
+        self.in_sampler = InSamplerComponents(self.pipeline["components"], public_dir)
+        self.sampler = load_sampler(self.pipeline, str(public_dir), self.run_component)
 
     def run_component(self, component: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if component in self.in_sampler:

@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import free_port, record  # noqa: E402
+from common import free_port, public_instances, record  # noqa: E402
 
 SECTION = "bench_cache"
 SERVED_SETTINGS = [("fbcache", 0.1), ("fbcache", 0.2), ("fbcache", 0.3), ("fbcache", 0.4),
@@ -56,7 +56,9 @@ def served_rows(repository: Path, name: str, prompts):
     settings = [("none", None), *SERVED_SETTINGS, ("default", None)]
     with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server:
         with MachgenClient(server.grpc_url) as client:
-            client.generate_with_stats(name, prompts[0][0], seed=prompts[0][1])  # warm-up
+            for _ in range(2 * public_instances(repository, name)):  # warm-up: every instance, both row counts
+                for policy in ("none", None):
+                    client.generate(name, prompts[0][0], seed=prompts[0][1], cache_policy=policy)
             reference = None
             for policy, threshold in settings:
                 images, seconds, passes = [], [], []

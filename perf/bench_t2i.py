@@ -27,7 +27,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import free_port, record  # noqa: E402
+from common import free_port, public_instances, record  # noqa: E402
 
 SECTION = "bench_t2i"
 
@@ -97,7 +97,9 @@ def main() -> int:
                                            height=size, width=size, cache_policy="none")[0]
 
                 for size in sizes:
-                    run_served(0, size), run_diffusers(0, size)  # warm-up: first-call allocations
+                    for _ in range(2 * public_instances(repository, args.name)):  # warm-up: every instance
+                        run_served(0, size)
+                    run_diffusers(0, size)  # warm-up: first-call allocations
                     served, baseline, worst_diff = [], [], 0
                     for seed in range(1, args.repeats + 1):
                         start = time.perf_counter()

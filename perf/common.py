@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -23,3 +24,12 @@ def record(path: Path, section: str, table: str, title: str) -> None:
     else:
         text = text.rstrip() + f"\n\n## {title}, {section.split(':')[1]}\n\n{block}\n"
     path.write_text(text)
+
+
+def public_instances(repository: Path, name: str) -> int:
+    """Instances of the served model ``name``. Each one's first request is
+    slow (about a second: first calls into torch, the tokenizers and ONNX
+    Runtime), and Triton hands sequential requests to them in turn, so a
+    benchmark warms up with a few rounds of this many requests."""
+    config = (Path(repository) / name / "config.pbtxt").read_text()
+    return int(re.search(r"count: (\d+)", config).group(1))
