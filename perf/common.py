@@ -27,9 +27,9 @@ def record(path: Path, section: str, table: str, title: str) -> None:
 
 
 def public_instances(repository: Path, name: str) -> int:
-    """Instances of the served model ``name``. Each one's first request is
-    slow (about a second: first calls into torch, the tokenizers and ONNX
-    Runtime), and Triton hands sequential requests to them in turn, so a
-    benchmark warms up with a few rounds of this many requests."""
+    """Instances of the served model ``name``. Each one's first request pays
+    first-call costs (torch, ONNX Runtime allocations), and Triton hands
+    sequential requests to the instances in turn, so a benchmark warms up
+    with a few rounds of this many requests."""
     config = (Path(repository) / name / "config.pbtxt").read_text()
     return int(re.search(r"count: (\d+)", config).group(1))

@@ -406,7 +406,11 @@ class FluxConditioning:
     def __init__(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
         import transformers
         from diffusers import FlowMatchEulerDiscreteScheduler
+        # Imported here, at model load, not at the first request: importing
+        # the pipeline module pulls in transformers' processors (1.3 s).
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
+        self._calculate_shift = calculate_shift
         self.settings = settings
         self.run_component = run_component
         classes = settings["tokenizer_classes"]
@@ -462,14 +466,13 @@ class FluxConditioning:
     def scheduler(self, num_inference_steps: int, image_tokens: int):
         """A fresh scheduler with FluxPipeline's sigmas and resolution-dependent shift."""
         import numpy as np
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         scheduler = self._scheduler_class.from_config(self.scheduler_config)
         cfg = scheduler.config
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
         if getattr(cfg, "use_flow_sigmas", False):
             sigmas = None
-        mu = calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+        mu = self._calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                              cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         if sigmas is None:
             scheduler.set_timesteps(num_inference_steps, mu=mu)
