@@ -58,6 +58,8 @@ def build(
                                        help="rows one component forward may carry"),
     step_queue_delay_us: int = typer.Option(_SERVING.step_queue_delay_us, "--step-queue-delay-us", min=0,
                                             help="how long a denoiser call waits for other requests' calls"),
+    stage_queue_delay_us: int = typer.Option(_SERVING.stage_queue_delay_us, "--stage-queue-delay-us", min=0,
+                                             help="the same for the text encoders and the VAE decoder"),
     intra_op_threads: int = typer.Option(_SERVING.intra_op_threads, "--intra-op-threads", min=0,
                                          help="ONNX Runtime threads per component (0: one per core)"),
 ) -> None:
@@ -70,7 +72,7 @@ def build(
     options = ServingOptions(sampler_instances=sampler_instances, max_queue_size=max_queue_size,
                              component_instances=component_instances, batching=batching,
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
-                             intra_op_threads=intra_op_threads)
+                             stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads)
     try:
         build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo)
     except (ParityError, ValueError, KeyError, FileNotFoundError) as err:

@@ -57,6 +57,15 @@ class MachgenClient:
         except Exception:  # noqa: BLE001 - a server that is down is simply not ready
             return False
 
+    def rows_and_forwards(self, model: str) -> tuple[int, int]:
+        """Rows (batch items) a model has run and in how many forwards, from
+        Triton's statistics: more rows than forwards means requests were batched."""
+        if self.protocol == "grpc":
+            (stats,) = self._client.get_inference_statistics(model, as_json=True)["model_stats"]
+        else:
+            (stats,) = self._client.get_inference_statistics(model)["model_stats"]
+        return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
     def make_input(self, name: str, value: Any, dtype: str | None = None):
         """One request input; ``dtype`` overrides the API's (to send a wrong one on purpose)."""
         triton_dtype = dtype or _API[name].triton_dtype

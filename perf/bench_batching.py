@@ -101,20 +101,14 @@ def _server_cpu_seconds(session_id: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _rows_and_forwards(client, model: str) -> tuple[int, int]:
-    (stats,) = client.get_inference_statistics(model, as_json=True)["model_stats"]
-    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
-
-
 def sweep(repository: Path, name: str, binary: Path, env: dict, data_file: Path, levels: list[int],
           measurement_ms: int, scratch: Path, label: str) -> list[dict]:
-    import tritonclient.grpc as grpcclient
-
+    from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 
     rows = []
     with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server, \
-            grpcclient.InferenceServerClient(server.grpc_url) as client:
+            MachgenClient(server.grpc_url) as client:
         tail = f"{name}_denoiser_tail"
         for level in levels:
             out = scratch / f"{label}-c{level}.csv"
@@ -123,13 +117,13 @@ def sweep(repository: Path, name: str, binary: Path, env: dict, data_file: Path,
                        "--stability-percentage", "25", "--max-trials", "6", "-f", str(out)]
             if not rows:  # the first level also warms the server up (first-call allocations)
                 subprocess.run(command[:command.index("-f")], env=env, capture_output=True, check=False)
-            tail_before, cpu_before, start = _rows_and_forwards(client, tail), _server_cpu_seconds(
+            tail_before, cpu_before, start = client.rows_and_forwards(tail), _server_cpu_seconds(
                 server.process.pid), time.monotonic()
             done = subprocess.run(command, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"perf_analyzer failed at concurrency {level}:\n{done.stdout}\n{done.stderr}")
             cores = (_server_cpu_seconds(server.process.pid) - cpu_before) / (time.monotonic() - start)
-            tail_after = _rows_and_forwards(client, tail)
+            tail_after = client.rows_and_forwards(tail)
             with out.open() as handle:
                 (measured,) = [r for r in csv.DictReader(handle) if int(r["Concurrency"]) == level]
             row = {"batching": label, "concurrency": level,

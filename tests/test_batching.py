@@ -17,15 +17,6 @@ pytestmark = pytest.mark.integration
 MAX_PIXEL_DIFF = 2  # of 255
 
 
-def _rows_and_forwards(url: str, model: str) -> tuple[int, int]:
-    """Rows a component has run, and in how many forwards (Triton's statistics)."""
-    import tritonclient.grpc as grpcclient
-
-    with grpcclient.InferenceServerClient(url) as client:
-        (stats,) = client.get_inference_statistics(model, as_json=True)["model_stats"]
-    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
-
-
 def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(triton_server):
     # distinct seeds, mixed step counts, one or two rows per denoiser call (true CFG on every third)
     requests = [dict(prompt=("a red cat", "a green circle at the top left")[i % 2], seed=100 + i,
@@ -39,10 +30,11 @@ def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(triton_serve
 
     solo = [generate(settings) for settings in requests]
     tail = f"{PIPELINE_NAME}_denoiser_tail"
-    rows_before, forwards_before = _rows_and_forwards(triton_server.grpc_url, tail)
-    with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(generate, requests))
-    rows, forwards = _rows_and_forwards(triton_server.grpc_url, tail)
+    with MachgenClient(triton_server.grpc_url) as client:
+        rows_before, forwards_before = client.rows_and_forwards(tail)
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(generate, requests))
+        rows, forwards = client.rows_and_forwards(tail)
     for settings, alone, batched in zip(requests, solo, together):
         diff = np.abs(alone.astype(int) - batched.astype(int)).max()
         assert diff <= MAX_PIXEL_DIFF, f"{settings}: max pixel difference {diff} from its solo run"
