@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -14,10 +15,42 @@ from machgen.builder.registry import Family, ServedDefaults, family_for_pipeline
 
 if TYPE_CHECKING:  # pragma: no cover
     from machgen.builder.repository import ServingOptions
+    from machgen.plugins.schema import SparseAttentionConfig
 
 # A model folder's served defaults (key "serving") and calibrated cache defaults (key "cache").
 SERVING_FILE = "machgen.json"
 TARGETS = ("onnxruntime",)
+ATTENTION_KINDS = ("dense", "sparse-fp8")
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How the denoiser's attention is exported."""
+
+    kind: str = "dense"  # one of ATTENTION_KINDS
+    block: int = 64  # tokens per query and key block of the sparse operator
+    # How each query block picks its key blocks (besides the text and diagonal
+    # ones, always kept): "cdf" keeps the fewest whose predicted attention
+    # reaches cdf_threshold (adapts to how spread out the attention is),
+    # "topk" a fixed share, topk_ratio.
+    mask_method: str = "cdf"
+    cdf_threshold: float = 0.9
+    topk_ratio: float = 0.5
+
+    def config(self, family: Family, defaults: ServedDefaults) -> "SparseAttentionConfig | None":
+        """The operator's attributes for this family, or None for dense attention."""
+        from machgen.plugins.schema import SparseAttentionConfig
+
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention {self.kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
+        if self.kind == "dense":
+            return None
+        if not family.attention_modules:
+            raise ValueError(f"family '{family.name}' declares no attention that SparseAttention can replace")
+        return SparseAttentionConfig(block_q=self.block, block_k=self.block, mask_method=self.mask_method,
+                                     topk_ratio=self.topk_ratio, cdf_threshold=self.cdf_threshold,
+                                     dense_prefix_tokens=family.dense_attention_tokens(defaults),
+                                     precision="fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -79,12 +112,13 @@ def _quiet_exporter() -> None:
 
 
 def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
-                     options: "ServingOptions | None" = None,
+                     options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
                      log: Callable[[str], None] = print) -> list[ComponentResult]:
     """Export, check and write every component of the model in ``model_dir``
     (with ``lora`` fused into its weights first), served with ``options``."""
     from machgen.builder.export import check_parity, export_onnx
     from machgen.builder.repository import ServingOptions, render_repository, write_repository
+    from machgen.plugins.ops import attention_swapped
 
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not available here; choose from {', '.join(TARGETS)}")
@@ -98,24 +132,38 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         pipe.fuse_lora()
         pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     defaults = served_defaults(model_dir, family, pipe)
+    sparse = attention.config(family, defaults)
+    if sparse is not None:
+        log(f"attention: SparseAttention {asdict(sparse)}")
     components = family.components(pipe)
     results: list[ComponentResult] = []
+    sparse_nodes = 0
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
         onnx_files: dict[str, Path] = {}
         for index, component in enumerate(components, start=1):
             spec = component.spec
             start = time.perf_counter()
             log(f"[{index}/{len(components)}] {spec.name}: exporting to ONNX")
-            path = export_onnx(component, Path(scratch) / spec.name / "model.onnx")
-            report = check_parity(component, path)
+            path = Path(scratch) / spec.name / "model.onnx"
+            # Swapped for the parity check too: torch then runs the operator's CPU reference.
+            with attention_swapped(family.attention_modules, sparse) if sparse else contextlib.nullcontext():
+                nodes = export_onnx(component, path, attention=sparse)
+                report = check_parity(component, path)
+            sparse_nodes += nodes
             seconds = time.perf_counter() - start
             log(f"[{index}/{len(components)}] {spec.name}: max |onnx - torch| = {report.max_abs_diff:.3g} "
-                f"(tolerance {report.tolerance:g}), {seconds:.1f} s")
+                f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention nodes' if nodes else ''}, "
+                f"{seconds:.1f} s")
             onnx_files[spec.name] = path
             results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance, seconds))
+        if sparse is not None and not sparse_nodes:
+            # Never a dense model under a sparse name.
+            raise ValueError(f"no call of dispatch_attention_fn in {family.attention_modules} was exported: "
+                             "the model would be dense")
         specs = {c.spec.name: c.spec for c in components}
         files = render_repository(name, family, specs, defaults, family.sampler_settings(pipe, defaults),
-                                  options=options or ServingOptions(), cache=model_cache_settings(model_dir))
+                                  options=options or ServingOptions(), cache=model_cache_settings(model_dir),
+                                  attention=asdict(sparse) if sparse else None)
         write_repository(out, name, files, onnx_files,
                          {asset: model_dir / asset for asset in family.sampler_assets})
     log(f"wrote model repository {out} (public model '{name}')")

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import typer
 
+from machgen.builder.build import AttentionOptions
 from machgen.builder.registry import family_names
 from machgen.builder.repository import ServingOptions, find_pipeline_dir
 
 _SERVING = ServingOptions()
+_ATTENTION = AttentionOptions()
 
 app = typer.Typer(help="Export diffusion models and write Triton model repositories.", no_args_is_help=True,
                   add_completion=False)
@@ -62,6 +64,17 @@ def build(
                                              help="the same for the text encoders and the VAE decoder"),
     intra_op_threads: int = typer.Option(_SERVING.intra_op_threads, "--intra-op-threads", min=0,
                                          help="ONNX Runtime threads per component (0: one per core)"),
+    attention: str = typer.Option(_ATTENTION.kind, "--attention",
+                                  help="denoiser attention: dense, or sparse-fp8 (the machgen SparseAttention op)"),
+    attention_block: int = typer.Option(_ATTENTION.block, "--attention-block", min=1,
+                                        help="sparse-fp8: tokens per query and key block"),
+    attention_mask: str = typer.Option(_ATTENTION.mask_method, "--attention-mask",
+                                       help="sparse-fp8: how query blocks pick key blocks: cdf or topk"),
+    attention_cdf_threshold: float = typer.Option(_ATTENTION.cdf_threshold, "--attention-cdf-threshold",
+                                                  min=0.0, max=1.0,
+                                                  help="cdf: predicted attention mass each query block keeps"),
+    attention_topk_ratio: float = typer.Option(_ATTENTION.topk_ratio, "--attention-topk-ratio", min=0.0, max=1.0,
+                                               help="topk: share of key blocks each query block keeps"),
 ) -> None:
     """Export every component, check it against torch, and write the model repository."""
     from machgen.builder.build import build_repository
@@ -74,7 +87,9 @@ def build(
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
                              stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads)
     try:
-        build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo)
+        build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,
+                         attention=AttentionOptions(attention, attention_block, attention_mask,
+                                                    attention_cdf_threshold, attention_topk_ratio))
     except (ParityError, ValueError, KeyError, FileNotFoundError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None

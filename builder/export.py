@@ -12,8 +12,12 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from machgen.builder.registry import ComponentSpec, ExportableComponent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from machgen.plugins.schema import SparseAttentionConfig
 
 # Files above this size keep their weights in an external data file (the
 # protobuf limit is 2 GiB).
@@ -49,9 +53,19 @@ def _dynamic_shapes(spec: ComponentSpec) -> dict:
     return shapes
 
 
-def export_onnx(component: ExportableComponent, path: Path) -> Path:
-    """Export ``component`` to ``path`` (ONNX, opset chosen by the exporter)."""
+def export_onnx(component: ExportableComponent, path: Path,
+                attention: "SparseAttentionConfig | None" = None) -> int:
+    """Export ``component`` to ``path`` (ONNX, opset chosen by the exporter).
+
+    With ``attention``, the module is expected to call the SparseAttention
+    op (plugins/ops.attention_swapped): each call becomes a
+    ``machgen::SparseAttention`` node and the file gets that op's function
+    body for ONNX Runtime. Returns the number of such nodes.
+    """
+    import onnx
     import torch
+
+    from machgen.plugins import ops
 
     spec = component.spec
     missing = [t.name for t in spec.inputs if t.name not in component.sample_inputs]
@@ -69,10 +83,17 @@ def export_onnx(component: ExportableComponent, path: Path) -> Path:
             dynamic_shapes=_dynamic_shapes(spec),
             dynamo=True,
             verbose=False,
+            custom_translation_table=ops.onnx_translation() if attention is not None else None,
         )
     size = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
-    program.save(os.fspath(path), external_data=size > _EXTERNAL_DATA_BYTES)
-    return path
+    if attention is None:
+        program.save(os.fspath(path), external_data=size > _EXTERNAL_DATA_BYTES)
+        return 0
+    model = program.model_proto
+    nodes = ops.attach_onnx_function(model, attention)
+    onnx.save_model(model, os.fspath(path), save_as_external_data=size > _EXTERNAL_DATA_BYTES,
+                    location=path.name + ".data")
+    return nodes
 
 
 def _as_tuple(outputs):

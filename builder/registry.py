@@ -118,6 +118,10 @@ class Family:
     # The model-folder subfolders the sampler needs at run time (tokenizers,
     # scheduler config); they are copied into the sampler's model folder.
     sampler_assets: ClassVar[tuple[str, ...]] = ()
+    # The modules whose ``dispatch_attention_fn`` calls are the denoiser's
+    # attention: ``--attention sparse-fp8`` swaps those calls for the
+    # SparseAttention operator during export (plugins/ops.py).
+    attention_modules: ClassVar[tuple[str, ...]] = ()
 
     # --- build time ---
     def tiny_pipeline(self) -> Any:
@@ -133,6 +137,11 @@ class Family:
 
     def components(self, pipe: Any) -> list[ExportableComponent]:
         raise NotImplementedError
+
+    def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
+        """Leading tokens of the denoiser's attention whose blocks stay dense
+        under sparse attention (the text tokens of a joint-attention model)."""
+        return 0
 
     def sampler_settings(self, pipe: Any, defaults: ServedDefaults) -> dict[str, Any]:
         """JSON-able settings the run-time half needs (shapes, factors, flags)."""

@@ -161,9 +161,12 @@ def render_public_config(pipeline: str, options: ServingOptions) -> str:
 
 
 def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
-                  family_settings: dict[str, Any], cache: CacheSettings, options: ServingOptions) -> dict[str, Any]:
+                  family_settings: dict[str, Any], cache: CacheSettings, options: ServingOptions,
+                  attention: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the public model reads at start-up: who to call, defaults, family
-    settings, cache defaults (``machgen-build calibrate`` rewrites them)."""
+    settings, cache defaults (``machgen-build calibrate`` rewrites them), and
+    for the record the SparseAttention attributes the denoiser was exported
+    with (None: dense)."""
     return {
         "name": pipeline,
         "family": family.name,
@@ -176,18 +179,20 @@ def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec]
         "family_settings": family_settings,
         "cache": cache.to_json(),
         "prompt_cache_size": options.prompt_cache_size,
+        "attention": attention,
     }
 
 
 def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
                       family_settings: dict[str, Any], options: ServingOptions = ServingOptions(),
-                      cache: CacheSettings = CacheSettings()) -> dict[str, str]:
+                      cache: CacheSettings = CacheSettings(),
+                      attention: dict[str, Any] | None = None) -> dict[str, str]:
     """Every generated text file of the pipeline, keyed by path in the repository."""
     files = {
         f"{pipeline}/config.pbtxt": render_public_config(pipeline, options),
         f"{pipeline}/1/model.py": _SHIM.format(cls="SamplerModel"),
         f"{pipeline}/1/pipeline.json": json.dumps(
-            pipeline_json(pipeline, family, specs, defaults, family_settings, cache, options),
+            pipeline_json(pipeline, family, specs, defaults, family_settings, cache, options, attention),
             indent=2, sort_keys=True) + "\n",
     }
     for name, spec in specs.items():

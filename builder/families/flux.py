@@ -229,6 +229,7 @@ class Flux(Family):
     diffusers_pipeline = "FluxPipeline"
     capabilities = Capabilities(tasks=("text-to-image",), true_cfg=True)
     sampler_assets = ("tokenizer", "tokenizer_2", "scheduler")
+    attention_modules = ("diffusers.models.transformers.transformer_flux",)
 
     # ------------------------------------------------------------------ build
     def specs(self, pipe) -> dict[str, ComponentSpec]:
@@ -315,6 +316,10 @@ class Flux(Family):
         size = 128 * _vae_scale_factor(pipe.vae.config)
         return ServedDefaults(height=size, width=size, num_inference_steps=28, guidance_scale=3.5,
                               max_sequence_length=512, max_height=2048, max_width=2048)
+
+    def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
+        # Joint attention puts the T5 tokens, padded to max_sequence_length, before the image tokens.
+        return defaults.max_sequence_length
 
     def tiny_defaults(self) -> ServedDefaults:
         return ServedDefaults(height=64, width=64, num_inference_steps=4, guidance_scale=3.5,

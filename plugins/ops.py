@@ -1,0 +1,157 @@
+"""``machgen::sparse_attention`` as a torch custom op, its ONNX form, and the
+swap that puts it in place of a family's attention during export.
+
+In torch (eager) the op runs the CPU reference (plugins/reference.py). The
+dynamo exporter writes it as one ``machgen::SparseAttention`` node carrying
+the schema's attributes, and ``attach_onnx_function`` adds to the file an
+ONNX function of that name whose body is ``masked_dense_attention`` in
+standard ops: ONNX Runtime runs the body, TensorRT replaces the node with
+the plugin (plugins/tensorrt_plugin.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from typing import Iterator, Sequence
+
+import torch
+
+from machgen.plugins import reference
+from machgen.plugins.schema import DOMAIN, OP_TYPE, OP_VERSION, SparseAttentionConfig, register_onnx_schema
+
+
+@torch.library.custom_op("machgen::sparse_attention", mutates_args=())
+def sparse_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int,
+                        mask_method: str, topk_ratio: float, cdf_threshold: float, dense_prefix_tokens: int,
+                        dense_diagonal: int, precision: str, softmax_scale: float) -> torch.Tensor:
+    config = SparseAttentionConfig(block_q, block_k, mask_method, topk_ratio, cdf_threshold, dense_prefix_tokens,
+                                   dense_diagonal, precision, softmax_scale)
+    return reference.sparse_attention(q, k, v, config)
+
+
+@sparse_attention_op.register_fake
+def _(q, k, v, *attributes):
+    return torch.empty_like(q)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     config: SparseAttentionConfig) -> torch.Tensor:
+    """The op on q, k, v in [B, N, H, D]."""
+    return sparse_attention_op(q, k, v, *config.onnx_attributes().values())
+
+
+def onnx_translation() -> dict:
+    """The exporter's ``custom_translation_table`` entry for the op."""
+    import onnxscript
+
+    register_onnx_schema()
+    machgen = onnxscript.values.Opset(DOMAIN, OP_VERSION)
+
+    def translate(q, k, v, block_q: int, block_k: int, mask_method: str, topk_ratio: float,
+                  cdf_threshold: float, dense_prefix_tokens: int, dense_diagonal: int, precision: str,
+                  softmax_scale: float):
+        return machgen.SparseAttention(
+            q, k, v, block_q=block_q, block_k=block_k, mask_method=mask_method, topk_ratio=topk_ratio,
+            cdf_threshold=cdf_threshold, dense_prefix_tokens=dense_prefix_tokens, dense_diagonal=dense_diagonal,
+            precision=precision, softmax_scale=softmax_scale)
+
+    return {torch.ops.machgen.sparse_attention.default: translate}
+
+
+class _MaskedDense(torch.nn.Module):
+    def __init__(self, config: SparseAttentionConfig):
+        super().__init__()
+        self.config = config
+
+    def forward(self, q, k, v):
+        return reference.masked_dense_attention(q, k, v, self.config)
+
+
+def onnx_function(config: SparseAttentionConfig, head_dim: int, opset: int):
+    """``machgen::SparseAttention`` as an ONNX FunctionProto: the masked dense
+    form exported by the dynamo exporter (dynamic batch and tokens), its
+    weights-free graph turned into a function body (batch, tokens and heads
+    dynamic; head_dim fixed)."""
+    import onnx
+    from torch.export import Dim
+
+    # Three distinct tensors: the exporter folds one tensor passed three times into one input.
+    samples = tuple(torch.randn(2, 2 * max(config.block_q, config.block_k) + 3, 3, head_dim) for _ in range(3))
+    axes = {0: Dim("batch", min=1), 1: Dim("tokens", min=2), 2: Dim("heads", min=1)}
+    with torch.no_grad(), contextlib.redirect_stdout(None), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(_MaskedDense(config).eval(), samples, dynamo=True,
+                                    input_names=["q", "k", "v"], output_names=["output"],
+                                    dynamic_shapes=(axes, axes, axes), opset_version=opset, verbose=False)
+    graph = program.model_proto.graph
+    constants = [onnx.helper.make_node("Constant", [], [tensor.name], value=tensor) for tensor in graph.initializer]
+    return onnx.helper.make_function(
+        DOMAIN, OP_TYPE, ["q", "k", "v"], ["output"], [*constants, *graph.node],
+        opset_imports=[o for o in program.model_proto.opset_import if o.domain != DOMAIN],
+        attributes=list(config.onnx_attributes()))
+
+
+def _head_dim(model, node) -> int:
+    for info in [*model.graph.value_info, *model.graph.input]:
+        if info.name == node.input[0]:
+            return info.type.tensor_type.shape.dim[-1].dim_value
+    raise ValueError(f"{node.name}: the exporter recorded no shape for its input {node.input[0]!r}")
+
+
+def attach_onnx_function(model, config: SparseAttentionConfig) -> int:
+    """Give ``model`` (ModelProto) the function body of its SparseAttention
+    nodes; returns how many nodes there are. Every node must carry ``config``
+    and the same head_dim (the body is exported for one)."""
+    import onnx
+
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+    for node in nodes:
+        found = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if _as_float32(found) != _as_float32(config.onnx_attributes()):
+            raise ValueError(f"{node.name}: attributes {found} differ from the build's {config}")
+    head_dims = {_head_dim(model, node) for node in nodes}
+    if len(head_dims) > 1:
+        raise ValueError(f"SparseAttention nodes with different head_dims {sorted(head_dims)}")
+    if nodes:
+        opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        model.functions.append(onnx_function(config, head_dims.pop(), opset))
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OP_VERSION))
+    return len(nodes)
+
+
+def _as_float32(attributes: dict) -> dict:
+    """Attributes as an ONNX node stores them (floats in float32, strings as bytes)."""
+    import numpy as np
+
+    return {name: np.float32(value) if isinstance(value, float) else
+            value.encode() if isinstance(value, str) else value for name, value in attributes.items()}
+
+
+@contextlib.contextmanager
+def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig) -> Iterator[None]:
+    """Inside the block, every unmasked, non-causal call of ``dispatch_attention_fn``
+    in ``modules`` (diffusers model modules, [B, N, H, D] layout) runs the op."""
+    patched = []
+
+    def make(original):
+        def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *args,
+                     **kwargs):
+            if attn_mask is not None or is_causal or dropout_p:
+                return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
+            chosen = config if scale is None else SparseAttentionConfig(
+                **{**config.onnx_attributes(), "softmax_scale": scale})
+            return sparse_attention(query, key, value, chosen)
+        return dispatch
+
+    try:
+        for name in modules:
+            module = importlib.import_module(name)
+            patched.append((module, module.dispatch_attention_fn))
+            module.dispatch_attention_fn = make(module.dispatch_attention_fn)
+        yield
+    finally:
+        for module, original in patched:
+            module.dispatch_attention_fn = original
