@@ -1,0 +1,86 @@
+"""``machgen-build build --attention sparse-fp8`` on the tiny Flux: the graph
+carries the operator, and the served pipeline equals diffusers' pipeline
+running the same operator (its CPU reference) in place of attention."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import component_onnx
+from machgen.builder.build import AttentionOptions
+from machgen.plugins.schema import DOMAIN, OP_TYPE
+
+SPARSE = AttentionOptions("sparse-fp8", block=4, mask_method="cdf", cdf_threshold=0.8)
+NAME = "flux_sparse"
+
+
+@pytest.fixture(scope="module")
+def sparse_repository(tiny_flux_dir, tmp_path_factory):
+    from machgen.builder.build import build_repository
+
+    out = tmp_path_factory.mktemp("sparse-repository")
+    build_repository(tiny_flux_dir, NAME, out, attention=SPARSE, log=lambda line: None)
+    return out
+
+
+def test_denoiser_graphs_carry_the_operator(sparse_repository, tiny_flux_pipeline):
+    transformer = tiny_flux_pipeline.transformer.config
+    for component, blocks in (("denoiser_head", 1), ("denoiser_tail", transformer.num_layers - 1
+                                                      + transformer.num_single_layers)):
+        model = onnx.load(component_onnx(sparse_repository, component, NAME))
+        nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+        assert len(nodes) == blocks
+        assert [f.name for f in model.functions if f.domain == DOMAIN] == [OP_TYPE]
+    pipeline = json.loads((sparse_repository / NAME / "1" / "pipeline.json").read_text())
+    assert pipeline["attention"]["precision"] == "fp8_e4m3"
+    assert pipeline["attention"]["dense_prefix_tokens"] == pipeline["defaults"]["max_sequence_length"]
+
+
+def test_served_sparse_pipeline_equals_diffusers_with_the_operator(sparse_repository, tiny_flux_dir,
+                                                                   tiny_flux_pipeline, monkeypatch):
+    import torch
+
+    from machgen.builder.build import detect_family, served_defaults
+    from machgen.ensembles.local import LocalPipeline
+    from machgen.plugins import reference
+    from machgen.plugins.ops import attention_swapped
+
+    skipped = []
+    block_mask = reference.block_mask
+
+    def recording_block_mask(q, k, config):
+        mask = block_mask(q, k, config)
+        skipped.append(reference.skipped_fraction(mask, q.shape[2], k.shape[2], config.block_q, config.block_k))
+        return mask
+
+    monkeypatch.setattr(reference, "block_mask", recording_block_mask)
+    family = detect_family(tiny_flux_dir)
+    defaults = served_defaults(tiny_flux_dir, family, tiny_flux_pipeline)
+    config = SPARSE.config(family, defaults)
+    served, _ = LocalPipeline(sparse_repository, NAME).generate("a red circle", seed=3, cache_policy="none")
+    with attention_swapped(family.attention_modules, config):
+        expected = tiny_flux_pipeline(
+            "a red circle", generator=torch.Generator().manual_seed(3), height=defaults.height, width=defaults.width,
+            num_inference_steps=defaults.num_inference_steps, guidance_scale=defaults.guidance_scale,
+            max_sequence_length=defaults.max_sequence_length, output_type="np").images
+    dense = tiny_flux_pipeline(
+        "a red circle", generator=torch.Generator().manual_seed(3), height=defaults.height, width=defaults.width,
+        num_inference_steps=defaults.num_inference_steps, guidance_scale=defaults.guidance_scale,
+        max_sequence_length=defaults.max_sequence_length, output_type="np").images
+    assert np.abs(served.astype(np.int16) - (expected * 255).round().astype(np.int16)).max() <= 2
+    assert np.mean(skipped) > 0.05  # blocks really were dropped ...
+    assert np.abs(expected - dense).max() > 1e-3  # ... and it shows (random weights: barely)
+
+
+def test_sparse_attention_needs_a_family_that_declares_its_attention(tiny_flux_dir, tmp_path, monkeypatch):
+    from machgen.builder.build import build_repository
+    from machgen.builder.families.flux import Flux
+
+    monkeypatch.setattr(Flux, "attention_modules", ())
+    with pytest.raises(ValueError, match="no attention"):
+        build_repository(tiny_flux_dir, NAME, tmp_path, attention=SPARSE, log=lambda line: None)
+    assert not any(tmp_path.iterdir())
