@@ -1,7 +1,8 @@
 """``machgen::sparse_attention`` as a torch custom op, its ONNX form, and the
 swap that puts it in place of a family's attention during export.
 
-In torch (eager) the op runs the CPU reference (plugins/reference.py). The
+In torch the op runs the CPU reference (plugins/reference.py) on CPU
+tensors and the Triton kernel (plugins/triton_kernel.py) on CUDA ones. The
 dynamo exporter writes it as one ``machgen::SparseAttention`` node carrying
 the schema's attributes, and ``attach_onnx_function`` adds to the file an
 ONNX function of that name whose body is ``masked_dense_attention`` in
@@ -28,12 +29,20 @@ def sparse_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
                         dense_diagonal: int, precision: str, softmax_scale: float) -> torch.Tensor:
     config = SparseAttentionConfig(block_q, block_k, mask_method, topk_ratio, cdf_threshold, dense_prefix_tokens,
                                    dense_diagonal, precision, softmax_scale)
-    return reference.sparse_attention(q, k, v, config)
+    return reference.sparse_attention(q, k, v, config)  # the CPU kernel; CUDA's is registered below
 
 
 @sparse_attention_op.register_fake
 def _(q, k, v, *attributes):
     return torch.empty_like(q)
+
+
+@sparse_attention_op.register_kernel("cuda")
+def _(q, k, v, *attributes):
+    # On a GPU the op is the Triton kernel (imported here: OpenAI Triton is needed only then).
+    from machgen.plugins import triton_kernel
+
+    return triton_kernel.sparse_attention(q, k, v, SparseAttentionConfig(*attributes))
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

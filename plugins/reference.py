@@ -154,6 +154,27 @@ def dense_attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return _heads_first(torch.cat(parts, dim=2))
 
 
+def oracle_block_mask(q: torch.Tensor, k: torch.Tensor, like: torch.Tensor, config: SparseAttentionConfig,
+                      chunk_blocks: int = 16) -> torch.Tensor:
+    """The best mask keeping as many key blocks per query block as ``like``:
+    the blocks holding most of the exact attention (q, k in [B, H, N, D]).
+    What a perfect predictor would choose; for judging ``block_mask``."""
+    scale = config.scale_for(q.shape[-1])
+    k_blocks = _blocks(k.shape[2], config.block_k)
+    k_padded = torch.nn.functional.pad(k.double(), (0, 0, 0, k_blocks * config.block_k - k.shape[2]))
+    key_is_real = torch.arange(k_padded.shape[2], device=k.device) < k.shape[2]
+    masses = []
+    for start in range(0, like.shape[2], chunk_blocks):
+        rows = q[:, :, start * config.block_q:(start + chunk_blocks) * config.block_q].double()
+        scores = (rows @ k_padded.transpose(-1, -2) * scale).masked_fill(~key_is_real, float("-inf"))
+        mass = torch.softmax(scores, dim=-1).unflatten(-1, (k_blocks, config.block_k)).sum(-1)
+        masses.append(_padded_blocks(mass, config.block_q).sum(dim=3))
+    mass = torch.cat(masses, dim=2)[:, :, :like.shape[2]]
+    ranked = torch.sort(mass, dim=-1, descending=True).values
+    kept = like.sum(dim=-1, keepdim=True).clamp(min=1)
+    return mass >= torch.gather(ranked, -1, kept - 1)
+
+
 def skipped_fraction(mask: torch.Tensor, q_tokens: int, k_tokens: int, block_q: int, block_k: int) -> float:
     """Share of the query-key products (FLOPs of QK and PV) the mask skips."""
     q_sizes = torch.diff(torch.clamp(torch.arange(mask.shape[2] + 1) * block_q, max=q_tokens)).double()

@@ -1,0 +1,116 @@
+"""SparseAttention on a CUDA GPU: check the Triton kernel, then time it
+against dense attention. Run by perf/gpu_check.sh; needs torch with CUDA and
+OpenAI Triton, nothing else of machgen's dependencies.
+
+Checks (printed, and the script exits non-zero when one fails): the kernel
+in fp8_e4m3, bf16 and fp32 against the operator's float32 reference
+(plugins/reference.py, the same mask) on random and on video-like inputs,
+and the absence of NaNs.
+
+Timing: CUDA events after warm-up, median of the repeats; batch 1, 24
+heads, head_dim 128, bf16 inputs; dense is torch's
+scaled_dot_product_attention (bf16, the flash backend where available);
+ours is the whole operator (mask prediction, FP8 quantization, kernel) and
+the kernel alone; sparsity by a top-k mask without dense blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+TOKENS = (4096, 16384, 32768, 65536)
+SPARSITIES = (0.0, 0.5, 0.75, 0.9)
+HEADS, HEAD_DIM = 24, 128
+
+
+def cuda_ms(function, repeats: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def checks() -> list[str]:
+    from machgen.plugins import reference, triton_kernel
+    from machgen.plugins.schema import SparseAttentionConfig
+    from machgen.plugins.synthetic import video_like_qkv
+
+    failures, lines = [], ["| inputs | precision | rel. L2 vs float32 reference | NaN | limit |", "| --- | --- | --- | --- | --- |"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    random_inputs = tuple(torch.randn(1, 4096, HEADS, HEAD_DIM, device="cuda", generator=gen) for _ in range(3))
+    video_inputs = tuple(x.cuda() for x in video_like_qkv(16, 16, 16, heads=HEADS, head_dim=HEAD_DIM, sharpness=12))
+    limits = {"fp8_e4m3": 0.05, "bf16": 0.01, "fp32": 1e-4}
+    for name, (q, k, v) in (("random 4k", random_inputs), ("video-like 4k", video_inputs)):
+        base = SparseAttentionConfig(block_q=64, block_k=64, topk_ratio=0.5)
+        mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), base)
+        want = reference.sparse_attention(q, k, v, replace(base, precision="fp32"), mask=mask)
+        for precision, limit in limits.items():
+            got = triton_kernel.sparse_attention(q, k, v, replace(base, precision=precision), mask=mask)
+            error, nan = reference.relative_l2(got, want), bool(torch.isnan(got).any())
+            lines.append(f"| {name} | {precision} | {error:.2e} | {'yes' if nan else 'no'} | {limit:g} |")
+            if nan or not error <= limit:
+                failures.append(lines[-1])
+    print("\n".join(lines), flush=True)
+    return failures
+
+
+def timings() -> str:
+    from machgen.plugins import reference, triton_kernel
+    from machgen.plugins.schema import SparseAttentionConfig
+
+    lines = ["| tokens | sparsity | dense SDPA bf16 ms | ours ms (kernel) | speed-up | kernel TFLOP/s (kept) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for tokens in TOKENS:
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
+        q, k, v = (torch.randn(1, tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(3))
+        layout = [x.transpose(1, 2) for x in (q, k, v)]
+        dense_ms = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(*layout))
+        for sparsity in SPARSITIES:
+            config = SparseAttentionConfig(block_q=64, block_k=64, topk_ratio=1.0 - sparsity, dense_diagonal=0)
+            mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), config)
+            kept = float(mask.float().mean())
+            total_ms = cuda_ms(lambda: triton_kernel.sparse_attention(q, k, v, config))
+            kernel_ms = cuda_ms(lambda: triton_kernel.sparse_attention(q, k, v, config, mask=mask))
+            flops = 4 * tokens * tokens * HEAD_DIM * HEADS * kept
+            lines.append(f"| {tokens:,} | {100 * (1 - kept):.0f} % | {dense_ms:.2f} | {total_ms:.2f} "
+                         f"({kernel_ms:.2f}) | {dense_ms / total_ms:.2f}x | {flops / kernel_ms / 1e9:.0f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", help="also write the tables (markdown) here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 0
+    header = (f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}, CUDA {torch.version.cuda}, "
+              f"measured {time.strftime('%Y-%m-%d %H:%M')}")
+    print(header, flush=True)
+    failures = checks()
+    table = timings()
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write(f"{header}\n\n{table}\n")
+    if failures:
+        print("FAILED checks:\n" + "\n".join(failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
