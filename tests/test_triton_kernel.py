@@ -15,7 +15,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton reads it, at the kernel's import
+    os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
 triton_kernel = pytest.importorskip("machgen.plugins.triton_kernel", reason="OpenAI Triton is not installed")
 
 from machgen.plugins import reference  # noqa: E402
