@@ -170,6 +170,7 @@ def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec]
     return {
         "name": pipeline,
         "family": family.name,
+        "tasks": list(family.capabilities.tasks),
         "components": {
             name: {**({"onnx": in_sampler_onnx(name)} if spec.in_sampler else {"model": model_name(pipeline, name)}),
                    "inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs]}

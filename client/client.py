@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from machgen.ensembles.api import API_INPUTS, numpy_dtype
+from machgen.ensembles.api import API_INPUTS, input_array
 
 PROTOCOLS = ("grpc", "http")
 _API = {tensor.name: tensor for tensor in API_INPUTS}
@@ -69,10 +70,7 @@ class MachgenClient:
     def make_input(self, name: str, value: Any, dtype: str | None = None):
         """One request input; ``dtype`` overrides the API's (to send a wrong one on purpose)."""
         triton_dtype = dtype or _API[name].triton_dtype
-        if triton_dtype == "BYTES":
-            array = np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
-        else:
-            array = np.asarray(value, dtype=numpy_dtype(triton_dtype)).reshape(-1)
+        array = input_array(replace(_API[name], triton_dtype=triton_dtype), value)
         tensor = self._module.InferInput(name, list(array.shape), triton_dtype)
         tensor.set_data_from_numpy(array)
         return tensor
@@ -91,8 +89,8 @@ class MachgenClient:
     def generate(self, model: str, prompt: str, **options: Any) -> np.ndarray:
         """Generate images for ``prompt``; options are the API's optional inputs
         (negative_prompt, seed, num_inference_steps, guidance_scale, true_cfg_scale,
-        height, width, cache_policy, cache_threshold). Absent ones take the served
-        model's defaults."""
+        height, width, cache_policy, cache_threshold, image, strength). Absent ones
+        take the served model's defaults."""
         return self.infer(model, self._inputs(prompt, options))["images"]
 
     def generate_with_stats(self, model: str, prompt: str, **options: Any) -> tuple[np.ndarray, dict[str, Any]]:

@@ -23,6 +23,9 @@ class ApiTensor:
     required: bool = False
 
 
+# FluxImg2ImgPipeline's default strength.
+DEFAULT_STRENGTH = 0.6
+
 API_INPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("prompt", "BYTES", (1,), "UTF-8 text to generate from", required=True),
     ApiTensor("negative_prompt", "BYTES", (1,), "UTF-8 text to steer away from; used when true_cfg_scale > 1"),
@@ -36,6 +39,10 @@ API_INPUTS: tuple[ApiTensor, ...] = (
                                              "default when absent"),
     ApiTensor("cache_threshold", "FP32", (1,), "the policy's threshold (higher: more reuse, less fidelity); "
                                                "the calibrated one when absent"),
+    ApiTensor("image", "UINT8", (-1, -1, 3), "image-to-image: the starting picture, [height, width, RGB]; "
+                                             "height and width default to its size"),
+    ApiTensor("strength", "FP32", (1,), f"image-to-image: how much of the picture is redrawn, in [0, 1] "
+                                        f"(1: all of it); default {DEFAULT_STRENGTH:g}, as diffusers"),
 )
 API_OUTPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("images", "UINT8", (-1, -1, -1, 3), "generated images, [N, height, width, RGB]"),
@@ -51,6 +58,14 @@ _MAX_CACHE_THRESHOLD = 10.0
 
 def numpy_dtype(triton_dtype: str):
     return _NUMPY_DTYPES[triton_dtype]
+
+
+def input_array(tensor: ApiTensor, value: Any) -> np.ndarray:
+    """A client-side value as the array the API takes: scalars as [1], arrays in their own shape."""
+    if tensor.triton_dtype == "BYTES":
+        return np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
+    array = np.asarray(value, dtype=numpy_dtype(tensor.triton_dtype))
+    return array.reshape(-1) if tensor.dims == (1,) else array
 
 
 class InvalidArgument(ValueError):
@@ -73,6 +88,16 @@ class GenerationRequest:
     width: int
     cache_policy: str | None = None  # None: the served default
     cache_threshold: float | None = None  # None: the policy's calibrated threshold
+    image: np.ndarray | None = None  # image-to-image: uint8 [height, width, 3]
+    strength: float = DEFAULT_STRENGTH
+
+    @property
+    def denoising_steps(self) -> int:
+        """Steps actually run: image-to-image skips the first (1 - strength) of
+        the schedule (diffusers' get_timesteps)."""
+        if self.image is None:
+            return self.num_inference_steps
+        return self.num_inference_steps - int(max(self.num_inference_steps - self.num_inference_steps * self.strength, 0))
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -126,13 +151,34 @@ def _choice(field: str, value: np.ndarray, choices: tuple[str, ...]) -> str:
     return text
 
 
+def _picture(field: str, value: np.ndarray) -> np.ndarray:
+    if value.dtype != np.uint8:
+        raise InvalidArgument(field, f"expected UINT8 pixels, got {value.dtype}")
+    if value.ndim != 3 or value.shape[2] != 3 or 0 in value.shape:
+        raise InvalidArgument(field, f"expected shape [height, width, 3], got {list(value.shape)}")
+    return value
+
+
+def _image_size(image: np.ndarray, axis: int, requested: int | None, name: str, multiple: int,
+                maximum: int) -> int:
+    """The request's height or width when it sends an image: the image's own."""
+    size = int(image.shape[axis])
+    if requested is not None and requested != size:
+        raise InvalidArgument("image", f"its {name} is {size}, but {name} asks for {requested}")
+    if size < multiple or size > maximum or size % multiple:
+        raise InvalidArgument("image", f"its {name} {size} must be a multiple of {multiple} in "
+                                       f"[{multiple}, {maximum}]")
+    return size
+
+
 def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mapping[str, Any],
-                  size_multiple: int, cache_policies: tuple[str, ...] = ("none",)) -> GenerationRequest:
+                  size_multiple: int, cache_policies: tuple[str, ...] = ("none",),
+                  tasks: tuple[str, ...] = ("text-to-image",)) -> GenerationRequest:
     """Validate one request's inputs and fill in the served defaults.
 
     ``get_input(name)`` returns the input's array or None when it is absent;
     ``defaults`` is a ServedDefaults as JSON; ``cache_policies`` the policy
-    names this model serves. Raises InvalidArgument.
+    names this model serves; ``tasks`` what it can do. Raises InvalidArgument.
     """
 
     def value(name: str, parse: Callable[[str, np.ndarray], Any], default: Any) -> Any:
@@ -143,7 +189,22 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
     if prompt is None:
         raise InvalidArgument("prompt", "missing; it is required")
     max_steps = int(defaults["max_inference_steps"])
-    return GenerationRequest(
+    image = value("image", _picture, None)
+    if image is not None and "image-to-image" not in tasks:
+        raise InvalidArgument("image", f"this model does not do image-to-image (it does {', '.join(tasks)})")
+    if image is None and get_input("strength") is not None:
+        raise InvalidArgument("strength", "applies only with an image")
+    if image is None:
+        height = value("height", lambda f, v: _size(f, v, size_multiple, int(defaults["max_height"])),
+                       int(defaults["height"]))
+        width = value("width", lambda f, v: _size(f, v, size_multiple, int(defaults["max_width"])),
+                      int(defaults["width"]))
+    else:
+        height = _image_size(image, 0, value("height", lambda f, v: int(_scalar(f, v)), None), "height",
+                             size_multiple, int(defaults["max_height"]))
+        width = _image_size(image, 1, value("width", lambda f, v: int(_scalar(f, v)), None), "width",
+                            size_multiple, int(defaults["max_width"]))
+    request = GenerationRequest(
         prompt=_text("prompt", np.asarray(prompt)),
         negative_prompt=value("negative_prompt", _text, defaults.get("negative_prompt")),
         # Without a seed the noise is fresh each time, as diffusers does without a generator.
@@ -154,11 +215,15 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
                              float(defaults["guidance_scale"])),
         true_cfg_scale=value("true_cfg_scale", lambda f, v: _real(f, v, 0.0, _MAX_GUIDANCE),
                              float(defaults["true_cfg_scale"])),
-        height=value("height", lambda f, v: _size(f, v, size_multiple, int(defaults["max_height"])),
-                     int(defaults["height"])),
-        width=value("width", lambda f, v: _size(f, v, size_multiple, int(defaults["max_width"])),
-                    int(defaults["width"])),
+        height=height,
+        width=width,
         cache_policy=value("cache_policy", lambda f, v: _choice(f, v, cache_policies), None),
         cache_threshold=value("cache_threshold", lambda f, v: _real(f, v, 0.0, _MAX_CACHE_THRESHOLD), None),
+        image=image,
+        strength=value("strength", lambda f, v: _real(f, v, 0.0, 1.0), DEFAULT_STRENGTH),
     )
+    if request.denoising_steps < 1:
+        raise InvalidArgument("strength", f"{request.strength:g} leaves no denoising step of "
+                                          f"{request.num_inference_steps}")
+    return request
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from machgen.builder.repository import model_name, pipeline_dir
-from machgen.ensembles.api import API_INPUTS, numpy_dtype, parse_request
+from machgen.ensembles.api import API_INPUTS, input_array
 from machgen.ensembles.onnx_runner import InSamplerComponents, OnnxSession
 from machgen.ensembles.sampler import GenerationStats, load_sampler
 
@@ -47,9 +47,8 @@ class LocalPipeline:
         unknown = set(options) - set(_API)
         if unknown:
             raise TypeError(f"unknown generation options: {sorted(unknown)}")
-        arrays = {name: np.array([value], dtype=numpy_dtype(_API[name].triton_dtype))
+        arrays = {name: input_array(_API[name], value)
                   for name, value in {"prompt": prompt, **options}.items() if value is not None}
-        request = parse_request(arrays.get, self.pipeline["defaults"], self.sampler.conditioning.size_multiple,
-                                self.sampler.cache_settings.available())
+        request = self.sampler.parse_request(arrays.get, self.pipeline["defaults"])
         result = self.sampler.generate(request)
         return self.sampler.decode(result.latents), result.stats

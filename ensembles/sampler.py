@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from machgen.ensembles.api import GenerationRequest
+from machgen.ensembles.api import GenerationRequest, parse_request
 from machgen.ensembles.cache import CacheSettings, StepCache, StepPlan
 
 RunComponent = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -56,7 +56,12 @@ class Conditioning(Protocol):
 
     def initial_latents(self, seed: int, height: int, width: int) -> Any: ...
 
-    def scheduler(self, num_inference_steps: int, image_tokens: int) -> Any: ...
+    def scheduler(self, num_inference_steps: int, height: int, width: int) -> Any: ...
+
+    def image_latents(self, image: np.ndarray, strength: float, seed: int, scheduler: Any) -> tuple[Any, Any]:
+        """Image-to-image: the noised latents of ``image`` (uint8 [H, W, 3]) and
+        the timesteps left to run, ``scheduler`` set to start there."""
+        ...
 
     def denoiser_inputs(self, latents: Any, timestep: Any, conditioning: dict[str, np.ndarray],
                         guidance_scale: float, height: int, width: int) -> dict[str, np.ndarray]: ...
@@ -147,14 +152,21 @@ class Sampler:
 
     def __init__(self, conditioning: Conditioning, run_component: RunComponent,
                  component_inputs: Mapping[str, Sequence[str]], cache_settings: CacheSettings = CacheSettings(),
-                 prompt_cache_size: int = 256):
+                 prompt_cache_size: int = 256, tasks: Sequence[str] = ("text-to-image",)):
         self.conditioning = conditioning
+        self.tasks = tuple(tasks)
         self.run_component = run_component
         self.component_inputs = {name: tuple(inputs) for name, inputs in component_inputs.items()}
         self.tail_inputs = self.component_inputs["denoiser_tail"]
         self.reuse_inputs = self.component_inputs.get("denoiser_reuse", ())
         self.cache_settings = cache_settings
         self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
+
+    def parse_request(self, get_input: Callable[[str], np.ndarray | None],
+                      defaults: Mapping[str, Any]) -> GenerationRequest:
+        """One request's inputs validated against what this model serves (api.parse_request)."""
+        return parse_request(get_input, defaults, self.conditioning.size_multiple, self.cache_settings.available(),
+                             self.tasks)
 
     def predict_noise(self, step: int, inputs: dict[str, np.ndarray], cache: StepCache,
                       stats: GenerationStats) -> tuple[np.ndarray, bool]:
@@ -191,15 +203,19 @@ class Sampler:
         cond = self.conditioning
         policy = request.cache_policy or self.cache_settings.default_policy
         cache = StepCache(policy, request.cache_threshold, self.cache_settings)
-        stats = GenerationStats(steps=request.num_inference_steps, cache_policy=policy,
+        stats = GenerationStats(cache_policy=policy,
                                 cache_threshold=cache.threshold)
         prompts = [request.prompt]
         if request.uses_true_cfg:
             prompts.append(request.negative_prompt)
         conditioning = self.prompt_cache.encode(prompts, cond.encode_prompts, stats)
-        latents = cond.initial_latents(request.seed, request.height, request.width)
-        scheduler = cond.scheduler(request.num_inference_steps, image_tokens=latents.shape[1])
-        timesteps = scheduler.timesteps
+        scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width)
+        if request.image is None:
+            latents = cond.initial_latents(request.seed, request.height, request.width)
+            timesteps = scheduler.timesteps
+        else:
+            latents, timesteps = cond.image_latents(request.image, request.strength, request.seed, scheduler)
+        stats.steps = len(timesteps)
         cache.start(len(timesteps))
         for index, timestep in enumerate(timesteps):
             if is_cancelled is not None and is_cancelled():
@@ -236,4 +252,5 @@ def load_sampler(pipeline: Mapping[str, Any], assets_dir: str, run_component: Ru
     components = pipeline["components"]
     return Sampler(conditioning, run_component, {name: entry["inputs"] for name, entry in components.items()},
                    cache_settings=CacheSettings.from_json(pipeline.get("cache")),
-                   prompt_cache_size=int(pipeline.get("prompt_cache_size", 256)))
+                   prompt_cache_size=int(pipeline.get("prompt_cache_size", 256)),
+                   tasks=pipeline.get("tasks", ("text-to-image",)))

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from machgen.ensembles.api import InvalidArgument, parse_request
+from machgen.ensembles.api import InvalidArgument
 from machgen.ensembles.sampler import GenerationCancelled
 
 
@@ -113,8 +113,7 @@ class SamplerModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
-        parsed = parse_request(get_input, self.pipeline["defaults"], self.sampler.conditioning.size_multiple,
-                               self.sampler.cache_settings.available())
+        parsed = self.sampler.parse_request(get_input, self.pipeline["defaults"])
         request_id = request.request_id() or "-"
 
         def on_step(step: int, total: int) -> None:

@@ -64,13 +64,20 @@ def generate(
     width: Optional[int] = typer.Option(None, "--width"),
     cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help="none, fbcache or magcache"),
     cache_threshold: Optional[float] = typer.Option(None, "--cache-threshold"),
+    image: Optional[Path] = typer.Option(None, "--image", exists=True, dir_okay=False,
+                                         help="image-to-image: the starting picture (PNG, JPEG, ...)"),
+    strength: Optional[float] = typer.Option(None, "--strength",
+                                             help="image-to-image: how much is redrawn, 0-1 (default 0.6)"),
 ) -> None:
     """Generate an image through a served pipeline and save it as PNG."""
     import time
 
+    import numpy as np
     from PIL import Image
 
     from machgen.client import GenerationError, MachgenClient
+
+    picture = None if image is None else np.asarray(Image.open(image).convert("RGB"))
 
     try:
         with MachgenClient(url, protocol=protocol) as client:
@@ -78,7 +85,7 @@ def generate(
             images, stats = client.generate_with_stats(
                 model, prompt, negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
                 guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width,
-                cache_policy=cache_policy, cache_threshold=cache_threshold)
+                cache_policy=cache_policy, cache_threshold=cache_threshold, image=picture, strength=strength)
             seconds = time.perf_counter() - start
     except GenerationError as err:
         typer.secho(f"error ({err.status}): {err}", fg=typer.colors.RED, err=True)

@@ -1,12 +1,13 @@
 import numpy as np
 import pytest
 
-from machgen.ensembles.api import API_INPUTS, InvalidArgument, parse_request
+from machgen.ensembles.api import API_INPUTS, InvalidArgument, input_array, parse_request
 
 DEFAULTS = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 3.5, "true_cfg_scale": 1.0,
             "negative_prompt": None, "max_sequence_length": 32, "max_height": 256, "max_width": 256,
             "max_inference_steps": 1000}
 TYPES = {t.name: t.triton_dtype for t in API_INPUTS}
+API = {t.name: t for t in API_INPUTS}
 
 
 def parse(**inputs):
@@ -68,3 +69,41 @@ def test_more_than_one_element_is_refused():
     arrays = {"prompt": np.array([b"a", b"b"], dtype=object)}
     with pytest.raises(InvalidArgument, match="'prompt'.*one element"):
         parse_request(arrays.get, DEFAULTS, size_multiple=16)
+
+
+IMAGE_TASKS = ("text-to-image", "image-to-image")
+
+
+def parse_with_image(image, tasks=IMAGE_TASKS, **inputs):
+    arrays = {"image": image} if image is not None else {}
+    for name, value in {"prompt": "x", **inputs}.items():
+        arrays[name] = input_array(API[name], value)
+    return parse_request(arrays.get, DEFAULTS, size_multiple=16, tasks=tasks)
+
+
+def test_image_sets_the_size_and_strength_defaults_as_diffusers():
+    req = parse_with_image(np.zeros((96, 32, 3), np.uint8))
+    assert (req.height, req.width, req.strength, req.denoising_steps) == (96, 32, 0.6, 3)
+    assert parse_with_image(None).image is None and parse_with_image(None).denoising_steps == 4
+    req = parse_with_image(np.zeros((64, 64, 3), np.uint8), strength=1.0, height=64, width=64)
+    assert req.denoising_steps == 4
+
+
+@pytest.mark.parametrize("image, tasks, inputs, field, words", [
+    (np.zeros((64, 64, 3), np.float32), IMAGE_TASKS, {}, "image", "UINT8"),
+    (np.zeros((64, 64), np.uint8), IMAGE_TASKS, {}, "image", "[height, width, 3]"),
+    (np.zeros((64, 64, 4), np.uint8), IMAGE_TASKS, {}, "image", "[height, width, 3]"),
+    (np.zeros((0, 64, 3), np.uint8), IMAGE_TASKS, {}, "image", "[height, width, 3]"),
+    (np.zeros((64, 64, 3), np.uint8), IMAGE_TASKS, {"height": 128}, "image", "height asks for 128"),
+    (np.zeros((64, 40, 3), np.uint8), IMAGE_TASKS, {}, "image", "multiple of 16"),
+    (np.zeros((512, 64, 3), np.uint8), IMAGE_TASKS, {}, "image", "multiple of 16 in [16, 256]"),
+    (np.zeros((64, 64, 3), np.uint8), ("text-to-image",), {}, "image", "does not do image-to-image"),
+    (np.zeros((64, 64, 3), np.uint8), IMAGE_TASKS, {"strength": 1.5}, "strength", "outside"),
+    (np.zeros((64, 64, 3), np.uint8), IMAGE_TASKS, {"strength": 0.0}, "strength", "no denoising step of 4"),
+    (None, IMAGE_TASKS, {"strength": 0.5}, "strength", "only with an image"),
+])
+def test_bad_image_inputs_are_named(image, tasks, inputs, field, words):
+    with pytest.raises(InvalidArgument) as err:
+        parse_with_image(image, tasks, **inputs)
+    assert err.value.field == field
+    assert f"'{field}'" in str(err.value) and words in str(err.value)

@@ -72,6 +72,13 @@ BAD_REQUESTS = [
     ("cache_policy", lambda c: [c.make_input("prompt", "x"), c.make_input("cache_policy", "magcache")],
      "not one of none, fbcache"),  # MagCache is offered only once calibrated
     ("cache_threshold", lambda c: [c.make_input("prompt", "x"), c.make_input("cache_threshold", -1.0)], "outside"),
+    ("image", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 3)), dtype="FP32")],
+     "data-type"),
+    ("image", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 4)))], "shape"),
+    ("image", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 3))),
+                         c.make_input("width", 16)], "width asks for 16"),
+    ("strength", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 3))),
+                            c.make_input("strength", 2.0)], "outside"),
 ]
 
 
@@ -171,6 +178,18 @@ def test_generate_cli_writes_the_served_image(triton_server, tmp_path):
         [sys.executable, "-m", "machgen.cli", "generate", "--url", triton_server.grpc_url, "--model", PIPELINE_NAME,
          "--prompt", "x", "--height", "3", "--out", str(tmp_path / "no.png")], capture_output=True, text=True)
     assert bad.returncode == 2 and "'height'" in bad.stderr and not (tmp_path / "no.png").exists()
+
+    # image-to-image: the picture just written, redrawn
+    redrawn = tmp_path / "redrawn.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "machgen.cli", "generate", "--url", triton_server.grpc_url, "--model", PIPELINE_NAME,
+         "--prompt", "a blue cat", "--seed", "4", "--image", str(out), "--strength", "0.5", "--out", str(redrawn)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with MachgenClient(triton_server.grpc_url) as client:
+        expected = client.generate(PIPELINE_NAME, "a blue cat", seed=4, image=np.asarray(Image.open(out)),
+                                   strength=0.5)[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(redrawn)), expected)
 
 
 def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository):

@@ -51,7 +51,7 @@ def test_noise_and_timesteps_are_those_of_flux_pipeline(conditioning_factory, ti
     assert torch.equal(ours, theirs)
     np.testing.assert_array_equal(cond.image_ids(req.height, req.width)[0], image_ids.numpy())
 
-    scheduler = cond.scheduler(req.num_inference_steps, image_tokens=theirs.shape[1])
+    scheduler = cond.scheduler(req.num_inference_steps, req.height, req.width)
     reference = tiny_flux_pipeline.scheduler
     mu = calculate_shift(theirs.shape[1], reference.config.base_image_seq_len, reference.config.max_image_seq_len,
                          reference.config.base_shift, reference.config.max_shift)

@@ -12,6 +12,8 @@ Components, as Triton serves them:
 - ``denoiser_reuse`` input embedding plus a kept blocks residual, final norm
   and projection: the prediction of a step that skips the blocks
 - ``vae_decoder``    latents -> image in [-1, 1]
+- ``vae_encoder``    image in [-1, 1] -> mean and spread of its scaled latents
+  (image-to-image: FluxImg2ImgPipeline samples its latents from them)
 - ``postprocess``    image in [-1, 1] -> uint8 HWC, as diffusers' PIL output
 
 Every per-request value (latents, timestep, guidance, embeddings, position
@@ -96,6 +98,13 @@ def _flux_specs(*, clip_length: int, pooled_dim: int, t5_dim: int, joint_dim: in
             "vae_decoder",
             inputs=(TensorSpec("latents", "float32", ("batch", latent_channels, "latent_height", "latent_width")),),
             outputs=(TensorSpec("image", "float32", ("batch", 3, "height", "width")),),
+            tolerance=1e-3,
+        ),
+        ComponentSpec(
+            "vae_encoder",
+            inputs=(TensorSpec("image", "float32", ("batch", 3, "height", "width")),),
+            outputs=tuple(TensorSpec(name, "float32", ("batch", latent_channels, "latent_height", "latent_width"))
+                          for name in ("latent_mean", "latent_std")),
             tolerance=1e-3,
         ),
         ComponentSpec(
@@ -209,6 +218,21 @@ def _modules():
             latents = latents / self.scaling_factor + self.shift_factor
             return self.vae.decode(latents, return_dict=False)[0]
 
+    class VaeEncoder(torch.nn.Module):
+        """AutoencoderKL.encode's latent distribution in FluxImg2ImgPipeline's
+        latent scale: (sample - shift) * scale = mean + std * noise, with both
+        returned already shifted and scaled."""
+
+        def __init__(self, vae):
+            super().__init__()
+            self.vae = vae
+            self.scaling_factor = float(vae.config.scaling_factor)
+            self.shift_factor = float(vae.config.shift_factor or 0.0)
+
+        def forward(self, image):
+            distribution = self.vae.encode(image).latent_dist
+            return (distribution.mean - self.shift_factor) * self.scaling_factor, distribution.std * self.scaling_factor
+
     class Postprocess(torch.nn.Module):
         """VaeImageProcessor.postprocess(output_type="pil") as tensor ops."""
 
@@ -216,7 +240,8 @@ def _modules():
             image = (image / 2 + 0.5).clamp(0, 1)
             return (image.permute(0, 2, 3, 1) * 255).round().to(torch.uint8)
 
-    return TextEncoderPooled, TextEncoderSequence, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoder, Postprocess
+    return (TextEncoderPooled, TextEncoderSequence, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoder, VaeEncoder,
+            Postprocess)
 
 
 def _vae_scale_factor(vae_config) -> int:
@@ -227,7 +252,7 @@ def _vae_scale_factor(vae_config) -> int:
 class Flux(Family):
     name = "flux"
     diffusers_pipeline = "FluxPipeline"
-    capabilities = Capabilities(tasks=("text-to-image",), true_cfg=True)
+    capabilities = Capabilities(tasks=("text-to-image", "image-to-image"), true_cfg=True)
     sampler_assets = ("tokenizer", "tokenizer_2", "scheduler")
     attention_modules = ("diffusers.models.transformers.transformer_flux",)
 
@@ -250,7 +275,7 @@ class Flux(Family):
     def components(self, pipe) -> list[ExportableComponent]:
         import torch
 
-        pooled, sequence, head, tail, reuse, vae_decoder, postprocess = _modules()
+        pooled, sequence, head, tail, reuse, vae_decoder, vae_encoder, postprocess = _modules()
         specs = self.specs(pipe)
         tr = pipe.transformer.config
         # Sample sizes: batch 2 (batch 1 would be specialised by the exporter),
@@ -304,6 +329,10 @@ class Flux(Family):
             ExportableComponent(
                 specs["vae_decoder"], vae_decoder(pipe.vae).eval(),
                 {"latents": randn(batch, latent_channels, lat_h, lat_w)},
+            ),
+            ExportableComponent(
+                specs["vae_encoder"], vae_encoder(pipe.vae).eval(),
+                {"image": randn(batch, 3, lat_h * vae_scale, lat_w * vae_scale).clamp(-1, 1)},
             ),
             ExportableComponent(
                 specs["postprocess"], postprocess().eval(),
@@ -401,6 +430,13 @@ def _image_ids(lat_h: int, lat_w: int, rows: int):
     return ids
 
 
+def _pack(latents):
+    """FluxPipeline._pack_latents: [1, C, h, w] -> [1, h/2 * w/2, 4C] tokens of 2x2 patches."""
+    _, channels, height, width = latents.shape
+    latents = latents.view(1, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(1, (height // 2) * (width // 2), channels * 4)
+
+
 class FluxConditioning:
     """The Flux-specific half of the sampler: prompts, latents, ids, timesteps.
 
@@ -460,18 +496,19 @@ class FluxConditioning:
         channels = self.settings["latent_channels"]
         noise = randn_tensor((1, channels, lat_h, lat_w), generator=torch.Generator("cpu").manual_seed(seed),
                              dtype=torch.float32)
-        noise = noise.view(1, channels, lat_h // 2, 2, lat_w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return noise.reshape(1, (lat_h // 2) * (lat_w // 2), channels * 4)
+        return _pack(noise)
 
     def image_ids(self, height: int, width: int, rows: int = 1):
         """FluxPipeline's latent image ids, one copy per row; built once per
         size (read-only), not once per denoising step."""
         return _image_ids(*self.latent_size(height, width), rows)
 
-    def scheduler(self, num_inference_steps: int, image_tokens: int):
+    def scheduler(self, num_inference_steps: int, height: int, width: int):
         """A fresh scheduler with FluxPipeline's sigmas and resolution-dependent shift."""
         import numpy as np
 
+        lat_h, lat_w = self.latent_size(height, width)
+        image_tokens = (lat_h // 2) * (lat_w // 2)
         scheduler = self._scheduler_class.from_config(self.scheduler_config)
         cfg = scheduler.config
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
@@ -485,6 +522,29 @@ class FluxConditioning:
             scheduler.set_timesteps(sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         return scheduler
+
+    def image_latents(self, image, strength: float, seed: int, scheduler):
+        """FluxImg2ImgPipeline's start: the schedule cut by ``strength``
+        (get_timesteps), the image's latents sampled from the VAE encoder's
+        distribution and noised to the first remaining timestep, drawing
+        from one generator in the pipeline's order (the latent sample, then the noise)."""
+        import numpy as np
+        import torch
+        from diffusers.utils.torch_utils import randn_tensor
+
+        steps = len(scheduler.timesteps)
+        first = int(max(steps - min(steps * strength, steps), 0))
+        timesteps = scheduler.timesteps[first:]
+        scheduler.set_begin_index(first)
+        # VaeImageProcessor.preprocess: [0, 255] -> [-1, 1], channels first.
+        pixels = (image.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None]
+        encoded = self.run_component("vae_encoder", {"image": np.ascontiguousarray(pixels)})
+        mean, std = (torch.from_numpy(encoded[name]) for name in ("latent_mean", "latent_std"))
+        generator = torch.Generator("cpu").manual_seed(seed)
+        image_latents = mean + std * randn_tensor(mean.shape, generator=generator, dtype=torch.float32)
+        noise = randn_tensor(mean.shape, generator=generator, dtype=torch.float32)
+        latents = scheduler.scale_noise(image_latents, timesteps[:1], noise)
+        return _pack(latents), timesteps
 
     def denoiser_inputs(self, latents, timestep, conditioning: dict[str, Any], guidance_scale: float,
                         height: int, width: int) -> dict[str, Any]:
