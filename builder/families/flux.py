@@ -205,29 +205,26 @@ def _modules():
             image_final = tr.x_embedder(hidden_states) + blocks_residual
             return tr.proj_out(tr.norm_out(image_final, time_embedding(tr, timestep, pooled_projections, guidance)))
 
-    class VaeDecoder(torch.nn.Module):
-        """FluxPipeline's latent scaling followed by AutoencoderKL.decode."""
+    class ScaledVae(torch.nn.Module):
+        """The VAE with the pipelines' latent scale: latents = (vae latents - shift) * scale."""
 
         def __init__(self, vae):
             super().__init__()
             self.vae = vae
             self.scaling_factor = float(vae.config.scaling_factor)
             self.shift_factor = float(vae.config.shift_factor or 0.0)
+
+    class VaeDecoder(ScaledVae):
+        """FluxPipeline's latent scaling followed by AutoencoderKL.decode."""
 
         def forward(self, latents):
             latents = latents / self.scaling_factor + self.shift_factor
             return self.vae.decode(latents, return_dict=False)[0]
 
-    class VaeEncoder(torch.nn.Module):
+    class VaeEncoder(ScaledVae):
         """AutoencoderKL.encode's latent distribution in FluxImg2ImgPipeline's
         latent scale: (sample - shift) * scale = mean + std * noise, with both
         returned already shifted and scaled."""
-
-        def __init__(self, vae):
-            super().__init__()
-            self.vae = vae
-            self.scaling_factor = float(vae.config.scaling_factor)
-            self.shift_factor = float(vae.config.shift_factor or 0.0)
 
         def forward(self, image):
             distribution = self.vae.encode(image).latent_dist
