@@ -58,9 +58,9 @@ class Conditioning(Protocol):
 
     def scheduler(self, num_inference_steps: int, height: int, width: int) -> Any: ...
 
-    def image_latents(self, image: np.ndarray, strength: float, seed: int, scheduler: Any) -> tuple[Any, Any]:
-        """Image-to-image: the noised latents of ``image`` (uint8 [H, W, 3]) and
-        the timesteps left to run, ``scheduler`` set to start there."""
+    def image_latents(self, image: np.ndarray, first_step: int, seed: int, scheduler: Any) -> tuple[Any, Any]:
+        """Image-to-image: the latents of ``image`` (uint8 [H, W, 3]) noised to
+        ``first_step`` and the timesteps from there, ``scheduler`` set to start there."""
         ...
 
     def denoiser_inputs(self, latents: Any, timestep: Any, conditioning: dict[str, np.ndarray],
@@ -214,7 +214,8 @@ class Sampler:
             latents = cond.initial_latents(request.seed, request.height, request.width)
             timesteps = scheduler.timesteps
         else:
-            latents, timesteps = cond.image_latents(request.image, request.strength, request.seed, scheduler)
+            first_step = request.num_inference_steps - request.denoising_steps
+            latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler)
         stats.steps = len(timesteps)
         cache.start(len(timesteps))
         for index, timestep in enumerate(timesteps):

@@ -18,7 +18,7 @@ UNSEEN_SIZES = {"batch": 3, "image_tokens": 48, "text_tokens": 19, "latent_heigh
 def test_build_reports_parity_within_tolerance_for_every_component(built_repository):
     _, results = built_repository
     assert [r.name for r in results] == ["text_encoder", "text_encoder_2", "denoiser_head", "denoiser_tail",
-                                         "denoiser_reuse", "vae_decoder", "postprocess"]
+                                         "denoiser_reuse", "vae_decoder", "vae_encoder", "postprocess"]
     for result in results:
         assert 0.0 <= result.max_abs_diff <= result.tolerance, result
 
@@ -31,7 +31,7 @@ def _random_input(spec, generator):
 
 
 @pytest.mark.parametrize("component", ["text_encoder", "text_encoder_2", "denoiser_head", "denoiser_tail",
-                                       "denoiser_reuse", "vae_decoder", "postprocess"])
+                                       "denoiser_reuse", "vae_decoder", "vae_encoder", "postprocess"])
 def test_onnx_matches_torch_on_unseen_dynamic_sizes(component, built_repository, tiny_flux_pipeline):
     repository, _ = built_repository
     exportable = {c.spec.name: c for c in get_family("flux").components(tiny_flux_pipeline)}[component]

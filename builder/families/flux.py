@@ -520,19 +520,17 @@ class FluxConditioning:
         scheduler.set_begin_index(0)
         return scheduler
 
-    def image_latents(self, image, strength: float, seed: int, scheduler):
-        """FluxImg2ImgPipeline's start: the schedule cut by ``strength``
-        (get_timesteps), the image's latents sampled from the VAE encoder's
-        distribution and noised to the first remaining timestep, drawing
-        from one generator in the pipeline's order (the latent sample, then the noise)."""
+    def image_latents(self, image, first_step: int, seed: int, scheduler):
+        """FluxImg2ImgPipeline's start: the schedule from ``first_step`` on,
+        the image's latents sampled from the VAE encoder's distribution and
+        noised to that step, drawing from one generator in the pipeline's
+        order (the latent sample, then the noise)."""
         import numpy as np
         import torch
         from diffusers.utils.torch_utils import randn_tensor
 
-        steps = len(scheduler.timesteps)
-        first = int(max(steps - min(steps * strength, steps), 0))
-        timesteps = scheduler.timesteps[first:]
-        scheduler.set_begin_index(first)
+        timesteps = scheduler.timesteps[first_step:]
+        scheduler.set_begin_index(first_step)
         # VaeImageProcessor.preprocess: [0, 255] -> [-1, 1], channels first.
         pixels = (image.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None]
         encoded = self.run_component("vae_encoder", {"image": np.ascontiguousarray(pixels)})
