@@ -95,9 +95,8 @@ class GenerationRequest:
     def denoising_steps(self) -> int:
         """Steps actually run: image-to-image skips the first (1 - strength) of
         the schedule (diffusers' get_timesteps)."""
-        if self.image is None:
-            return self.num_inference_steps
-        return self.num_inference_steps - int(max(self.num_inference_steps - self.num_inference_steps * self.strength, 0))
+        steps = self.num_inference_steps
+        return steps if self.image is None else steps - int(max(steps - steps * self.strength, 0))
 
     @property
     def uses_true_cfg(self) -> bool:

@@ -101,9 +101,10 @@ def synthetic_table(heads: int, head_dim: int, sharpness: float, block: int) -> 
         f"Synthetic video-like inputs (plugins/synthetic.py, sharpness {sharpness:g}): batch 1, {heads} heads, "
         f"head_dim {head_dim}, blocks of {block} tokens, no dense prefix. Error: relative L2 against exact "
         "float64 attention; oracle: the same with the best mask of the same size (the blocks holding most of the "
-        "exact attention), what a perfect predictor would reach. Time: the CPU reference (plugins/reference.py, torch, gathers only the kept "
-        "blocks) against torch's dense scaled_dot_product_attention in float32, best of "
-        f"{3} runs at 4k, one at 16k; ratio above 1: the reference is faster.",
+        "exact attention), what a perfect predictor would reach. Time: the CPU reference "
+        "(plugins/reference.py, torch, gathers only the kept blocks) against torch's dense "
+        "scaled_dot_product_attention in float32, best of 3 runs at 4k, one at 16k; ratio above 1: the reference "
+        "is faster.",
         "",
         "| tokens | setting | products skipped | rel. L2 error | oracle's | CPU s | vs SDPA |",
         "| --- | --- | --- | --- | --- | --- | --- |",

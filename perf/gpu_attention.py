@@ -47,7 +47,8 @@ def checks() -> list[str]:
     from machgen.plugins.schema import SparseAttentionConfig
     from machgen.plugins.synthetic import video_like_qkv
 
-    failures, lines = [], ["| inputs | precision | rel. L2 vs float32 reference | NaN | limit |", "| --- | --- | --- | --- | --- |"]
+    failures = []
+    lines = ["| inputs | precision | rel. L2 vs float32 reference | NaN | limit |", "| --- | --- | --- | --- | --- |"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     random_inputs = tuple(torch.randn(1, 4096, HEADS, HEAD_DIM, device="cuda", generator=gen) for _ in range(3))
     video_inputs = tuple(x.cuda() for x in video_like_qkv(16, 16, 16, heads=HEADS, head_dim=HEAD_DIM, sharpness=12))
