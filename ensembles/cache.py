@@ -35,7 +35,7 @@ slowly than either prediction (FasterCache's CFG reuse).
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -169,13 +169,22 @@ class StepCache:
             self.state = MagCacheState()
         else:
             self.config, self.state = None, None
+        self._calibrated = self.config
 
     @property
     def threshold(self) -> float | None:
         return None if self.config is None else self.config.threshold
 
-    def start(self, total_steps: int) -> None:
+    def start(self, total_steps: int, first_step: int = 0, schedule_steps: int | None = None) -> None:
+        """A new request of ``total_steps``: steps ``first_step`` on of a
+        schedule of ``schedule_steps`` (image-to-image starts part-way)."""
         self.total_steps = total_steps
+        self.config = self._calibrated
+        if self.policy == "magcache" and (first_step or schedule_steps not in (None, total_steps)):
+            # The calibrated ratios follow the schedule, not the request's own step count.
+            schedule = schedule_steps or total_steps
+            ratios = tuple(self._calibrated.ratio(first_step + step, schedule) for step in range(total_steps))
+            self.config = replace(self._calibrated, magnitude_ratios=ratios)
         self.tail_residual = self.full_residual = self.guidance_difference = None
         self.last_negative_step = -1
         if self.state is not None:

@@ -210,14 +210,14 @@ class Sampler:
             prompts.append(request.negative_prompt)
         conditioning = self.prompt_cache.encode(prompts, cond.encode_prompts, stats)
         scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width)
+        first_step = request.num_inference_steps - request.denoising_steps
         if request.image is None:
             latents = cond.initial_latents(request.seed, request.height, request.width)
             timesteps = scheduler.timesteps
         else:
-            first_step = request.num_inference_steps - request.denoising_steps
             latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler)
         stats.steps = len(timesteps)
-        cache.start(len(timesteps))
+        cache.start(len(timesteps), first_step, request.num_inference_steps)
         for index, timestep in enumerate(timesteps):
             if is_cancelled is not None and is_cancelled():
                 raise GenerationCancelled(index, len(timesteps))

@@ -210,3 +210,14 @@ def test_concurrent_requests_keep_their_own_cache_state(generate, conditioning_f
         thread.join()
     for index, latents in enumerate(alone):
         np.testing.assert_array_equal(together[index], latents)
+
+
+def test_magcache_follows_the_schedule_when_a_request_starts_part_way():
+    # Image-to-image at strength 0.6 of 20 steps runs steps 8-19: their calibrated ratios, not those of 0-11.
+    calibrated = tuple(1.0 - 0.01 * step for step in range(20))
+    settings = CacheSettings(magnitude_ratios=calibrated)
+    cache = StepCache("magcache", 0.1, settings)
+    cache.start(12, first_step=8, schedule_steps=20)
+    assert [cache.config.ratio(step, 12) for step in range(12)] == list(calibrated[8:])
+    cache.start(20)  # started again for the whole schedule: the calibrated ratios
+    assert cache.config.magnitude_ratios == calibrated
