@@ -4,8 +4,9 @@ OpenAI Triton, nothing else of machgen's dependencies.
 
 Checks (printed, and the script exits non-zero when one fails): the kernel
 in fp8_e4m3, bf16 and fp32 against the operator's float32 reference
-(plugins/reference.py, the same mask) on random and on video-like inputs,
-and the absence of NaNs.
+(plugins/reference.py, the same mask) on random and on video-like inputs:
+no NaN, and an error at most 1.25x that of the reference rounding the same
+way.
 
 Timing: CUDA events after warm-up, median of the repeats; batch 1, 24
 heads, head_dim 128, bf16 inputs; dense is torch's
@@ -48,25 +49,33 @@ def checks() -> list[str]:
     from machgen.plugins.synthetic import video_like_qkv
 
     failures = []
-    lines = ["| inputs | precision | rel. L2 vs float32 reference | NaN | limit |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| inputs | precision | kernel vs float32 (rel. L2) | reference in that precision vs float32 | "
+             "kernel vs that reference | NaN |", "| --- | --- | --- | --- | --- | --- |"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     random_inputs = tuple(torch.randn(1, 4096, HEADS, HEAD_DIM, device="cuda", generator=gen) for _ in range(3))
     video_inputs = tuple(x.cuda() for x in video_like_qkv(16, 16, 16, heads=HEADS, head_dim=HEAD_DIM, sharpness=12))
-    limits = {"fp8_e4m3": 0.05, "bf16": 0.01, "fp32": 1e-4}
+    # The kernel must be as accurate as the operator's definition (the reference rounding the same way): its
+    # error against float32 at most 1.25x the reference's, plus 1e-4. They round the probabilities against
+    # different maxima (the running one, the final one), so they do not agree bit for bit.
+    precisions = ("fp8_e4m3", "bf16", "fp32")
     for name, (q, k, v) in (("random 4k", random_inputs), ("video-like 4k", video_inputs)):
         base = SparseAttentionConfig(block_q=64, block_k=64, topk_ratio=0.5)
         mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), base)
         want = reference.sparse_attention(q, k, v, replace(base, precision="fp32"), mask=mask)
-        for precision, limit in limits.items():
+        for precision in precisions:
+            config = replace(base, precision=precision)
             try:
-                got = triton_kernel.sparse_attention(q, k, v, replace(base, precision=precision), mask=mask)
+                got = triton_kernel.sparse_attention(q, k, v, config, mask=mask)
             except Exception as err:  # a kernel that does not compile here is a failed check, not the end
-                lines.append(f"| {name} | {precision} | {type(err).__name__}: {str(err)[:200]} | - | {limit:g} |")
+                lines.append(f"| {name} | {precision} | {type(err).__name__}: {str(err)[:200]} | - | - | - |")
                 failures.append(lines[-1])
                 continue
-            error, nan = reference.relative_l2(got, want), bool(torch.isnan(got).any())
-            lines.append(f"| {name} | {precision} | {error:.2e} | {'yes' if nan else 'no'} | {limit:g} |")
-            if nan or not error <= limit:
+            same_rounding = reference.sparse_attention(q, k, v, config, mask=mask)
+            error, allowed = reference.relative_l2(got, want), 1.25 * reference.relative_l2(same_rounding, want) + 1e-4
+            nan = bool(torch.isnan(got).any())
+            lines.append(f"| {name} | {precision} | {error:.2e} | {allowed - 1e-4:.2e} | "
+                         f"{reference.relative_l2(got, same_rounding):.2e} | {'yes' if nan else 'no'} |")
+            if nan or not error <= allowed:
                 failures.append(lines[-1])
     print("\n".join(lines), flush=True)
     return failures
@@ -103,12 +112,37 @@ def timings() -> str:
     return "\n".join(lines)
 
 
+def tune(tokens: int = 32768, sparsity: float = 0.5) -> None:
+    """Launch settings and block shapes of the kernel at one size (kernel with a given mask)."""
+    from machgen.plugins import reference, triton_kernel
+    from machgen.plugins.schema import SparseAttentionConfig
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    print(f"| block q x k | warps | stages | ms ({tokens:,} tokens, {100 * sparsity:.0f} % skipped) |", flush=True)
+    for block_q, block_k in ((64, 64), (128, 64), (128, 128)):
+        config = SparseAttentionConfig(block_q=block_q, block_k=block_k, topk_ratio=1 - sparsity, dense_diagonal=0)
+        mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), config)
+        for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)):
+            try:
+                ms = cuda_ms(lambda: triton_kernel.sparse_attention(q, k, v, config, mask=mask, num_warps=warps,
+                                                                    num_stages=stages))
+                print(f"| {block_q} x {block_k} | {warps} | {stages} | {ms:.2f} |", flush=True)
+            except Exception as err:
+                print(f"| {block_q} x {block_k} | {warps} | {stages} | {type(err).__name__} |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="also write the tables (markdown) here")
+    parser.add_argument("--tune", action="store_true", help="time launch settings instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
+        return 0
+    if args.tune:
+        tune()
         return 0
     header = (f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}, CUDA {torch.version.cuda}, "
               f"measured {time.strftime('%Y-%m-%d %H:%M')}")

@@ -109,8 +109,9 @@ def kept_block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: SparseAttentionConfig,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The operator on q, k, v [B, N, H, D] (float32 or bfloat16), output in q's dtype."""
+                     mask: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """The operator on q, k, v [B, N, H, D] (float32 or bfloat16), output in q's dtype;
+    ``num_warps``/``num_stages`` are the launch's (perf/gpu_attention.py --tune)."""
     batch, tokens, heads, head_dim = q.shape
     kv_tokens = k.shape[1]
     if mask is None:
@@ -132,6 +133,6 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: 
         heads, tokens, kv_tokens, q_blocks, k_blocks, kept.shape[-1],
         config.scale_for(head_dim) * _LOG2_E,
         BLOCK_Q=config.block_q, BLOCK_K=config.block_k, HEAD_DIM=head_dim,
-        PRECISION=_PRECISION_CODES[config.precision],
+        PRECISION=_PRECISION_CODES[config.precision], num_warps=num_warps, num_stages=num_stages,
     )
     return out
