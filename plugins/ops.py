@@ -13,6 +13,7 @@ the plugin (plugins/tensorrt_plugin.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import warnings
 from typing import Iterator, Sequence
@@ -78,6 +79,7 @@ class _MaskedDense(torch.nn.Module):
         return reference.masked_dense_attention(q, k, v, self.config)
 
 
+@functools.lru_cache(maxsize=None)  # the head and the tail of one build share it (an export takes ~10 s)
 def onnx_function(config: SparseAttentionConfig, head_dim: int, opset: int):
     """``machgen::SparseAttention`` as an ONNX FunctionProto: the masked dense
     form exported by the dynamo exporter (dynamic batch and tokens), its
@@ -125,7 +127,8 @@ def attach_onnx_function(model, config: SparseAttentionConfig) -> int:
         raise ValueError(f"SparseAttention nodes with different head_dims {sorted(head_dims)}")
     if nodes:
         opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-        model.functions.append(onnx_function(config, head_dims.pop(), opset))
+        function = model.functions.add()
+        function.CopyFrom(onnx_function(config, head_dims.pop(), opset))
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OP_VERSION))
     return len(nodes)

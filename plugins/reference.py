@@ -115,6 +115,15 @@ def masked_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _heads_first(out.to(q.dtype))
 
 
+def kept_block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask [B, H, qb, kb] as per-query-block index lists: (indices
+    [B, H, qb, most kept], the kept ones first in key order, padded with
+    dropped ones; counts [B, H, qb] int32)."""
+    counts = mask.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(mask.to(torch.int8), dim=-1, descending=True, stable=True)
+    return order[..., :int(counts.max())].contiguous(), counts.contiguous()
+
+
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: SparseAttentionConfig,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU reference ([B, N, H, D] in and out): per query block, gathers
@@ -130,11 +139,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: 
     key_is_real = key_is_real.view(-1, config.block_k)
     scale = config.scale_for(head_dim)
     out = torch.empty_like(q_blocks)
+    kept, counts = kept_block_lists(mask)
     for index in range(q_blocks.shape[2]):
         row = mask[:, :, index]  # [B, H, k_blocks]
-        width = int(row.sum(dim=-1).max())
-        # Kept blocks first (stable: in key order); rows keeping fewer are padded with dropped ones.
-        chosen = torch.argsort(row.to(torch.int8), dim=-1, descending=True, stable=True)[..., :width]
+        chosen = kept[:, :, index, :int(counts[:, :, index].max())]
         picked = chosen[..., None, None].expand(-1, -1, -1, config.block_k, head_dim)
         keys = torch.gather(k_blocks, 2, picked).flatten(2, 3)
         values = torch.gather(v_blocks, 2, picked).flatten(2, 3)

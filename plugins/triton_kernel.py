@@ -100,14 +100,6 @@ def quantize(x: torch.Tensor, block: int, precision: str) -> tuple[torch.Tensor,
     return scaled, scale.contiguous()
 
 
-def kept_block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mask [B, H, qb, kb] as per-query-block index lists: (indices
-    [B, H, qb, max kept] int32, kept in key order first; counts [B, H, qb])."""
-    counts = mask.sum(dim=-1, dtype=torch.int32)
-    order = torch.argsort(mask.to(torch.int8), dim=-1, descending=True, stable=True)
-    return order[..., :int(counts.max())].to(torch.int32).contiguous(), counts.contiguous()
-
-
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: SparseAttentionConfig,
                      mask: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """The operator on q, k, v [B, N, H, D] (float32 or bfloat16), output in q's dtype;
@@ -116,7 +108,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: 
     kv_tokens = k.shape[1]
     if mask is None:
         mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), config)
-    kept, counts = kept_block_lists(mask)
+    kept, counts = reference.kept_block_lists(mask)
+    kept = kept.to(torch.int32)
     q_op, q_scale = quantize(q, config.block_q, config.precision)
     k_op, k_scale = quantize(k, config.block_k, config.precision)
     v_op, v_scale = quantize(v, config.block_k, config.precision)
