@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # A model folder's served defaults (key "serving") and calibrated cache defaults (key "cache").
 SERVING_FILE = "machgen.json"
-TARGETS = ("onnxruntime",)
+TARGETS = ("onnxruntime", "torch", "tensorrt")
 ATTENTION_KINDS = ("dense", "sparse-fp8")
 
 
@@ -51,6 +51,44 @@ class AttentionOptions:
                                      topk_ratio=self.topk_ratio, cdf_threshold=self.cdf_threshold,
                                      dense_prefix_tokens=family.dense_attention_tokens(defaults),
                                      precision="fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """How the GPU targets export and run the components (the onnxruntime
+    target always runs float32 on the CPU)."""
+
+    # torch: where the programs are exported, checked and served: "cuda",
+    # "cpu", or "auto" (CUDA when this machine has it).
+    device: str = "auto"
+    # torch: the programs' float dtype (bfloat16, float16, float32); "auto":
+    # bfloat16 on CUDA, float32 on the CPU.
+    dtype: str = "auto"
+    # torch on CUDA: replay each shape bucket's step as a CUDA graph.
+    cuda_graphs: bool = True
+    # torch: torch.compile every program at load (minutes for a large model).
+    compile: bool = False
+    # tensorrt: bf16, or fp8 (FP8 where the graph has Q/DQ pairs or the FP8 attention plugin, BF16 elsewhere).
+    precision: str = "bf16"
+    # tensorrt: engines whose weights can be swapped (refit) without a rebuild.
+    refittable: bool = True
+    # tensorrt: tactic timings kept across builds (read, then rewritten).
+    timing_cache: Path | None = None
+
+    def torch_device(self) -> str:
+        import torch
+
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def torch_dtype(self, device: str) -> str:
+        from machgen.ensembles.torch_runner import DTYPES
+
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        return dtype
 
 
 @dataclass(frozen=True)
@@ -113,15 +151,21 @@ def _quiet_exporter() -> None:
 
 def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
                      options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
+                     target_options: TargetOptions = TargetOptions(),
                      log: Callable[[str], None] = print) -> list[ComponentResult]:
     """Export, check and write every component of the model in ``model_dir``
     (with ``lora`` fused into its weights first), served with ``options``."""
-    from machgen.builder.export import check_parity, export_onnx
-    from machgen.builder.repository import ServingOptions, render_repository, write_repository
+    from machgen.builder.export import check_parity, export_onnx, export_torch
+    from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
     from machgen.plugins.ops import attention_swapped
 
     if target not in TARGETS:
-        raise ValueError(f"target {target!r} is not available here; choose from {', '.join(TARGETS)}")
+        raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
+    if target == "tensorrt":
+        from machgen.builder.tensorrt_engine import require_tensorrt
+
+        require_tensorrt()  # before minutes of export
+    options = options or ServingOptions()
     _quiet_exporter()
     family = detect_family(model_dir)
     log(f"loading {model_dir} ({family.diffusers_pipeline}, family '{family.name}')")
@@ -132,39 +176,71 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         pipe.fuse_lora()
         pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     defaults = served_defaults(model_dir, family, pipe)
+    settings = family.sampler_settings(pipe, defaults)
     sparse = attention.config(family, defaults)
     if sparse is not None:
         log(f"attention: SparseAttention {asdict(sparse)}")
     components = family.components(pipe)
+    device, dtype = "cpu", "float32"
+    if target == "torch":
+        device = target_options.torch_device()
+        dtype = target_options.torch_dtype(device)
+        log(f"torch target: {dtype} on {device}")
+        if (device, dtype) != ("cpu", "float32"):
+            import torch
+
+            pipe.to(device=device, dtype=getattr(torch, dtype))  # the components' modules share these weights
+    serving = TargetServing(target, torch_device=device, torch_dtype=dtype)
     results: list[ComponentResult] = []
     sparse_nodes = 0
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
-        onnx_files: dict[str, Path] = {}
+        exported: dict[str, Path] = {}
         for index, component in enumerate(components, start=1):
             spec = component.spec
             start = time.perf_counter()
-            log(f"[{index}/{len(components)}] {spec.name}: exporting to ONNX")
-            path = Path(scratch) / spec.name / "model.onnx"
+            log(f"[{index}/{len(components)}] {spec.name}: exporting ({target})")
+            folder = Path(scratch) / spec.name
             # Swapped for the parity check too: torch then runs the operator's CPU reference.
             with attention_swapped(family.attention_modules, sparse) if sparse else contextlib.nullcontext():
-                nodes = export_onnx(component, path, attention=sparse)
-                report = check_parity(component, path)
+                if target == "torch":
+                    nodes = export_torch(component, folder, dtype, device, cuda_graphs=target_options.cuda_graphs,
+                                         compile=target_options.compile)
+                    path = serving.model_file(folder)
+                else:
+                    path = folder / "model.onnx"
+                    nodes = export_onnx(component, path, attention=sparse)
+                report = check_parity(component, path, dtype, device)
             sparse_nodes += nodes
-            seconds = time.perf_counter() - start
-            log(f"[{index}/{len(components)}] {spec.name}: max |onnx - torch| = {report.max_abs_diff:.3g} "
-                f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention nodes' if nodes else ''}, "
-                f"{seconds:.1f} s")
-            onnx_files[spec.name] = path
-            results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance, seconds))
+            log(f"[{index}/{len(components)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
+                f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention calls' if nodes else ''}, "
+                f"{time.perf_counter() - start:.1f} s")
+            if target == "tensorrt":
+                path = _engine(family, component, path, defaults, settings, options, target_options, sparse, log)
+            exported[spec.name] = path
+            results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance,
+                                           time.perf_counter() - start))
         if sparse is not None and not sparse_nodes:
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {family.attention_modules} was exported: "
                              "the model would be dense")
         specs = {c.spec.name: c.spec for c in components}
-        files = render_repository(name, family, specs, defaults, family.sampler_settings(pipe, defaults),
-                                  options=options or ServingOptions(), cache=model_cache_settings(model_dir),
-                                  attention=asdict(sparse) if sparse else None)
-        write_repository(out, name, files, onnx_files,
+        files = render_repository(name, family, specs, defaults, settings, options=options,
+                                  cache=model_cache_settings(model_dir),
+                                  attention=asdict(sparse) if sparse else None, serving=serving)
+        write_repository(out, name, files, exported,
                          {asset: model_dir / asset for asset in family.sampler_assets})
-    log(f"wrote model repository {out} (public model '{name}')")
+    log(f"wrote model repository {out} (public model '{name}', target {target})")
     return results
+
+
+def _engine(family: Family, component, onnx_path: Path, defaults: ServedDefaults, settings: dict,
+            options: "ServingOptions", target_options: TargetOptions, sparse, log: Callable[[str], None]) -> Path:
+    """The tensorrt target: the component's engine built from its checked ONNX file."""
+    from machgen.builder.tensorrt_engine import ENGINE_FILE, build_engine, shape_profile
+
+    profile = shape_profile(component.spec, family.axis_ranges(defaults, settings), options.max_batch_size)
+    folder = onnx_path.parent / "engine"
+    build_engine(onnx_path, component.spec, profile, folder, target_options.precision,
+                 refittable=target_options.refittable, timing_cache=target_options.timing_cache,
+                 sparse_attention=sparse is not None, log=log)
+    return folder / ENGINE_FILE

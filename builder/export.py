@@ -1,8 +1,10 @@
-"""ONNX export of one component, and its parity check against torch.
+"""Export of one component (ONNX, or a torch.export program for the
+``torch`` target), and its parity check against the torch module.
 
 The dynamo exporter is the one that works for these models (the legacy one
 fails on ``aten::rms_norm`` and bakes batch sizes in); it must be traced with
-batch >= 2, or the batch axis is specialised to 1.
+batch >= 2, or the batch axis is specialised to 1. The torch target uses the
+same trace (torch.export), saved as a program instead of converted.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from machgen.builder.registry import ComponentSpec, ExportableComponent
 
@@ -37,7 +39,11 @@ class ParityReport:
     seconds: float
 
 
-def _dynamic_shapes(spec: ComponentSpec) -> dict:
+def _dynamic_shapes(spec: ComponentSpec, inferred: bool = False) -> dict:
+    """Every named axis dynamic: one ``Dim`` per name, or with ``inferred``
+    ``Dim.DYNAMIC`` everywhere, letting torch.export find the ranges and
+    equalities itself (it refuses declared ranges that a model's guards
+    narrow, such as a VAE's batch limit)."""
     from torch.export import Dim
 
     dims: dict[str, object] = {}
@@ -47,7 +53,7 @@ def _dynamic_shapes(spec: ComponentSpec) -> dict:
         for axis, size in enumerate(tensor.shape):
             if isinstance(size, str):
                 if size not in dims:
-                    dims[size] = Dim(size, min=1) if size == "batch" else Dim(size)
+                    dims[size] = Dim.DYNAMIC if inferred else Dim(size, min=1) if size == "batch" else Dim(size)
                 axes[axis] = dims[size]
         shapes[tensor.name] = axes
     return shapes
@@ -96,38 +102,87 @@ def export_onnx(component: ExportableComponent, path: Path,
     return nodes
 
 
+def export_torch(component: ExportableComponent, folder: Path, dtype: str, device: str, cuda_graphs: bool = True,
+                 compile: bool = False) -> int:
+    """The ``torch`` target: ``component`` (already in ``dtype`` on ``device``)
+    traced with torch.export and saved to ``folder`` (model.pt2 and
+    component.json, which also carries how it runs: ``cuda_graphs``,
+    ``compile``). Returns the number of SparseAttention calls in the program."""
+    import torch
+
+    from machgen.ensembles.torch_runner import INFO_FILE, PROGRAM_FILE, TorchComponentInfo
+
+    spec = component.spec
+    folder.mkdir(parents=True, exist_ok=True)
+    inputs = {t.name: _to_program(component.sample_inputs[t.name], dtype, device) for t in spec.inputs}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(component.module, args=(), kwargs=inputs,
+                                      dynamic_shapes=_dynamic_shapes(spec, inferred=True))
+    torch.export.save(program, os.fspath(folder / PROGRAM_FILE))
+    weight_bytes = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
+    info = TorchComponentInfo(inputs=tuple(t.name for t in spec.inputs), outputs=tuple(t.name for t in spec.outputs),
+                              dtype=dtype, device=device, weight_bytes=weight_bytes, cuda_graphs=cuda_graphs,
+                              compile=compile)
+    (folder / INFO_FILE).write_text(info.to_json())
+    return sum(1 for node in program.graph.nodes
+               if node.op == "call_function" and "machgen.sparse_attention" in str(node.target))
+
+
+def _to_program(value, dtype: str, device: str):
+    import torch
+
+    value = value.to(device)
+    return value.to(getattr(torch, dtype)) if value.is_floating_point() else value
+
+
 def _as_tuple(outputs):
     return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
-def check_parity(component: ExportableComponent, path: Path) -> ParityReport:
-    """Run the ONNX file under ONNX Runtime and torch on the sample inputs, and
-    on their first row alone (a batch size the trace did not see)."""
+def check_parity(component: ExportableComponent, path: Path, dtype: str = "float32",
+                 device: str = "cpu") -> ParityReport:
+    """Run the exported file (ONNX under ONNX Runtime, or the torch target's
+    program) and the torch module on the sample inputs, and on their first
+    row alone (a batch size the trace did not see).
+
+    The module runs in ``dtype`` on ``device``, as the program was traced; in
+    a dtype other than float32 the tolerance is relative (1 % of the largest
+    output): the program and the module round the same computation."""
     import numpy as np
     import torch
 
-    from machgen.ensembles.onnx_runner import OnnxSession
+    from machgen.ensembles.tensors import as_numpy
+    from machgen.ensembles.torch_runner import PROGRAM_FILE, TorchProgram
 
     spec = component.spec
     start = time.perf_counter()
-    session = OnnxSession(path)
+    if path.name == PROGRAM_FILE:
+        session: Any = TorchProgram(path.parent, device=device)
+    else:
+        from machgen.ensembles.onnx_runner import OnnxSession
+
+        session = OnnxSession(path)
     full = {t.name: component.sample_inputs[t.name] for t in spec.inputs}
     first_row = {t.name: (full[t.name][:1] if t.batched else full[t.name]) for t in spec.inputs}
     worst = 0.0
+    tolerance = spec.tolerance
     for inputs in (full, first_row):
         with torch.no_grad():
-            expected = _as_tuple(component.module(**inputs))
-        got = session.run({k: v.numpy() for k, v in inputs.items()})
+            expected = _as_tuple(component.module(**{k: _to_program(v, dtype, device) for k, v in inputs.items()}))
+        got = session.run(inputs)
         for tensor, want in zip(spec.outputs, expected):
-            have = got[tensor.name]
-            want = want.numpy()
+            have = as_numpy(got[tensor.name])
+            want = as_numpy(want.float() if want.is_floating_point() else want)
+            if dtype != "float32" and want.size:
+                tolerance = max(tolerance, 0.01 * float(np.abs(want).max()))
             if have.shape != want.shape:
-                raise ParityError(f"{spec.name}.{tensor.name}: ONNX shape {have.shape} != torch {want.shape}")
+                raise ParityError(f"{spec.name}.{tensor.name}: {path.name} shape {have.shape} != torch {want.shape}")
             diff = float(np.max(np.abs(have.astype(np.float64) - want.astype(np.float64)))) if want.size else 0.0
             worst = max(worst, diff)
-    report = ParityReport(spec.name, worst, spec.tolerance, 2, time.perf_counter() - start)
-    if not worst <= spec.tolerance:
+    report = ParityReport(spec.name, worst, tolerance, 2, time.perf_counter() - start)
+    if not worst <= tolerance:
         raise ParityError(
-            f"{spec.name}: ONNX Runtime differs from torch by {worst:.3g} (max abs), above the tolerance "
-            f"{spec.tolerance:g}")
+            f"{spec.name}: {path.name} differs from torch by {worst:.3g} (max abs), above the tolerance "
+            f"{tolerance:g}")
     return report

@@ -60,6 +60,16 @@ class ComponentSpec:
     in_sampler: bool = False
 
 
+@dataclass(frozen=True)
+class AxisRange:
+    """Sizes a named dynamic axis takes when served: an engine's optimization
+    profile covers min..max and is tuned for opt."""
+
+    min: int
+    opt: int
+    max: int
+
+
 @dataclass
 class ExportableComponent:
     """A component ready for export: its spec, a torch module whose forward
@@ -147,6 +157,11 @@ class Family:
         """JSON-able settings the run-time half needs (shapes, factors, flags)."""
         raise NotImplementedError
 
+    def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
+        """The range of every named axis of the components' inputs except
+        ``batch``, from the served sizes (``settings``: sampler_settings)."""
+        raise NotImplementedError
+
     # --- run time ---
     def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable) -> Any:
         raise NotImplementedError
@@ -194,6 +209,7 @@ def family_for_pipeline(pipeline_class_name: str) -> Family:
 
 
 __all__ = [
+    "AxisRange",
     "Capabilities",
     "ComponentSpec",
     "ExportableComponent",

@@ -6,10 +6,13 @@ Layout for a pipeline served as NAME (all generated, never hand-edited):
                              request (encode, denoising loop, decode) by calling the
                              component models: model.py shim, pipeline.json,
                              tokenizers, scheduler config
-    NAME/1/components/<component>/model.onnx
+    NAME/1/components/<component>/
                              components it runs in its own process
-                             (``ComponentSpec.in_sampler``)
-    NAME_<component>/1/      one model per exported component: model.py shim, model.onnx
+                             (``ComponentSpec.in_sampler``; not on tensorrt)
+    NAME_<component>/1/      one model per exported component, by target:
+                             onnxruntime: model.py shim, model.onnx (Python backend, CPU)
+                             torch: model.py shim, model.pt2, component.json (Python backend, GPU)
+                             tensorrt: model.plan, engine.json (TensorRT backend)
 
 Why the public model is the sampler itself and not an ensemble: Triton
 delivers a client's cancellation only to the model the client called (an
@@ -89,6 +92,30 @@ class ServingOptions:
     prompt_cache_size: int = 256
 
 
+@dataclass(frozen=True)
+class TargetServing:
+    """How one target's components are served: file, backend, device."""
+
+    target: str = "onnxruntime"
+    torch_device: str = "cpu"  # torch: where the programs run
+    torch_dtype: str = "float32"  # torch: the programs' float dtype
+
+    @property
+    def file_name(self) -> str:
+        return {"onnxruntime": "model.onnx", "torch": "model.pt2", "tensorrt": "model.plan"}[self.target]
+
+    def model_file(self, folder: Path) -> Path:
+        return Path(folder) / self.file_name
+
+    def runs_in_sampler(self, spec: ComponentSpec) -> bool:
+        # A TensorRT engine needs Triton's TensorRT backend: every component is its own model there.
+        return spec.in_sampler and self.target != "tensorrt"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.target == "tensorrt" or self.torch_device == "cuda"
+
+
 def model_name(pipeline: str, component: str) -> str:
     return f"{pipeline}_{component}"
 
@@ -125,17 +152,29 @@ def _dynamic_batching(spec: ComponentSpec, options: ServingOptions) -> str:
             f"  max_queue_delay_microseconds: {options.stage_queue_delay_us}\n}}\n")
 
 
-def render_component_config(pipeline: str, spec: ComponentSpec, options: ServingOptions) -> str:
+def render_component_config(pipeline: str, spec: ComponentSpec, options: ServingOptions,
+                            serving: TargetServing = TargetServing()) -> str:
+    kind = "KIND_GPU" if serving.on_gpu else "KIND_CPU"
+    if serving.target == "tensorrt":
+        runtime = 'platform: "tensorrt_plan"\n'
+        parameters: dict[str, str] = {}
+    else:
+        runtime = 'backend: "python"\n'
+        parameters = {"intra_op_threads": str(options.intra_op_threads)}
+    if serving.target == "torch":
+        # GPU tensors arrive as they are (DLPack), not copied to the host first.
+        parameters = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no", "device": serving.torch_device,
+                      "dtype": serving.torch_dtype}
     return (
         f'name: "{model_name(pipeline, spec.name)}"\n'
-        'backend: "python"\n'
-        f"max_batch_size: {options.max_batch_size}\n"
+        + runtime
+        + f"max_batch_size: {options.max_batch_size}\n"
         + _dynamic_batching(spec, options)
         + _tensor_block("input", _component_io(spec.inputs))
         + _tensor_block("output", _component_io(spec.outputs))
-        + f"instance_group [\n  {{\n    count: {options.component_instances}\n    kind: KIND_CPU\n  }}\n]\n"
-        + 'parameters {\n  key: "intra_op_threads"\n'
-        + f'  value: {{ string_value: "{options.intra_op_threads}" }}\n}}\n'
+        + f"instance_group [\n  {{\n    count: {options.component_instances}\n    kind: {kind}\n  }}\n]\n"
+        + "".join(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}\n'
+                  for key, value in parameters.items())
     )
 
 
@@ -162,18 +201,26 @@ def render_public_config(pipeline: str, options: ServingOptions) -> str:
 
 def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
                   family_settings: dict[str, Any], cache: CacheSettings, options: ServingOptions,
-                  attention: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What the public model reads at start-up: who to call, defaults, family
+                  attention: dict[str, Any] | None = None, serving: TargetServing = TargetServing()) -> dict[str, Any]:
+    """What the public model reads at start-up: who to call (a Triton model,
+    or for an in-sampler component the file it runs itself), defaults, family
     settings, cache defaults (``machgen-build calibrate`` rewrites them), and
-    for the record the SparseAttention attributes the denoiser was exported
-    with (None: dense)."""
+    for the record the target and the SparseAttention attributes the
+    denoiser was exported with (None: dense)."""
+
+    def where(name: str, spec: ComponentSpec) -> dict[str, str]:
+        if serving.runs_in_sampler(spec):
+            return {"file": in_sampler_file(name, serving.file_name)}
+        return {"model": model_name(pipeline, name)}
+
     return {
         "name": pipeline,
         "family": family.name,
+        "target": serving.target,
         "tasks": list(family.capabilities.tasks),
         "components": {
-            name: {**({"onnx": in_sampler_onnx(name)} if spec.in_sampler else {"model": model_name(pipeline, name)}),
-                   "inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs]}
+            name: {**where(name, spec), "inputs": [t.name for t in spec.inputs],
+                   "outputs": [t.name for t in spec.outputs]}
             for name, spec in specs.items()
         },
         "defaults": defaults.to_json(),
@@ -186,27 +233,29 @@ def pipeline_json(pipeline: str, family: Family, specs: dict[str, ComponentSpec]
 
 def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
                       family_settings: dict[str, Any], options: ServingOptions = ServingOptions(),
-                      cache: CacheSettings = CacheSettings(),
-                      attention: dict[str, Any] | None = None) -> dict[str, str]:
+                      cache: CacheSettings = CacheSettings(), attention: dict[str, Any] | None = None,
+                      serving: TargetServing = TargetServing()) -> dict[str, str]:
     """Every generated text file of the pipeline, keyed by path in the repository."""
     files = {
         f"{pipeline}/config.pbtxt": render_public_config(pipeline, options),
         f"{pipeline}/1/model.py": _SHIM.format(cls="SamplerModel"),
         f"{pipeline}/1/pipeline.json": json.dumps(
-            pipeline_json(pipeline, family, specs, defaults, family_settings, cache, options, attention),
+            pipeline_json(pipeline, family, specs, defaults, family_settings, cache, options, attention, serving),
             indent=2, sort_keys=True) + "\n",
     }
+    shim = {"onnxruntime": "OnnxComponentModel", "torch": "TorchComponentModel"}.get(serving.target)
     for name, spec in specs.items():
-        if spec.in_sampler:
+        if serving.runs_in_sampler(spec):
             continue
-        files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_component_config(pipeline, spec, options)
-        files[f"{model_name(pipeline, name)}/1/model.py"] = _SHIM.format(cls="OnnxComponentModel")
+        files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_component_config(pipeline, spec, options, serving)
+        if shim is not None:
+            files[f"{model_name(pipeline, name)}/1/model.py"] = _SHIM.format(cls=shim)
     return files
 
 
-def in_sampler_onnx(component: str) -> str:
-    """Where an ``in_sampler`` component's ONNX file lives, relative to the public model's version folder."""
-    return f"components/{component}/model.onnx"
+def in_sampler_file(component: str, file_name: str) -> str:
+    """Where an ``in_sampler`` component's file lives, relative to the public model's version folder."""
+    return f"components/{component}/{file_name}"
 
 
 def pipeline_dir(repository: Path, name: str) -> Path:
@@ -225,27 +274,28 @@ def find_pipeline_dir(repository: Path, name: str | None) -> Path:
     return found[0]
 
 
-def write_repository(out: Path, pipeline: str, files: dict[str, str], onnx_files: dict[str, Path],
+def write_repository(out: Path, pipeline: str, files: dict[str, str], exported: dict[str, Path],
                      sampler_assets: dict[str, Path]) -> None:
     """Replace the pipeline's models in ``out`` (other pipelines there are kept).
 
-    An ONNX file goes to its component's model folder, or under the sampler
-    when ``files`` renders no model for the component (it runs in the sampler).
+    An exported file (with the files beside it: external weights, metadata)
+    goes to its component's model folder, or under the sampler when
+    ``files`` renders no model for the component (it runs in the sampler).
     """
     out.mkdir(parents=True, exist_ok=True)
     # The public model of earlier versions was an ensemble over NAME_sampler.
-    for model in [pipeline, model_name(pipeline, "sampler"), *(model_name(pipeline, c) for c in onnx_files)]:
+    for model in [pipeline, model_name(pipeline, "sampler"), *(model_name(pipeline, c) for c in exported)]:
         shutil.rmtree(out / model, ignore_errors=True)
     for relative, text in files.items():
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     public_dir = pipeline_dir(out, pipeline)
-    for component, onnx_path in onnx_files.items():
+    for component, path in exported.items():
         served = out / model_name(pipeline, component)
-        target = served / "1" if served.is_dir() else (public_dir / in_sampler_onnx(component)).parent
+        target = served / "1" if served.is_dir() else (public_dir / in_sampler_file(component, path.name)).parent
         target.mkdir(parents=True, exist_ok=True)
-        for produced in onnx_path.parent.iterdir():  # model.onnx and any external data file
+        for produced in path.parent.iterdir():
             shutil.copy2(produced, target / produced.name)
     for asset, source in sampler_assets.items():
         shutil.copytree(source, public_dir / asset)

@@ -6,7 +6,8 @@ minus input) are kept, or skips the tail and adds a kept residual to this
 step's input embedding instead (``denoiser_reuse``). Policies decide which;
 each is a frozen Config, a State with ``reset()`` that lives for one request
 only, and a pure decision function of (config, state, step, signal). Only
-numpy is imported.
+numpy is imported; the values kept are whatever the components return
+(numpy arrays, or torch tensors left on their GPU: ensembles/tensors.py).
 
 - ``none``      every step runs the tail.
 - ``fbcache``   First-Block Cache: runs the head every step; skips the tail
@@ -40,6 +41,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from machgen.ensembles.tensors import as_numpy, mean_abs
+
 POLICY_NAMES = ("none", "fbcache", "magcache")
 
 
@@ -63,7 +66,8 @@ def negative_row_due(controls: CacheControls, step: int, total_steps: int, last_
 
 
 def relative_l1(current: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.abs(current - reference).mean() / max(float(np.abs(reference).mean()), 1e-12))
+    """Mean |current - reference| over mean |reference| (numpy arrays or torch tensors)."""
+    return mean_abs(current - reference) / max(mean_abs(reference), 1e-12)
 
 
 # ------------------------------------------------------------------ fbcache
@@ -317,5 +321,5 @@ class BlocksResidualRecorder:
         if name == "denoiser_head":
             self._first_block = outputs["first_block_residual"]
         elif name == "denoiser_tail":
-            self.residuals.append(self._first_block + outputs["tail_residual"])
+            self.residuals.append(as_numpy(self._first_block + outputs["tail_residual"]))
         return outputs

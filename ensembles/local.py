@@ -1,5 +1,5 @@
 """A generated model repository run in-process: the same sampler, the same
-ONNX files and the same API validation as Triton serves, without a server.
+exported files and the same API validation as Triton serves, without a server.
 
 For calibration, benchmarks and tests that compare served output with what
 the same code gives locally.
@@ -15,7 +15,7 @@ import numpy as np
 
 from machgen.builder.repository import model_name, pipeline_dir
 from machgen.ensembles.api import API_INPUTS, input_array
-from machgen.ensembles.onnx_runner import InSamplerComponents, OnnxSession
+from machgen.ensembles.components import InSamplerComponents, open_component
 from machgen.ensembles.sampler import GenerationStats, load_sampler
 
 _API = {t.name: t for t in API_INPUTS}
@@ -38,8 +38,9 @@ class LocalPipeline:
         if component in self.in_sampler:
             return self.in_sampler.run(component, inputs)
         if component not in self._sessions:
-            path = self.repository / model_name(self.name, component) / "1" / "model.onnx"
-            self._sessions[component] = OnnxSession(path, intra_op_threads=self._intra_op_threads)
+            folder = self.repository / model_name(self.name, component) / "1"
+            path = folder / "model.pt2" if (folder / "model.pt2").is_file() else folder / "model.onnx"
+            self._sessions[component] = open_component(path, intra_op_threads=self._intra_op_threads)
         return self._sessions[component].run(inputs)
 
     def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:

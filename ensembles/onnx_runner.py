@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
+
+from machgen.ensembles.tensors import as_numpy, concat
 
 
 class OnnxSession:
@@ -37,30 +39,36 @@ class OnnxSession:
         self.output_names = [o.name for o in self._session.get_outputs()]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feed = {name: inputs[name] for name in self.input_names}
+        """Outputs by name; inputs may be numpy arrays or CPU torch tensors (viewed, not copied)."""
+        feed = {name: as_numpy(inputs[name]) for name in self.input_names}
         return dict(zip(self.output_names, self._session.run(self.output_names, feed)))
 
     def run_batches(self, batches: Sequence[Mapping[str, np.ndarray]],
                     max_rows: int | None = None) -> list[dict[str, np.ndarray]]:
-        """Run several requests' inputs, those of equal per-item shapes as one
-        forward (at most ``max_rows`` rows each); outputs in request order."""
-        keys = [_shape_key(b, self.input_names) for b in batches]
-        sizes = [len(b[self.input_names[0]]) for b in batches]
-        results: list[dict[str, np.ndarray] | None] = [None] * len(batches)
-        for group in group_requests(keys, sizes, max_rows):
-            if len(group) == 1:
-                results[group[0]] = self.run(batches[group[0]])
-                continue
-            merged = {n: np.concatenate([batches[i][n] for i in group], axis=0) for n in self.input_names}
-            outputs = self.run(merged)
-            offsets = np.cumsum([0] + [sizes[i] for i in group])
-            for position, index in enumerate(group):
-                results[index] = {n: v[offsets[position]:offsets[position + 1]] for n, v in outputs.items()}
-        return results
+        return run_grouped(self.run, self.input_names, batches, max_rows)
 
 
-def _shape_key(inputs: Mapping[str, np.ndarray], names: Sequence[str]) -> tuple:
-    return tuple((inputs[n].dtype.str, inputs[n].shape[1:]) for n in names)
+def run_grouped(run: Callable[[Mapping[str, Any]], dict[str, Any]], input_names: Sequence[str],
+                batches: Sequence[Mapping[str, Any]], max_rows: int | None = None) -> list[dict[str, Any]]:
+    """Run several requests' inputs through ``run``, those of equal per-item
+    shapes as one forward (at most ``max_rows`` rows each); outputs in
+    request order. Values are numpy arrays or torch tensors."""
+    keys = [_shape_key(b, input_names) for b in batches]
+    sizes = [len(b[input_names[0]]) for b in batches]
+    results: list[dict[str, Any] | None] = [None] * len(batches)
+    for group in group_requests(keys, sizes, max_rows):
+        if len(group) == 1:
+            results[group[0]] = run(batches[group[0]])
+            continue
+        outputs = run({n: concat([batches[i][n] for i in group]) for n in input_names})
+        offsets = np.cumsum([0] + [sizes[i] for i in group])
+        for position, index in enumerate(group):
+            results[index] = {n: v[offsets[position]:offsets[position + 1]] for n, v in outputs.items()}
+    return results
+
+
+def _shape_key(inputs: Mapping[str, Any], names: Sequence[str]) -> tuple:
+    return tuple((str(inputs[n].dtype), tuple(inputs[n].shape[1:])) for n in names)
 
 
 def group_requests(keys: Sequence[Hashable], sizes: Sequence[int], max_rows: int | None = None) -> list[list[int]]:
@@ -84,20 +92,3 @@ def group_requests(keys: Sequence[Hashable], sizes: Sequence[int], max_rows: int
             rows += sizes[index]
         groups.append(current)
     return groups
-
-
-class InSamplerComponents:
-    """The components a pipeline runs in the sampler's own process (their
-    ``pipeline.json`` entry names an ``onnx`` file under the sampler's folder
-    instead of a Triton model). One single-threaded session each: they are
-    tiny, and the sampler shares the cores with the served components."""
-
-    def __init__(self, components: Mapping[str, Mapping], sampler_dir: str | os.PathLike):
-        self._sessions = {name: OnnxSession(Path(sampler_dir) / entry["onnx"], intra_op_threads=1)
-                          for name, entry in components.items() if "onnx" in entry}
-
-    def __contains__(self, component: str) -> bool:
-        return component in self._sessions
-
-    def run(self, component: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self._sessions[component].run(inputs)

@@ -1,8 +1,10 @@
 """The denoising loop, independent of Triton, ONNX and the model family.
 
 It talks to components through ``run_component(name, inputs) -> outputs``
-(numpy dicts): BLS inside Triton, ONNX Runtime in-process, or a closed-form
-fake in unit tests. The family's conditioning object answers everything
+(dicts of numpy arrays or torch tensors, ensembles/tensors.py): BLS inside
+Triton, ONNX Runtime or torch in-process, or a closed-form fake in unit
+tests. Values stay where the components leave them: on a GPU target the
+latents, predictions and kept residuals never visit host memory. The family's conditioning object answers everything
 model-specific (prompt encoding, noise, position ids, timesteps, unpacking).
 
 The denoiser is three components that cache reuse recombines:
@@ -30,6 +32,7 @@ import numpy as np
 
 from machgen.ensembles.api import GenerationRequest, parse_request
 from machgen.ensembles.cache import CacheSettings, StepCache, StepPlan
+from machgen.ensembles.tensors import as_numpy, as_torch, concat
 
 RunComponent = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
 StepCallback = Callable[[int, int], None]
@@ -66,7 +69,7 @@ class Conditioning(Protocol):
     def denoiser_inputs(self, latents: Any, timestep: Any, conditioning: dict[str, np.ndarray],
                         guidance_scale: float, height: int, width: int) -> dict[str, np.ndarray]: ...
 
-    def decoder_latents(self, latents: Any, height: int, width: int) -> np.ndarray: ...
+    def decoder_latents(self, latents: Any, height: int, width: int) -> Any: ...
 
 
 @dataclass
@@ -91,7 +94,7 @@ class GenerationStats:
 
 @dataclass
 class Generation:
-    latents: np.ndarray  # [1, C, h, w], ready for the VAE decoder
+    latents: Any  # float32 [1, C, h, w] (numpy or torch), ready for the VAE decoder
     stats: GenerationStats
 
 
@@ -130,7 +133,7 @@ class PromptEmbeddingCache:
                     while len(self._entries) > self.capacity:
                         self._entries.popitem(last=False)
         names = cached[prompts[0]].keys()
-        return {name: np.concatenate([cached[p][name] for p in prompts], axis=0) for name in names}
+        return {name: concat([cached[p][name] for p in prompts]) for name in names}
 
 
 def _first_rows(arrays: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
@@ -198,8 +201,6 @@ class Sampler:
         ``is_cancelled`` is asked before every step; when it answers True the
         loop stops there with GenerationCancelled.
         """
-        import torch
-
         cond = self.conditioning
         policy = request.cache_policy or self.cache_settings.default_policy
         cache = StepCache(policy, request.cache_threshold, self.cache_settings)
@@ -229,19 +230,19 @@ class Sampler:
                 stats.negative_rows_derived += len(noise) == 1
                 positive, negative = cache.guidance_rows(index, noise, ran_tail)
                 noise = negative + request.true_cfg_scale * (positive - negative)
-            latents = scheduler.step(torch.from_numpy(np.ascontiguousarray(noise)), timestep, latents,
-                                     return_dict=False)[0]
+            noise = as_torch(noise)
+            latents = scheduler.step(noise, timestep, latents.to(noise.device), return_dict=False)[0]
             if on_step is not None:
                 on_step(index + 1, len(timesteps))
         return Generation(cond.decoder_latents(latents, request.height, request.width), stats)
 
-    def decode(self, latents: np.ndarray) -> np.ndarray:
-        """uint8 images [N, H, W, 3] from ``Generation.latents``."""
-        value = latents.astype(np.float32)
+    def decode(self, latents) -> np.ndarray:
+        """uint8 images [N, H, W, 3] (numpy, host memory) from ``Generation.latents``."""
+        value = latents
         for stage in DECODE_STAGES:
             (input_name,) = self.component_inputs[stage]
             (value,) = self.run_component(stage, {input_name: value}).values()
-        return value
+        return as_numpy(value)
 
 
 def load_sampler(pipeline: Mapping[str, Any], assets_dir: str, run_component: RunComponent) -> Sampler:

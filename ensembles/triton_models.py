@@ -2,8 +2,10 @@
 
 The generated ``model.py`` shims in a model repository import one of these
 classes as ``TritonPythonModel``. Each model reads what it needs from its
-own folder (written by ``machgen-build``): ``model.onnx`` for a component,
-``pipeline.json`` plus tokenizers and scheduler config for the sampler.
+own folder (written by ``machgen-build``): ``model.onnx`` or ``model.pt2``
+for a component, ``pipeline.json`` plus tokenizers and scheduler config for
+the sampler. (tensorrt-target components are served by Triton's TensorRT
+backend, not by a class here.)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 
 from machgen.ensembles.api import InvalidArgument
 from machgen.ensembles.sampler import GenerationCancelled
+from machgen.ensembles.tensors import is_torch
 
 
 def _model_dir(args: dict) -> Path:
@@ -65,8 +68,77 @@ class OnnxComponentModel:
                 for result in outputs]
 
 
+def _bls_tensor(name: str, value) -> "pb_utils.Tensor":
+    """A torch tensor goes by DLPack (a GPU tensor stays on its GPU), a numpy array as is."""
+    if is_torch(value):
+        return pb_utils.Tensor.from_dlpack(name, value.contiguous())
+    return pb_utils.Tensor(name, np.ascontiguousarray(value))
+
+
+def _received(tensor: "pb_utils.Tensor"):
+    """A GPU output as a torch tensor on that GPU (DLPack, no host copy); a CPU one as numpy."""
+    if tensor.is_cpu():
+        return tensor.as_numpy()
+    import torch
+
+    return torch.from_dlpack(tensor.to_dlpack())
+
+
+class TorchComponentModel:
+    """One pipeline component as a torch.export program (the ``torch``
+    target), on the GPU Triton gives this instance or on the CPU.
+
+    Tensors come and go by DLPack: a GPU input is used where it lies, an
+    output stays on the GPU for the caller. Requests of equal per-item
+    shapes run as one forward.
+    """
+
+    def initialize(self, args: dict) -> None:
+        from machgen.ensembles.torch_runner import TorchProgram
+
+        config = json.loads(args["model_config"])
+        device = None
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        self.program = TorchProgram(_model_dir(args), device=device)
+        self.max_rows = int(config["max_batch_size"]) or None
+        self.logger = pb_utils.Logger
+        self.logger.log_info(f"{config['name']}: {self.program.memory_report()}")
+
+    def execute(self, requests):
+        import torch
+
+        batches = [{name: torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack())
+                    for name in self.program.input_names} for request in requests]
+        try:
+            outputs = self.program.run_batches(batches, max_rows=self.max_rows)
+        except Exception as err:  # noqa: BLE001 - every request must get an answer
+            self.logger.log_error(f"{self.program.folder}: {traceback.format_exc()}")
+            return [_error_response(f"component failed: {err}", pb_utils.TritonError.INTERNAL)
+                    for _ in requests]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(name, value.contiguous())
+                                            for name, value in result.items()])
+                for result in outputs]
+
+
 class ComponentError(RuntimeError):
     """A BLS call to a component model failed."""
+
+
+def _check_engines(repository: Path, components: dict) -> None:
+    """Refuse to serve engines built for another TensorRT or GPU, with a
+    message that says so (Triton's own load error is TensorRT's)."""
+    from machgen.builder.tensorrt_engine import EngineMetadata, check_engine, host_gpu
+
+    try:
+        import tensorrt
+        version = tensorrt.__version__
+    except ImportError:  # the server's TensorRT is the container's; Python may not see it
+        version = None
+    gpu_name, capability = host_gpu()
+    for name, entry in components.items():
+        folder = repository / entry["model"] / "1"
+        check_engine(name, EngineMetadata.read(folder), version, gpu_name, capability)
 
 
 class SamplerModel:
@@ -82,7 +154,7 @@ class SamplerModel:
     def initialize(self, args: dict) -> None:
         import torch
 
-        from machgen.ensembles.onnx_runner import InSamplerComponents
+        from machgen.ensembles.components import InSamplerComponents
         from machgen.ensembles.sampler import load_sampler
 
         # The sampler only steps the scheduler; the components own the cores.
@@ -90,6 +162,8 @@ class SamplerModel:
         model_dir = _model_dir(args)
         self.pipeline = json.loads((model_dir / "pipeline.json").read_text())
         self.components = self.pipeline["components"]
+        if self.pipeline.get("target") == "tensorrt":
+            _check_engines(Path(args["model_repository"]).parent, self.components)
         self.in_sampler = InSamplerComponents(self.components, model_dir)
         self.sampler = load_sampler(self.pipeline, str(model_dir), self._run_component)
         self.logger = pb_utils.Logger
@@ -100,13 +174,13 @@ class SamplerModel:
         component = self.components[name]
         request = pb_utils.InferenceRequest(
             model_name=component["model"],
-            inputs=[pb_utils.Tensor(key, np.ascontiguousarray(value)) for key, value in inputs.items()],
+            inputs=[_bls_tensor(key, value) for key, value in inputs.items()],
             requested_output_names=component["outputs"],
         )
         response = request.exec()
         if response.has_error():
             raise ComponentError(f"{component['model']}: {response.error().message()}")
-        return {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+        return {tensor.name(): _received(tensor) for tensor in response.output_tensors()}
 
     def _generate(self, request) -> "pb_utils.InferenceResponse":
         def get_input(name: str):
@@ -151,4 +225,4 @@ class SamplerModel:
         return responses
 
 
-__all__ = ["OnnxComponentModel", "SamplerModel"]
+__all__ = ["OnnxComponentModel", "SamplerModel", "TorchComponentModel"]

@@ -32,7 +32,7 @@ def component_onnx(repository: Path, component: str, pipeline: str = PIPELINE_NA
 
     public_dir = pipeline_dir(repository, pipeline)
     entry = json.loads((public_dir / "pipeline.json").read_text())["components"][component]
-    return public_dir / entry["onnx"] if "onnx" in entry else repository / entry["model"] / "1" / "model.onnx"
+    return public_dir / entry["file"] if "file" in entry else repository / entry["model"] / "1" / "model.onnx"
 
 
 def free_port() -> int:

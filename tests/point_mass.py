@@ -8,6 +8,7 @@ shifted sigma schedule, the last step (sigma = 0) lands exactly on mu.
 import numpy as np
 
 from machgen.ensembles.api import GenerationRequest
+from machgen.ensembles.tensors import as_numpy
 
 COMPONENT_INPUTS = {
     "denoiser_tail": ("image_hidden", "text_hidden", "temb", "img_ids", "txt_ids"),
@@ -32,6 +33,8 @@ class PointMassDenoiser:
         return float(prompt_tokens) / 10.0
 
     def __call__(self, name, inputs):
+        # As ONNX Runtime does: the sampler may send torch tensors, components answer numpy.
+        inputs = {key: as_numpy(value) for key, value in inputs.items()}
         rows = next(iter(inputs.values())).shape[0]
         self.calls.append((name, rows))
         if name == "text_encoder":

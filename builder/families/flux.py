@@ -29,6 +29,7 @@ import os
 from typing import Any, Callable
 
 from machgen.builder.registry import (
+    AxisRange,
     Capabilities,
     ComponentSpec,
     ExportableComponent,
@@ -410,21 +411,42 @@ class Flux(Family):
             "max_sequence_length": defaults.max_sequence_length,
         }
 
+    def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
+        vae, multiple = settings["vae_scale_factor"], settings["size_multiple"]
+
+        def pixels(default: int, largest: int) -> AxisRange:
+            return AxisRange(multiple, default, largest)
+
+        height, width = pixels(defaults.height, defaults.max_height), pixels(defaults.width, defaults.max_width)
+
+        def scaled(size: AxisRange, factor: int) -> AxisRange:
+            return AxisRange(size.min // factor, size.opt // factor, size.max // factor)
+
+        patches_h, patches_w = scaled(height, multiple), scaled(width, multiple)
+        # T5 input is always padded to max_sequence_length.
+        text = defaults.max_sequence_length
+        return {
+            "height": height, "width": width,
+            "latent_height": scaled(height, vae), "latent_width": scaled(width, vae),
+            "image_tokens": AxisRange(patches_h.min * patches_w.min, patches_h.opt * patches_w.opt,
+                                      patches_h.max * patches_w.max),
+            "text_tokens": AxisRange(text, text, text),
+        }
+
     # --------------------------------------------------------------- run time
     def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
         return FluxConditioning(settings, assets_dir, run_component)
 
 
 @functools.lru_cache(maxsize=16)
-def _image_ids(lat_h: int, lat_w: int, rows: int):
-    import numpy as np
+def _image_ids(lat_h: int, lat_w: int, rows: int, device: str):
+    import torch
 
-    ids = np.zeros((lat_h // 2, lat_w // 2, 3), np.float32)
-    ids[..., 1] += np.arange(lat_h // 2)[:, None]
-    ids[..., 2] += np.arange(lat_w // 2)[None, :]
-    ids = np.ascontiguousarray(np.repeat(ids.reshape(1, -1, 3), rows, axis=0))
-    ids.flags.writeable = False  # shared by every request of this size
-    return ids
+    ids = torch.zeros(lat_h // 2, lat_w // 2, 3)
+    ids[..., 1] += torch.arange(lat_h // 2)[:, None]
+    ids[..., 2] += torch.arange(lat_w // 2)[None, :]
+    # Shared by every request of this size on this device: never written to.
+    return ids.reshape(1, -1, 3).repeat(rows, 1, 1).to(device)
 
 
 def _pack(latents):
@@ -465,19 +487,22 @@ class FluxConditioning:
         return self.settings["size_multiple"]
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, Any]:
-        """FluxPipeline.encode_prompt for a list of prompts, one row each."""
+        """FluxPipeline.encode_prompt for a list of prompts, one row each
+        (torch tensors, where the text encoders left them)."""
         import numpy as np
+
+        from machgen.ensembles.tensors import as_torch
 
         clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.settings["clip_max_length"],
                                   truncation=True, return_tensors="np").input_ids.astype(np.int64)
         t5_ids = self.tokenizer_2(prompts, padding="max_length", max_length=self.settings["max_sequence_length"],
                                   truncation=True, return_tensors="np").input_ids.astype(np.int64)
-        pooled = self.run_component("text_encoder", {"input_ids": clip_ids})["pooled_prompt_embeds"]
-        embeds = self.run_component("text_encoder_2", {"input_ids": t5_ids})["prompt_embeds"]
+        pooled = as_torch(self.run_component("text_encoder", {"input_ids": clip_ids})["pooled_prompt_embeds"])
+        embeds = as_torch(self.run_component("text_encoder_2", {"input_ids": t5_ids})["prompt_embeds"])
         return {
             "encoder_hidden_states": embeds,
             "pooled_projections": pooled,
-            "txt_ids": np.zeros((len(prompts), embeds.shape[1], 3), np.float32),
+            "txt_ids": embeds.new_zeros((len(prompts), embeds.shape[1], 3)),
         }
 
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
@@ -495,10 +520,10 @@ class FluxConditioning:
                              dtype=torch.float32)
         return _pack(noise)
 
-    def image_ids(self, height: int, width: int, rows: int = 1):
+    def image_ids(self, height: int, width: int, rows: int = 1, device: str = "cpu"):
         """FluxPipeline's latent image ids, one copy per row; built once per
-        size (read-only), not once per denoising step."""
-        return _image_ids(*self.latent_size(height, width), rows)
+        size and device (read-only), not once per denoising step."""
+        return _image_ids(*self.latent_size(height, width), rows, str(device))
 
     def scheduler(self, num_inference_steps: int, height: int, width: int):
         """A fresh scheduler with FluxPipeline's sigmas and resolution-dependent shift."""
@@ -529,35 +554,39 @@ class FluxConditioning:
         import torch
         from diffusers.utils.torch_utils import randn_tensor
 
+        from machgen.ensembles.tensors import as_torch
+
         timesteps = scheduler.timesteps[first_step:]
         scheduler.set_begin_index(first_step)
         # VaeImageProcessor.preprocess: [0, 255] -> [-1, 1], channels first.
         pixels = (image.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None]
         encoded = self.run_component("vae_encoder", {"image": np.ascontiguousarray(pixels)})
-        mean, std = (torch.from_numpy(encoded[name]) for name in ("latent_mean", "latent_std"))
+        mean, std = (as_torch(encoded[name]) for name in ("latent_mean", "latent_std"))
+        # A CPU generator on any device, as diffusers draws it.
         generator = torch.Generator("cpu").manual_seed(seed)
-        image_latents = mean + std * randn_tensor(mean.shape, generator=generator, dtype=torch.float32)
-        noise = randn_tensor(mean.shape, generator=generator, dtype=torch.float32)
+        image_latents = mean + std * randn_tensor(mean.shape, generator=generator, device=mean.device,
+                                                  dtype=torch.float32)
+        noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
         latents = scheduler.scale_noise(image_latents, timesteps[:1], noise)
         return _pack(latents), timesteps
 
     def denoiser_inputs(self, latents, timestep, conditioning: dict[str, Any], guidance_scale: float,
                         height: int, width: int) -> dict[str, Any]:
-        """The denoiser_head inputs for one step; rows follow ``conditioning``."""
-        import numpy as np
+        """The denoiser_head inputs for one step, on the latents' device; rows follow ``conditioning``."""
+        import torch
 
         rows = conditioning["encoder_hidden_states"].shape[0]
-        latents = np.ascontiguousarray(np.broadcast_to(latents.numpy(), (rows,) + tuple(latents.shape[1:])))
+        device = latents.device
         inputs = {
-            "hidden_states": latents,
+            "hidden_states": latents.expand(rows, -1, -1).contiguous(),
             "encoder_hidden_states": conditioning["encoder_hidden_states"],
             "pooled_projections": conditioning["pooled_projections"],
             # FluxPipeline passes t / 1000 in the latents' dtype.
-            "timestep": np.full((rows, 1), float(timestep.float() / 1000), np.float32),
+            "timestep": torch.full((rows, 1), float(timestep.float() / 1000), device=device),
         }
         if self.settings["guidance_embeds"]:
-            inputs["guidance"] = np.full((rows, 1), guidance_scale, np.float32)
-        inputs["img_ids"] = self.image_ids(height, width, rows)
+            inputs["guidance"] = torch.full((rows, 1), guidance_scale, device=device)
+        inputs["img_ids"] = self.image_ids(height, width, rows, device)
         inputs["txt_ids"] = conditioning["txt_ids"]
         return inputs
 
@@ -566,4 +595,4 @@ class FluxConditioning:
         lat_h, lat_w = self.latent_size(height, width)
         batch, _, channels = latents.shape
         latents = latents.view(batch, lat_h // 2, lat_w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return latents.reshape(batch, channels // 4, lat_h, lat_w).contiguous().numpy()
+        return latents.reshape(batch, channels // 4, lat_h, lat_w).contiguous()
