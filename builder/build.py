@@ -161,10 +161,12 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
 
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
-    if target == "tensorrt":
-        from machgen.builder.tensorrt_engine import require_tensorrt
+    if target == "tensorrt":  # checked before minutes of export
+        from machgen.builder.tensorrt_engine import PRECISIONS, require_tensorrt
 
-        require_tensorrt()  # before minutes of export
+        if target_options.precision not in PRECISIONS:
+            raise ValueError(f"precision {target_options.precision!r} is not one of {', '.join(PRECISIONS)}")
+        require_tensorrt()
     options = options or ServingOptions()
     _quiet_exporter()
     family = detect_family(model_dir)

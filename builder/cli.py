@@ -6,12 +6,13 @@ from pathlib import Path
 
 import typer
 
-from machgen.builder.build import AttentionOptions
+from machgen.builder.build import TARGETS, AttentionOptions, TargetOptions
 from machgen.builder.registry import family_names
 from machgen.builder.repository import ServingOptions, find_pipeline_dir
 
 _SERVING = ServingOptions()
 _ATTENTION = AttentionOptions()
+_TARGET = TargetOptions()
 
 app = typer.Typer(help="Export diffusion models and write Triton model repositories.", no_args_is_help=True,
                   add_completion=False)
@@ -45,7 +46,9 @@ def tiny(
 def build(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="diffusers model folder"),
     name: str = typer.Option(..., "--name", help="public model name the pipeline is served under"),
-    target: str = typer.Option("onnxruntime", "--target", help="engine target: onnxruntime (CPU)"),
+    target: str = typer.Option("onnxruntime", "--target",
+                               help=f"where components run: {', '.join(TARGETS)} (onnxruntime: CPU; torch: PyTorch "
+                                    "on CUDA, or the CPU; tensorrt: TensorRT engines, needs TensorRT and a GPU)"),
     out: Path = typer.Option(Path("model_repository"), "--out", help="model repository to write into"),
     lora: Path = typer.Option(None, "--lora", exists=True, help="a LoRA (diffusers format) to fuse before export"),
     sampler_instances: int = typer.Option(_SERVING.sampler_instances, "--sampler-instances", min=1,
@@ -75,10 +78,24 @@ def build(
                                                   help="cdf: predicted attention mass each query block keeps"),
     attention_topk_ratio: float = typer.Option(_ATTENTION.topk_ratio, "--attention-topk-ratio", min=0.0, max=1.0,
                                                help="topk: share of key blocks each query block keeps"),
+    device: str = typer.Option(_TARGET.device, "--device",
+                               help="torch: cuda, cpu or auto (cuda when this machine has it)"),
+    dtype: str = typer.Option(_TARGET.dtype, "--dtype",
+                              help="torch: bfloat16, float16, float32 or auto (bfloat16 on cuda, float32 on cpu)"),
+    cuda_graphs: bool = typer.Option(_TARGET.cuda_graphs, "--cuda-graphs/--no-cuda-graphs",
+                                     help="torch on cuda: replay each shape bucket as a CUDA graph"),
+    compile_programs: bool = typer.Option(_TARGET.compile, "--compile/--no-compile",
+                                          help="torch: torch.compile the programs at load"),
+    precision: str = typer.Option(_TARGET.precision, "--precision", help="tensorrt: bf16 or fp8"),
+    refittable: bool = typer.Option(_TARGET.refittable, "--refittable/--no-refittable",
+                                    help="tensorrt: engines whose weights can be swapped without a rebuild"),
+    timing_cache: Path = typer.Option(None, "--timing-cache", dir_okay=False,
+                                      help="tensorrt: tactic timing cache file, read and rewritten"),
 ) -> None:
     """Export every component, check it against torch, and write the model repository."""
     from machgen.builder.build import build_repository
     from machgen.builder.export import ParityError
+    from machgen.builder.tensorrt_engine import TensorRTUnavailable
 
     if not name.replace("_", "").replace("-", "").isalnum():
         raise typer.BadParameter("use letters, digits, '_' and '-'", param_hint="--name")
@@ -89,8 +106,11 @@ def build(
     try:
         build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,
                          attention=AttentionOptions(attention, attention_block, attention_mask,
-                                                    attention_cdf_threshold, attention_topk_ratio))
-    except (ParityError, ValueError, KeyError, FileNotFoundError) as err:
+                                                    attention_cdf_threshold, attention_topk_ratio),
+                         target_options=TargetOptions(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                                                      compile=compile_programs, precision=precision,
+                                                      refittable=refittable, timing_cache=timing_cache))
+    except (ParityError, ValueError, KeyError, FileNotFoundError, TensorRTUnavailable) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 

@@ -102,28 +102,39 @@ def export_onnx(component: ExportableComponent, path: Path,
     return nodes
 
 
-def export_torch(component: ExportableComponent, folder: Path, dtype: str, device: str, cuda_graphs: bool = True,
-                 compile: bool = False) -> int:
-    """The ``torch`` target: ``component`` (already in ``dtype`` on ``device``)
-    traced with torch.export and saved to ``folder`` (model.pt2 and
-    component.json, which also carries how it runs: ``cuda_graphs``,
-    ``compile``). Returns the number of SparseAttention calls in the program."""
+def trace_torch(component: ExportableComponent, dtype: str, device: str, cuda_graphs: bool = True,
+                compile: bool = False):
+    """(program, TorchComponentInfo) of ``component`` (its module already in
+    ``dtype`` on ``device``) traced with torch.export, every named axis dynamic."""
     import torch
 
-    from machgen.ensembles.torch_runner import INFO_FILE, PROGRAM_FILE, TorchComponentInfo
+    from machgen.ensembles.torch_runner import TorchComponentInfo
 
     spec = component.spec
-    folder.mkdir(parents=True, exist_ok=True)
     inputs = {t.name: _to_program(component.sample_inputs[t.name], dtype, device) for t in spec.inputs}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.export.export(component.module, args=(), kwargs=inputs,
                                       dynamic_shapes=_dynamic_shapes(spec, inferred=True))
-    torch.export.save(program, os.fspath(folder / PROGRAM_FILE))
     weight_bytes = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
     info = TorchComponentInfo(inputs=tuple(t.name for t in spec.inputs), outputs=tuple(t.name for t in spec.outputs),
                               dtype=dtype, device=device, weight_bytes=weight_bytes, cuda_graphs=cuda_graphs,
                               compile=compile)
+    return program, info
+
+
+def export_torch(component: ExportableComponent, folder: Path, dtype: str, device: str, cuda_graphs: bool = True,
+                 compile: bool = False) -> int:
+    """The ``torch`` target: ``trace_torch``, saved to ``folder`` (model.pt2
+    and component.json, which also says how it runs: ``cuda_graphs``,
+    ``compile``). Returns the number of SparseAttention calls in the program."""
+    import torch
+
+    from machgen.ensembles.torch_runner import INFO_FILE, PROGRAM_FILE
+
+    program, info = trace_torch(component, dtype, device, cuda_graphs, compile)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, os.fspath(folder / PROGRAM_FILE))
     (folder / INFO_FILE).write_text(info.to_json())
     return sum(1 for node in program.graph.nodes
                if node.op == "call_function" and "machgen.sparse_attention" in str(node.target))
@@ -158,7 +169,7 @@ def check_parity(component: ExportableComponent, path: Path, dtype: str = "float
     spec = component.spec
     start = time.perf_counter()
     if path.name == PROGRAM_FILE:
-        session: Any = TorchProgram(path.parent, device=device)
+        session: Any = TorchProgram.load(path.parent, device=device)
     else:
         from machgen.ensembles.onnx_runner import OnnxSession
 

@@ -15,7 +15,7 @@ def open_component(path: str | os.PathLike, intra_op_threads: int = 0) -> Any:
     if path.suffix == ".pt2":
         from machgen.ensembles.torch_runner import TorchProgram
 
-        return TorchProgram(path.parent)
+        return TorchProgram.load(path.parent)
     from machgen.ensembles.onnx_runner import OnnxSession
 
     return OnnxSession(path, intra_op_threads=intra_op_threads)

@@ -113,22 +113,19 @@ class CudaGraphs:
 class TorchProgram:
     """A component's exported program on a device, run like an OnnxSession."""
 
-    def __init__(self, folder: str | os.PathLike, device: str | None = None):
+    def __init__(self, program, info: TorchComponentInfo, device: str | None = None, folder: Path | None = None):
+        """``program``: an ExportedProgram (loaded, or fresh from torch.export)."""
         import torch
         from torch.export.passes import move_to_device_pass
 
-        # The program may call machgen::sparse_attention: it must be registered before loading.
-        import machgen.plugins.ops  # noqa: F401
-
-        self.folder = Path(folder)
-        self.info = info = TorchComponentInfo.read(folder)
+        self.folder = folder
+        self.info = info
         self.input_names = list(info.inputs)
         self.output_names = list(info.outputs)
         self.dtype = getattr(torch, info.dtype)
-        program = torch.export.load(os.fspath(self.folder / PROGRAM_FILE))
         self.device = torch.device(device or info.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"{self.folder}: built for CUDA, and this process sees no CUDA device")
+            raise RuntimeError(f"{folder or 'program'}: built for CUDA, and this process sees no CUDA device")
         # Device constants the trace recorded (tensors created inside forward) move with the weights.
         program = move_to_device_pass(program, self.device)
         module: Callable[..., Any] = program.module()
@@ -137,6 +134,18 @@ class TorchProgram:
         if info.cuda_graphs and self.device.type == "cuda":
             module = CudaGraphs(module, info.max_cuda_graphs)
         self._module = module
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, device: str | None = None) -> "TorchProgram":
+        """The program a build wrote to ``folder`` (model.pt2, component.json)."""
+        import torch
+
+        # The program may call machgen::sparse_attention: it must be registered before loading.
+        import machgen.plugins.ops  # noqa: F401
+
+        folder = Path(folder)
+        return cls(torch.export.load(os.fspath(folder / PROGRAM_FILE)), TorchComponentInfo.read(folder), device,
+                   folder)
 
     def memory_report(self) -> str:
         """Where the program runs and what it holds, for the model's log."""

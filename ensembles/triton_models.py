@@ -100,7 +100,7 @@ class TorchComponentModel:
         device = None
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
-        self.program = TorchProgram(_model_dir(args), device=device)
+        self.program = TorchProgram.load(_model_dir(args), device=device)
         self.max_rows = int(config["max_batch_size"]) or None
         self.logger = pb_utils.Logger
         self.logger.log_info(f"{config['name']}: {self.program.memory_report()}")

@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
 # Everything GPU-side, in one call on a CUDA host (DEVELOPERS.md: one prepared
-# script per device lease): the SparseAttention kernel's checks and timings.
-# Needs only torch with CUDA and OpenAI Triton (the host's own); machgen is
-# imported from this checkout, not installed. Tables go to $OUT (default
-# build/gpu-check): record them in perf/RESULTS.md with the date and card.
+# script per device lease), within 8 minutes:
+#   1. perf/gpu_step.py: one denoising step of full-size Flux.1-dev and Wan 2.1
+#      14B transformers (random weights made on the GPU) through the torch
+#      target, eager / CUDA graphs / torch.compile, against diffusers' module;
+#   2. perf/gpu_attention.py: the SparseAttention kernel's checks and timings.
+# Needs torch with CUDA and OpenAI Triton (the host's own); machgen is imported
+# from this checkout, not installed. diffusers (pure Python) is installed from
+# wheels fetched beforehand by `perf/gpu_check.sh --prepare` (on a machine with
+# a package index) into build/gpu-wheels, when the host lacks it. Tables go to
+# $OUT (default build/gpu-check): record them in perf/RESULTS.md with the date
+# and card.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+wheels=build/gpu-wheels
+if [[ "${1:-}" == "--prepare" ]]; then
+    diffusers=$(grep -o '"diffusers==[^"]*"' pyproject.toml | tr -d '"')
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$wheels" "$diffusers" importlib_metadata==10.2.0
+    ls "$wheels"
+    exit 0
+fi
 OUT="${OUT:-build/gpu-check}"
 mkdir -p "$OUT"
 
@@ -19,15 +33,22 @@ for package in builder ensembles client plugins; do
 done
 export PYTHONPATH="$PWD/$shim${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+if ! python -c "import diffusers" 2>/dev/null; then
+    python -m pip install -q --no-index --no-deps --no-compile --target build/gpu-site "$wheels"/*.whl
+    export PYTHONPATH="$PYTHONPATH:$PWD/build/gpu-site"
+fi
 
 python - <<'PY' | tee "$OUT/host.txt"
-import platform, torch
+import platform, torch, diffusers
 try:
     import triton
     triton_version = triton.__version__
 except ImportError:
     triton_version = "not installed"
-print(f"host {platform.node()}, torch {torch.__version__}, triton {triton_version}, "
+print(f"host {platform.node()}, torch {torch.__version__}, triton {triton_version}, diffusers {diffusers.__version__}, "
       f"cuda {torch.cuda.is_available() and torch.cuda.get_device_name()}")
 PY
-timeout 420 python perf/gpu_attention.py --out "$OUT/gpu_attention.md" 2>&1 | tee "$OUT/gpu_attention.log"
+status=0
+timeout 330 python perf/gpu_step.py --out "$OUT/gpu_step.md" ${GPU_STEP_ARGS:-} 2>&1 | tee "$OUT/gpu_step.log" || status=1
+timeout 140 python perf/gpu_attention.py --out "$OUT/gpu_attention.md" 2>&1 | tee "$OUT/gpu_attention.log" || status=1
+exit $status

@@ -144,14 +144,16 @@ def _as_float32(attributes: dict) -> dict:
 
 @contextlib.contextmanager
 def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig) -> Iterator[None]:
-    """Inside the block, every unmasked, non-causal call of ``dispatch_attention_fn``
-    in ``modules`` (diffusers model modules, [B, N, H, D] layout) runs the op."""
+    """Inside the block, every unmasked, non-causal self-attention call of
+    ``dispatch_attention_fn`` in ``modules`` (diffusers model modules,
+    [B, N, H, D] layout) runs the op. Cross-attention (keys of another
+    length: a video model's text) stays dense: its few key blocks are all needed."""
     patched = []
 
     def make(original):
         def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *args,
                      **kwargs):
-            if attn_mask is not None or is_causal or dropout_p:
+            if attn_mask is not None or is_causal or dropout_p or key.shape[1] != query.shape[1]:
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
             chosen = config if scale is None else SparseAttentionConfig(
                 **{**config.onnx_attributes(), "softmax_scale": scale})

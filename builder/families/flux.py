@@ -281,6 +281,8 @@ class Flux(Family):
         batch, text_tokens, lat_h, lat_w = 2, 7, 6, 4
         image_tokens = (lat_h // 2) * (lat_w // 2)
         gen = torch.Generator().manual_seed(0)
+        # The head runs once here to give the tail its sample inputs: on the transformer's device and dtype.
+        device, dtype = pipe.transformer.device, pipe.transformer.dtype
 
         def randn(*shape):
             return torch.randn(*shape, generator=gen)
@@ -303,7 +305,8 @@ class Flux(Family):
         if tr.guidance_embeds:
             head_inputs["guidance"] = torch.tensor([[3.5], [1.0]])
         with torch.no_grad():
-            image_hidden, text_hidden, temb, _ = head_module(**head_inputs)
+            image_hidden, text_hidden, temb, _ = (output.cpu().float() for output in head_module(
+                **{name: value.to(device, dtype) for name, value in head_inputs.items()}))
         clip_ids = torch.randint(0, vocab, (batch, specs["text_encoder"].inputs[0].shape[1]), generator=gen)
         latent_channels = pipe.vae.config.latent_channels
         vae_scale = _vae_scale_factor(pipe.vae.config)
