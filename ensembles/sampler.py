@@ -4,8 +4,9 @@ It talks to components through ``run_component(name, inputs) -> outputs``
 (dicts of numpy arrays or torch tensors, ensembles/tensors.py): BLS inside
 Triton, ONNX Runtime or torch in-process, or a closed-form fake in unit
 tests. Values stay where the components leave them: on a GPU target the
-latents, predictions and kept residuals never visit host memory. The family's conditioning object answers everything
-model-specific (prompt encoding, noise, position ids, timesteps, unpacking).
+latents, predictions and kept residuals never visit host memory. The
+family's conditioning object answers everything model-specific (prompt
+encoding, noise, position ids, timesteps, unpacking).
 
 The denoiser is three components that cache reuse recombines:
 ``denoiser_head`` (outputs ``first_block_residual`` among what the tail
