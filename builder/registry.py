@@ -108,6 +108,11 @@ class ServedDefaults:
     max_height: int = 2048
     max_width: int = 2048
     max_inference_steps: int = 1000
+    # Video models: frames per request by default and at most, and the
+    # frame rate the clip plays at (image models: one frame).
+    num_frames: int = 1
+    max_frames: int = 1
+    fps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

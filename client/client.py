@@ -23,7 +23,7 @@ class GenerationError(RuntimeError):
 
 
 class MachgenClient:
-    """Calls a served pipeline; ``generate`` returns uint8 images [N, H, W, 3].
+    """Calls a served pipeline; ``generate`` returns uint8 images or frames [N, H, W, 3].
 
     ``url`` is host:port of the chosen protocol's endpoint (8001 for gRPC,
     8000 for HTTP by default).
@@ -89,8 +89,10 @@ class MachgenClient:
     def generate(self, model: str, prompt: str, **options: Any) -> np.ndarray:
         """Generate images for ``prompt``; options are the API's optional inputs
         (negative_prompt, seed, num_inference_steps, guidance_scale, true_cfg_scale,
-        height, width, cache_policy, cache_threshold, image, strength). Absent ones
-        take the served model's defaults."""
+        height, width, cache_policy, cache_threshold, image, strength, num_frames,
+        fps, reference_images). Absent ones take the served model's defaults.
+        A video model returns all its frames [F, H, W, 3]; ``client.video.write_mp4``
+        writes them as MP4."""
         return self.infer(model, self._inputs(prompt, options))["images"]
 
     def generate_with_stats(self, model: str, prompt: str, **options: Any) -> tuple[np.ndarray, dict[str, Any]]:

@@ -43,17 +43,24 @@ API_INPUTS: tuple[ApiTensor, ...] = (
                                              "height and width default to its size"),
     ApiTensor("strength", "FP32", (1,), f"image-to-image: how much of the picture is redrawn, in [0, 1] "
                                         f"(1: all of it); default {DEFAULT_STRENGTH:g}, as diffusers"),
+    ApiTensor("num_frames", "INT32", (1,), "video: frames to generate (the model's frame rule and maximum)"),
+    ApiTensor("fps", "INT32", (1,), "video: frames per second the clip is meant to play at"),
+    ApiTensor("reference_images", "UINT8", (-1, -1, -1, 3), "reference-to-video: pictures of what the video "
+                                                            "shows, [count, height, width, RGB]"),
 )
 API_OUTPUTS: tuple[ApiTensor, ...] = (
-    ApiTensor("images", "UINT8", (-1, -1, -1, 3), "generated images, [N, height, width, RGB]"),
+    ApiTensor("images", "UINT8", (-1, -1, -1, 3), "the generated image, or every frame of the video, "
+                                                   "[frames, height, width, RGB]"),
     ApiTensor("stats", "BYTES", (1,), "JSON: steps, cache_policy, cache_threshold, denoiser_head_calls, "
                                       "denoiser_tail_calls, denoiser_tail_passes, negative_rows_derived, "
-                                      "text_cache_hits/misses"),
+                                      "text_cache_hits/misses, frames, fps"),
 )
 
 _NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}
 _MAX_GUIDANCE = 100.0
 _MAX_CACHE_THRESHOLD = 10.0
+_MAX_FPS = 240
+_MAX_REFERENCE_IMAGES = 8
 
 
 def numpy_dtype(triton_dtype: str):
@@ -88,8 +95,11 @@ class GenerationRequest:
     width: int
     cache_policy: str | None = None  # None: the served default
     cache_threshold: float | None = None  # None: the policy's calibrated threshold
-    image: np.ndarray | None = None  # image-to-image: uint8 [height, width, 3]
+    image: np.ndarray | None = None  # image-to-image, image-to-video: uint8 [height, width, 3]
     strength: float = DEFAULT_STRENGTH
+    num_frames: int = 1  # 1 for an image model
+    fps: int | None = None  # video only
+    reference_images: np.ndarray | None = None  # reference-to-video: uint8 [count, height, width, 3]
 
     @property
     def denoising_steps(self) -> int:
@@ -170,14 +180,59 @@ def _image_size(image: np.ndarray, axis: int, requested: int | None, name: str, 
     return size
 
 
+def _frames(field: str, value: np.ndarray, frame_multiple: int, maximum: int) -> int:
+    count = _integer(field, value, 1, maximum)
+    if (count - 1) % frame_multiple:
+        raise InvalidArgument(field, f"{count} is not {frame_multiple}k + 1 frames (the model's temporal factor)")
+    return count
+
+
+def _pictures(field: str, value: np.ndarray, height: int, width: int) -> np.ndarray:
+    if value.dtype != np.uint8:
+        raise InvalidArgument(field, f"expected UINT8 pixels, got {value.dtype}")
+    if value.ndim != 4 or value.shape[3] != 3 or not 1 <= value.shape[0] <= _MAX_REFERENCE_IMAGES:
+        raise InvalidArgument(field, f"expected shape [1 to {_MAX_REFERENCE_IMAGES} images, height, width, 3], "
+                                     f"got {list(value.shape)}")
+    if value.shape[1:3] != (height, width):
+        raise InvalidArgument(field, f"their size {value.shape[2]}x{value.shape[1]} is not the video's "
+                                     f"{width}x{height}")
+    return value
+
+
+def _video_fields(get_input: Callable[[str], np.ndarray | None], defaults: Mapping[str, Any],
+                  tasks: tuple[str, ...], frame_multiple: int, height: int, width: int) -> dict[str, Any]:
+    """num_frames, fps and reference_images of a request: refused by an image
+    model, checked against a video model's frame rule and limits."""
+    if not any(task.endswith("-to-video") for task in tasks):
+        for field in ("num_frames", "fps", "reference_images"):
+            if get_input(field) is not None:
+                raise InvalidArgument(field, f"this model makes images, not video (it does {', '.join(tasks)})")
+        return {}
+    fields: dict[str, Any] = {
+        "num_frames": int(defaults["num_frames"]), "fps": int(defaults["fps"]), "reference_images": None}
+    if get_input("num_frames") is not None:
+        fields["num_frames"] = _frames("num_frames", np.asarray(get_input("num_frames")), frame_multiple,
+                                       int(defaults["max_frames"]))
+    if get_input("fps") is not None:
+        fields["fps"] = _integer("fps", np.asarray(get_input("fps")), 1, _MAX_FPS)
+    if get_input("reference_images") is not None:
+        if "reference-to-video" not in tasks:
+            raise InvalidArgument("reference_images", f"this model does not do reference-to-video (it does "
+                                                      f"{', '.join(tasks)})")
+        fields["reference_images"] = _pictures("reference_images", np.asarray(get_input("reference_images")),
+                                               height, width)
+    return fields
+
+
 def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mapping[str, Any],
                   size_multiple: int, cache_policies: tuple[str, ...] = ("none",),
-                  tasks: tuple[str, ...] = ("text-to-image",)) -> GenerationRequest:
+                  tasks: tuple[str, ...] = ("text-to-image",), frame_multiple: int = 1) -> GenerationRequest:
     """Validate one request's inputs and fill in the served defaults.
 
     ``get_input(name)`` returns the input's array or None when it is absent;
     ``defaults`` is a ServedDefaults as JSON; ``cache_policies`` the policy
-    names this model serves; ``tasks`` what it can do. Raises InvalidArgument.
+    names this model serves; ``tasks`` what it can do; a video model's
+    ``num_frames`` is ``frame_multiple`` k + 1. Raises InvalidArgument.
     """
 
     def value(name: str, parse: Callable[[str, np.ndarray], Any], default: Any) -> Any:
@@ -189,8 +244,8 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
         raise InvalidArgument("prompt", "missing; it is required")
     max_steps = int(defaults["max_inference_steps"])
     image = value("image", _picture, None)
-    if image is not None and "image-to-image" not in tasks:
-        raise InvalidArgument("image", f"this model does not do image-to-image (it does {', '.join(tasks)})")
+    if image is not None and not {"image-to-image", "image-to-video"} & set(tasks):
+        raise InvalidArgument("image", f"this model does not start from an image (it does {', '.join(tasks)})")
     if image is None and get_input("strength") is not None:
         raise InvalidArgument("strength", "applies only with an image")
     if image is None:
@@ -220,6 +275,7 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
         cache_threshold=value("cache_threshold", lambda f, v: _real(f, v, 0.0, _MAX_CACHE_THRESHOLD), None),
         image=image,
         strength=value("strength", lambda f, v: _real(f, v, 0.0, 1.0), DEFAULT_STRENGTH),
+        **_video_fields(get_input, defaults, tasks, frame_multiple, height, width),
     )
     if request.denoising_steps < 1:
         raise InvalidArgument("strength", f"{request.strength:g} leaves no denoising step of "

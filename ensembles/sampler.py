@@ -88,6 +88,9 @@ class GenerationStats:
     negative_rows_derived: int = 0
     text_cache_hits: int = 0
     text_cache_misses: int = 0
+    # What was made: frames (1 for an image) and, for a video, the frame rate it plays at.
+    frames: int = 1
+    fps: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -169,8 +172,9 @@ class Sampler:
     def parse_request(self, get_input: Callable[[str], np.ndarray | None],
                       defaults: Mapping[str, Any]) -> GenerationRequest:
         """One request's inputs validated against what this model serves (api.parse_request)."""
+        # A video family's frames are frame_multiple k + 1; image families have no such rule.
         return parse_request(get_input, defaults, self.conditioning.size_multiple, self.cache_settings.available(),
-                             self.tasks)
+                             self.tasks, getattr(self.conditioning, "frame_multiple", 1))
 
     def predict_noise(self, step: int, inputs: dict[str, np.ndarray], cache: StepCache,
                       stats: GenerationStats) -> tuple[np.ndarray, bool]:
@@ -205,8 +209,8 @@ class Sampler:
         cond = self.conditioning
         policy = request.cache_policy or self.cache_settings.default_policy
         cache = StepCache(policy, request.cache_threshold, self.cache_settings)
-        stats = GenerationStats(cache_policy=policy,
-                                cache_threshold=cache.threshold)
+        stats = GenerationStats(cache_policy=policy, cache_threshold=cache.threshold, frames=request.num_frames,
+                                fps=request.fps)
         prompts = [request.prompt]
         if request.uses_true_cfg:
             prompts.append(request.negative_prompt)

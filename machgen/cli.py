@@ -48,13 +48,23 @@ def serve(
         server.stop()
 
 
+# An image model's frames written as MP4 (it reports no frame rate of its own).
+DEFAULT_FPS = 16
+# What each task sends besides the prompt: (needs an --image, needs --reference-image, makes video).
+TASKS = {"t2i": (False, False, False), "i2i": (True, False, False), "t2v": (False, False, True),
+         "i2v": (True, False, True), "r2v": (False, True, True)}
+
+
 @app.command()
 def generate(
     prompt: str = typer.Option(..., "--prompt"),
-    out: Path = typer.Option(..., "--out", help="PNG file to write (index appended when several)"),
+    out: Path = typer.Option(..., "--out", help="file to write: .mp4 for video (all frames), else an image "
+                                                "(PNG; an index is appended when there are several frames)"),
     model: str = typer.Option(..., "--model", help="served model name"),
     url: str = typer.Option("127.0.0.1:8001", "--url", help="host:port of the chosen protocol"),
     protocol: str = typer.Option("grpc", "--protocol", help="grpc or http"),
+    task: Optional[str] = typer.Option(None, "--task", help="t2i, i2i, t2v, i2v or r2v: checks that the inputs "
+                                                            "it needs are given (default: as the inputs imply)"),
     negative_prompt: Optional[str] = typer.Option(None, "--negative-prompt"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     steps: Optional[int] = typer.Option(None, "--steps"),
@@ -65,11 +75,15 @@ def generate(
     cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help="none, fbcache or magcache"),
     cache_threshold: Optional[float] = typer.Option(None, "--cache-threshold"),
     image: Optional[Path] = typer.Option(None, "--image", exists=True, dir_okay=False,
-                                         help="image-to-image: the starting picture (PNG, JPEG, ...)"),
+                                         help="image-to-image or image-to-video: the starting picture (PNG, JPEG, ...)"),
     strength: Optional[float] = typer.Option(None, "--strength",
                                              help="image-to-image: how much is redrawn, 0-1 (default 0.6)"),
+    num_frames: Optional[int] = typer.Option(None, "--num-frames", help="video: frames to generate"),
+    fps: Optional[int] = typer.Option(None, "--fps", help="video: frames per second (default: the model's)"),
+    reference_images: Optional[list[Path]] = typer.Option(None, "--reference-image", exists=True, dir_okay=False,
+                                                          help="reference-to-video: a picture (repeatable)"),
 ) -> None:
-    """Generate an image through a served pipeline and save it as PNG."""
+    """Generate an image or a video through a served pipeline and save it (PNG or MP4)."""
     import time
 
     import numpy as np
@@ -77,7 +91,20 @@ def generate(
 
     from machgen.client import GenerationError, MachgenClient
 
+    if task is not None:
+        if task not in TASKS:
+            raise typer.BadParameter(f"{task!r} is not one of {', '.join(TASKS)}", param_hint="--task")
+        needs_image, needs_references, video = TASKS[task]
+        if needs_image != (image is not None):
+            raise typer.BadParameter(f"{task} {'needs' if needs_image else 'takes no'} --image", param_hint="--task")
+        if needs_references != bool(reference_images):
+            raise typer.BadParameter(f"{task} {'needs' if needs_references else 'takes no'} --reference-image",
+                                     param_hint="--task")
+        if video != (out.suffix.lower() == ".mp4"):
+            raise typer.BadParameter(f"{task} writes {'an .mp4' if video else 'an image'} file", param_hint="--out")
     picture = None if image is None else np.asarray(Image.open(image).convert("RGB"))
+    references = (np.stack([np.asarray(Image.open(path).convert("RGB")) for path in reference_images])
+                  if reference_images else None)
 
     try:
         with MachgenClient(url, protocol=protocol) as client:
@@ -85,17 +112,28 @@ def generate(
             images, stats = client.generate_with_stats(
                 model, prompt, negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
                 guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width,
-                cache_policy=cache_policy, cache_threshold=cache_threshold, image=picture, strength=strength)
+                cache_policy=cache_policy, cache_threshold=cache_threshold, image=picture, strength=strength,
+                num_frames=num_frames, fps=fps, reference_images=references)
             seconds = time.perf_counter() - start
     except GenerationError as err:
         typer.secho(f"error ({err.status}): {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(images))]
-    for path, image in zip(paths, images):
-        Image.fromarray(image).save(path)
-    typer.echo(f"wrote {', '.join(map(str, paths))} ({images.shape[2]}x{images.shape[1]}, {seconds:.2f} s, "
-               f"{stats['denoiser_tail_calls']}/{stats['steps']} steps ran the full denoiser, "
+    if out.suffix.lower() == ".mp4":
+        from machgen.client.video import write_mp4
+
+        rate = fps or stats.get("fps") or DEFAULT_FPS
+        write_mp4(images, out, fps=rate)
+        paths = [out]
+        written = f"{len(images)} frames at {rate} fps"
+    else:
+        paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}")
+                                                for i in range(len(images))]
+        for path, frame in zip(paths, images):
+            Image.fromarray(frame).save(path)
+        written = f"{len(images)} image{'s' if len(images) > 1 else ''}"
+    typer.echo(f"wrote {', '.join(map(str, paths))} ({written}, {images.shape[2]}x{images.shape[1]}, "
+               f"{seconds:.2f} s, {stats['denoiser_tail_calls']}/{stats['steps']} steps ran the full denoiser, "
                f"cache {stats['cache_policy']})")
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import sys
 import time
 from dataclasses import replace
@@ -279,6 +280,8 @@ def main() -> int:
             rate = f"{flops / ms / 1e9:.0f}" if flops else ""
             floor = f"{ms / FLUX_FLOOR_MS['bf16']:.2f}x" if model == "flux" and args.scale == "full" else ""
             lines.append(f"| {model} | {what} | {ms:.2f} | {flops / 1e12:.2f} | {rate} | {floor} |")
+        # The next model needs the memory of this one's weights back.
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     table = "\n".join(lines) + "\n"

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -97,7 +99,7 @@ def test_image_sets_the_size_and_strength_defaults_as_diffusers():
     (np.zeros((64, 64, 3), np.uint8), IMAGE_TASKS, {"height": 128}, "image", "height asks for 128"),
     (np.zeros((64, 40, 3), np.uint8), IMAGE_TASKS, {}, "image", "multiple of 16"),
     (np.zeros((512, 64, 3), np.uint8), IMAGE_TASKS, {}, "image", "multiple of 16 in [16, 256]"),
-    (np.zeros((64, 64, 3), np.uint8), ("text-to-image",), {}, "image", "does not do image-to-image"),
+    (np.zeros((64, 64, 3), np.uint8), ("text-to-image",), {}, "image", "does not start from an image"),
     (np.zeros((64, 64, 3), np.uint8), IMAGE_TASKS, {"strength": 1.5}, "strength", "outside"),
     (np.zeros((64, 64, 3), np.uint8), IMAGE_TASKS, {"strength": 0.0}, "strength", "no denoising step of 4"),
     (None, IMAGE_TASKS, {"strength": 0.5}, "strength", "only with an image"),
@@ -107,3 +109,43 @@ def test_bad_image_inputs_are_named(image, tasks, inputs, field, words):
         parse_with_image(image, tasks, **inputs)
     assert err.value.field == field
     assert f"'{field}'" in str(err.value) and words in str(err.value)
+
+
+VIDEO = dict(DEFAULTS, num_frames=17, max_frames=81, fps=16)
+VIDEO_TASKS = ("text-to-video", "image-to-video", "reference-to-video")
+
+
+def parse_video(tasks=VIDEO_TASKS, **arrays):
+    inputs = {"prompt": np.array([b"a cat"], dtype=object), **arrays}
+    return parse_request(inputs.get, VIDEO, size_multiple=16, tasks=tasks, frame_multiple=4)
+
+
+def test_video_fields_take_the_model_defaults_and_follow_its_frame_rule():
+    request = parse_video()
+    assert (request.num_frames, request.fps, request.reference_images) == (17, 16, None)
+    request = parse_video(num_frames=np.array([81], np.int32), fps=np.array([24], np.int32),
+                          reference_images=np.zeros((2, 64, 64, 3), np.uint8))
+    assert (request.num_frames, request.fps, request.reference_images.shape) == (81, 24, (2, 64, 64, 3))
+
+
+@pytest.mark.parametrize("tasks, arrays, field, words", [
+    (("text-to-image",), {"num_frames": np.array([5], np.int32)}, "num_frames", "makes images, not video"),
+    (("text-to-image",), {"fps": np.array([24], np.int32)}, "fps", "makes images, not video"),
+    (("text-to-image",), {"reference_images": np.zeros((1, 64, 64, 3), np.uint8)}, "reference_images",
+     "makes images, not video"),
+    (VIDEO_TASKS, {"num_frames": np.array([18], np.int32)}, "num_frames", "not 4k + 1"),
+    (VIDEO_TASKS, {"num_frames": np.array([85], np.int32)}, "num_frames", "outside [1, 81]"),
+    (VIDEO_TASKS, {"num_frames": np.array([0], np.int32)}, "num_frames", "outside"),
+    (VIDEO_TASKS, {"fps": np.array([0], np.int32)}, "fps", "outside"),
+    (("text-to-video",), {"reference_images": np.zeros((1, 64, 64, 3), np.uint8)}, "reference_images",
+     "does not do reference-to-video"),
+    (VIDEO_TASKS, {"reference_images": np.zeros((64, 64, 3), np.uint8)}, "reference_images", "expected shape"),
+    (VIDEO_TASKS, {"reference_images": np.zeros((9, 64, 64, 3), np.uint8)}, "reference_images", "1 to 8 images"),
+    (VIDEO_TASKS, {"reference_images": np.zeros((1, 64, 64, 3), np.float32)}, "reference_images", "UINT8"),
+    (VIDEO_TASKS, {"reference_images": np.zeros((1, 32, 64, 3), np.uint8)}, "reference_images",
+     "not the video's 64x64"),
+])
+def test_bad_video_inputs_are_named(tasks, arrays, field, words):
+    with pytest.raises(InvalidArgument, match=re.escape(words)) as raised:
+        parse_video(tasks=tasks, **arrays)
+    assert raised.value.field == field

@@ -79,6 +79,9 @@ BAD_REQUESTS = [
                          c.make_input("width", 16)], "width asks for 16"),
     ("strength", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 3))),
                             c.make_input("strength", 2.0)], "outside"),
+    ("num_frames", lambda c: [c.make_input("prompt", "x"), c.make_input("num_frames", 5)], "makes images, not video"),
+    ("reference_images", lambda c: [c.make_input("prompt", "x"),
+                                    c.make_input("reference_images", np.zeros((1, 64, 64, 3)))], "not video"),
 ]
 
 
@@ -190,6 +193,29 @@ def test_generate_cli_writes_the_served_image(triton_server, tmp_path):
         expected = client.generate(PIPELINE_NAME, "a blue cat", seed=4, image=np.asarray(Image.open(out)),
                                    strength=0.5)[0]
     np.testing.assert_array_equal(np.asarray(Image.open(redrawn)), expected)
+
+    # MP4 output: an image model's single frame, at the default rate
+    from machgen.client.video import read_mp4, write_mp4
+
+    clip = tmp_path / "cat.mp4"
+    done = subprocess.run(
+        [sys.executable, "-m", "machgen.cli", "generate", "--url", triton_server.grpc_url, "--model", PIPELINE_NAME,
+         "--prompt", "a red cat", "--seed", "3", "--steps", "2", "--out", str(clip)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    frames, fps = read_mp4(clip)
+    assert frames.shape == (1, *np.asarray(Image.open(out)).shape) and fps == 16
+    # H.264 is lossy (this noisy tiny-model image loses ~15 levels) but deterministic: the served frame, encoded
+    write_mp4(np.asarray(Image.open(out))[None], tmp_path / "expected.mp4", fps=16)
+    np.testing.assert_array_equal(frames, read_mp4(tmp_path / "expected.mp4")[0])
+    mismatch = subprocess.run(
+        [sys.executable, "-m", "machgen.cli", "generate", "--url", triton_server.grpc_url, "--model", PIPELINE_NAME,
+         "--prompt", "x", "--task", "t2v", "--out", str(tmp_path / "no.png")], capture_output=True, text=True)
+    assert mismatch.returncode == 2 and "t2v writes an .mp4 file" in mismatch.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "machgen.cli", "generate", "--url", triton_server.grpc_url, "--model", PIPELINE_NAME,
+         "--prompt", "x", "--num-frames", "5", "--out", str(tmp_path / "no.mp4")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "'num_frames'" in refused.stderr and not (tmp_path / "no.mp4").exists()
 
 
 def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository):
