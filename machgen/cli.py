@@ -75,7 +75,8 @@ def generate(
     cache_policy: Optional[str] = typer.Option(None, "--cache-policy", help="none, fbcache or magcache"),
     cache_threshold: Optional[float] = typer.Option(None, "--cache-threshold"),
     image: Optional[Path] = typer.Option(None, "--image", exists=True, dir_okay=False,
-                                         help="image-to-image or image-to-video: the starting picture (PNG, JPEG, ...)"),
+                                         help="image-to-image or image-to-video: the starting picture "
+                                              "(PNG, JPEG, ...)"),
     strength: Optional[float] = typer.Option(None, "--strength",
                                              help="image-to-image: how much is redrawn, 0-1 (default 0.6)"),
     num_frames: Optional[int] = typer.Option(None, "--num-frames", help="video: frames to generate"),
