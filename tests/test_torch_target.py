@@ -20,9 +20,12 @@ from test_integration import MAX_PIXEL_DIFF, diffusers_image
 @pytest.fixture(scope="module")
 def torch_repository(tiny_flux_dir, tmp_path_factory):
     from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
 
     out = tmp_path_factory.mktemp("torch-repository")
-    build_repository(tiny_flux_dir, PIPELINE_NAME, out, target="torch", log=lambda line: None)
+    # One process per model: what is checked here is the path of a tensor, not concurrency (test_batching).
+    build_repository(tiny_flux_dir, PIPELINE_NAME, out, target="torch", log=lambda line: None,
+                     options=ServingOptions(sampler_instances=1, component_instances=1))
     return out
 
 
