@@ -83,6 +83,30 @@ def check_engine(component: str, metadata: EngineMetadata, tensorrt_version: str
                              + ". Rebuild it on this host: machgen-build build ... --target tensorrt")
 
 
+def serving_host() -> tuple[str | None, str | None, str | None]:
+    """(TensorRT version, GPU name, compute capability) of this process, each
+    None where it cannot tell (the server's TensorRT is the container's; its
+    Python may not see it)."""
+    try:
+        import tensorrt
+        version = tensorrt.__version__
+    except ImportError:
+        version = None
+    return (version, *host_gpu())
+
+
+def check_repository_engines(repository: Path, components: Mapping[str, Mapping],
+                             host: tuple[str | None, str | None, str | None]) -> None:
+    """``check_engine`` for every engine a pipeline calls (pipeline.json's
+    ``components``), and a clear refusal of an engine without its metadata."""
+    for name, entry in components.items():
+        folder = Path(repository) / entry["model"] / "1"
+        if not (folder / METADATA_FILE).is_file():
+            raise EngineMismatch(f"{name}: {folder} has no {METADATA_FILE}: the engine was not built by "
+                                 "machgen-build, so what it was built for is unknown; rebuild it")
+        check_engine(name, EngineMetadata.read(folder), *host)
+
+
 def shape_profile(spec: ComponentSpec, ranges: Mapping[str, AxisRange],
                   max_batch_size: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """(min, opt, max) shape of every input: fixed sizes as they are, the

@@ -125,22 +125,6 @@ class ComponentError(RuntimeError):
     """A BLS call to a component model failed."""
 
 
-def _check_engines(repository: Path, components: dict) -> None:
-    """Refuse to serve engines built for another TensorRT or GPU, with a
-    message that says so (Triton's own load error is TensorRT's)."""
-    from machgen.builder.tensorrt_engine import EngineMetadata, check_engine, host_gpu
-
-    try:
-        import tensorrt
-        version = tensorrt.__version__
-    except ImportError:  # the server's TensorRT is the container's; Python may not see it
-        version = None
-    gpu_name, capability = host_gpu()
-    for name, entry in components.items():
-        folder = repository / entry["model"] / "1"
-        check_engine(name, EngineMetadata.read(folder), version, gpu_name, capability)
-
-
 class SamplerModel:
     """The public model: one request at a time per instance, start to finish
     (text encoders, denoising loop, decoder) by BLS calls to the components.
@@ -163,7 +147,11 @@ class SamplerModel:
         self.pipeline = json.loads((model_dir / "pipeline.json").read_text())
         self.components = self.pipeline["components"]
         if self.pipeline.get("target") == "tensorrt":
-            _check_engines(Path(args["model_repository"]).parent, self.components)
+            # Refuse engines built for another TensorRT or GPU with a message that says so (Triton's own
+            # load error for them is TensorRT's).
+            from machgen.builder.tensorrt_engine import check_repository_engines, serving_host
+
+            check_repository_engines(Path(args["model_repository"]).parent, self.components, serving_host())
         self.in_sampler = InSamplerComponents(self.components, model_dir)
         self.sampler = load_sampler(self.pipeline, str(model_dir), self._run_component)
         self.logger = pb_utils.Logger

@@ -113,3 +113,18 @@ def _host():
     from machgen.builder.tensorrt_engine import host_gpu
 
     return (tensorrt.__version__, *host_gpu())
+
+
+def test_the_public_model_checks_every_engine_it_calls(tmp_path):
+    from machgen.builder.tensorrt_engine import check_repository_engines
+
+    components = {"denoiser_head": {"model": "flux_denoiser_head"}, "denoiser_tail": {"model": "flux_denoiser_tail"}}
+    for model in ("flux_denoiser_head", "flux_denoiser_tail"):
+        (tmp_path / model / "1").mkdir(parents=True)
+    METADATA.write(tmp_path / "flux_denoiser_head" / "1")
+    with pytest.raises(EngineMismatch, match="denoiser_tail: .* has no engine.json"):
+        check_repository_engines(tmp_path, components, ("10.13.0", "NVIDIA H200", "9.0"))
+    METADATA.write(tmp_path / "flux_denoiser_tail" / "1")
+    check_repository_engines(tmp_path, components, ("10.13.0", "NVIDIA H200", "9.0"))
+    with pytest.raises(EngineMismatch, match="denoiser_head: the engine was built for TensorRT 10.13.0"):
+        check_repository_engines(tmp_path, components, ("10.14.1", "NVIDIA H200", "9.0"))
