@@ -14,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from machgen.builder.registry import ComponentSpec, ExportableComponent
 
@@ -163,17 +163,12 @@ def check_parity(component: ExportableComponent, path: Path, dtype: str = "float
     import numpy as np
     import torch
 
+    from machgen.ensembles.components import open_component
     from machgen.ensembles.tensors import as_numpy
-    from machgen.ensembles.torch_runner import PROGRAM_FILE, TorchProgram
 
     spec = component.spec
     start = time.perf_counter()
-    if path.name == PROGRAM_FILE:
-        session: Any = TorchProgram.load(path.parent, device=device)
-    else:
-        from machgen.ensembles.onnx_runner import OnnxSession
-
-        session = OnnxSession(path)
+    session = open_component(path, device=device)
     full = {t.name: component.sample_inputs[t.name] for t in spec.inputs}
     first_row = {t.name: (full[t.name][:1] if t.batched else full[t.name]) for t in spec.inputs}
     worst = 0.0

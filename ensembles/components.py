@@ -8,14 +8,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-def open_component(path: str | os.PathLike, intra_op_threads: int = 0) -> Any:
+def open_component(path: str | os.PathLike, intra_op_threads: int = 0, device: str | None = None) -> Any:
     """A runner (``run(inputs) -> outputs``, ``run_batches``) for an exported
-    file: ``model.onnx`` under ONNX Runtime, ``model.pt2`` under torch."""
+    file: ``model.onnx`` under ONNX Runtime, ``model.pt2`` under torch (on
+    ``device``, or where it was built)."""
     path = Path(path)
+    if path.suffix == ".plan":
+        raise ValueError(f"{path}: a TensorRT engine runs in Triton's TensorRT backend, not in-process")
     if path.suffix == ".pt2":
         from machgen.ensembles.torch_runner import TorchProgram
 
-        return TorchProgram.load(path.parent)
+        return TorchProgram.load(path.parent, device=device)
     from machgen.ensembles.onnx_runner import OnnxSession
 
     return OnnxSession(path, intra_op_threads=intra_op_threads)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from machgen.builder.repository import model_name, pipeline_dir
+from machgen.builder.repository import TargetServing, model_name, pipeline_dir
 from machgen.ensembles.api import API_INPUTS, input_array
 from machgen.ensembles.components import InSamplerComponents, open_component
 from machgen.ensembles.sampler import GenerationStats, load_sampler
@@ -29,6 +29,8 @@ class LocalPipeline:
         self.name = name
         public_dir = pipeline_dir(self.repository, name)
         self.pipeline = json.loads((public_dir / "pipeline.json").read_text())
+        # Repositories written before targets existed were ONNX Runtime ones.
+        self._serving = TargetServing(self.pipeline.get("target", "onnxruntime"))
         self._intra_op_threads = intra_op_threads
         self._sessions: dict[str, Any] = {}
         self.in_sampler = InSamplerComponents(self.pipeline["components"], public_dir)
@@ -38,8 +40,7 @@ class LocalPipeline:
         if component in self.in_sampler:
             return self.in_sampler.run(component, inputs)
         if component not in self._sessions:
-            folder = self.repository / model_name(self.name, component) / "1"
-            path = folder / "model.pt2" if (folder / "model.pt2").is_file() else folder / "model.onnx"
+            path = self.repository / model_name(self.name, component) / "1" / self._serving.file_name
             self._sessions[component] = open_component(path, intra_op_threads=self._intra_op_threads)
         return self._sessions[component].run(inputs)
 

@@ -35,37 +35,49 @@ def _error_response(message: str, code) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
-class OnnxComponentModel:
-    """One pipeline component under ONNX Runtime on the CPU.
+class _ComponentModel:
+    """What both component models do with a batch of requests: Triton's
+    dynamic batcher hands several at once; those with equal per-item shapes
+    run as one forward, and a failure answers every request of the batch.
+    Subclasses set ``runner`` (``run_batches``, ``input_names``),
+    ``max_rows`` and ``logger``, and say how tensors are read and written."""
 
-    Triton's dynamic batcher hands several requests at once; those with equal
-    per-item shapes run as one forward.
-    """
+    def _read(self, tensor: "pb_utils.Tensor"):
+        raise NotImplementedError
+
+    def _write(self, name: str, value) -> "pb_utils.Tensor":
+        raise NotImplementedError
+
+    def execute(self, requests):
+        batches = [{name: self._read(pb_utils.get_input_tensor_by_name(request, name))
+                    for name in self.runner.input_names} for request in requests]
+        try:
+            outputs = self.runner.run_batches(batches, max_rows=self.max_rows)
+        except Exception as err:  # noqa: BLE001 - every request must get an answer
+            self.logger.log_error(f"{self.source}: {traceback.format_exc()}")
+            return [_error_response(f"component failed: {err}", pb_utils.TritonError.INTERNAL)
+                    for _ in requests]
+        return [pb_utils.InferenceResponse([self._write(name, value) for name, value in result.items()])
+                for result in outputs]
+
+
+class OnnxComponentModel(_ComponentModel):
+    """One pipeline component under ONNX Runtime on the CPU."""
 
     def initialize(self, args: dict) -> None:
         from machgen.ensembles.onnx_runner import OnnxSession
 
         config = json.loads(args["model_config"])
-        self.session = OnnxSession(_model_dir(args) / "model.onnx",
-                                   intra_op_threads=int(_parameter(config, "intra_op_threads", "0")))
-        self.input_names = [i["name"] for i in config["input"]]
+        self.source = _model_dir(args) / "model.onnx"
+        self.runner = OnnxSession(self.source, intra_op_threads=int(_parameter(config, "intra_op_threads", "0")))
         self.max_rows = int(config["max_batch_size"]) or None
         self.logger = pb_utils.Logger
 
-    def execute(self, requests):
-        batches = []
-        for request in requests:
-            batches.append({name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
-                            for name in self.input_names})
-        try:
-            outputs = self.session.run_batches(batches, max_rows=self.max_rows)
-        except Exception as err:  # noqa: BLE001 - every request must get an answer
-            self.logger.log_error(f"{self.session.path}: {traceback.format_exc()}")
-            return [_error_response(f"component failed: {err}", pb_utils.TritonError.INTERNAL)
-                    for _ in requests]
-        return [pb_utils.InferenceResponse([pb_utils.Tensor(name, np.ascontiguousarray(value))
-                                            for name, value in result.items()])
-                for result in outputs]
+    def _read(self, tensor: "pb_utils.Tensor"):
+        return tensor.as_numpy()
+
+    def _write(self, name: str, value) -> "pb_utils.Tensor":
+        return pb_utils.Tensor(name, np.ascontiguousarray(value))
 
 
 def _bls_tensor(name: str, value) -> "pb_utils.Tensor":
@@ -84,13 +96,12 @@ def _received(tensor: "pb_utils.Tensor"):
     return torch.from_dlpack(tensor.to_dlpack())
 
 
-class TorchComponentModel:
+class TorchComponentModel(_ComponentModel):
     """One pipeline component as a torch.export program (the ``torch``
     target), on the GPU Triton gives this instance or on the CPU.
 
     Tensors come and go by DLPack: a GPU input is used where it lies, an
-    output stays on the GPU for the caller. Requests of equal per-item
-    shapes run as one forward.
+    output stays on the GPU for the caller.
     """
 
     def initialize(self, args: dict) -> None:
@@ -100,25 +111,19 @@ class TorchComponentModel:
         device = None
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
-        self.program = TorchProgram.load(_model_dir(args), device=device)
+        self.source = _model_dir(args)
+        self.runner = TorchProgram.load(self.source, device=device)
         self.max_rows = int(config["max_batch_size"]) or None
         self.logger = pb_utils.Logger
-        self.logger.log_info(f"{config['name']}: {self.program.memory_report()}")
+        self.logger.log_info(f"{config['name']}: {self.runner.memory_report()}")
 
-    def execute(self, requests):
+    def _read(self, tensor: "pb_utils.Tensor"):
         import torch
 
-        batches = [{name: torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack())
-                    for name in self.program.input_names} for request in requests]
-        try:
-            outputs = self.program.run_batches(batches, max_rows=self.max_rows)
-        except Exception as err:  # noqa: BLE001 - every request must get an answer
-            self.logger.log_error(f"{self.program.folder}: {traceback.format_exc()}")
-            return [_error_response(f"component failed: {err}", pb_utils.TritonError.INTERNAL)
-                    for _ in requests]
-        return [pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(name, value.contiguous())
-                                            for name, value in result.items()])
-                for result in outputs]
+        return torch.from_dlpack(tensor.to_dlpack())
+
+    def _write(self, name: str, value) -> "pb_utils.Tensor":
+        return pb_utils.Tensor.from_dlpack(name, value.contiguous())
 
 
 class ComponentError(RuntimeError):

@@ -21,26 +21,16 @@ import argparse
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_ms  # noqa: E402
 
 TOKENS = (4096, 16384, 32768, 65536)
 SPARSITIES = (0.0, 0.5, 0.75, 0.9)
 HEADS, HEAD_DIM = 24, 128
-
-
-def cuda_ms(function, repeats: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def checks() -> list[str]:
@@ -92,14 +82,14 @@ def timings() -> str:
         q, k, v = (torch.randn(1, tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(3))
         layout = [x.transpose(1, 2) for x in (q, k, v)]
-        dense_ms = cuda_ms(lambda: torch.nn.functional.scaled_dot_product_attention(*layout))
+        dense_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(*layout))
         for sparsity in SPARSITIES:
             config = SparseAttentionConfig(block_q=64, block_k=64, topk_ratio=1.0 - sparsity, dense_diagonal=0)
             mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), config)
             kept = float(mask.float().mean())
             try:
-                total_ms = cuda_ms(lambda: triton_kernel.sparse_attention(q, k, v, config))
-                kernel_ms = cuda_ms(lambda: triton_kernel.sparse_attention(q, k, v, config, mask=mask))
+                total_ms = median_ms(lambda: triton_kernel.sparse_attention(q, k, v, config))
+                kernel_ms = median_ms(lambda: triton_kernel.sparse_attention(q, k, v, config, mask=mask))
             except Exception as err:
                 lines.append(f"| {tokens:,} | {100 * (1 - kept):.0f} % | {dense_ms:.2f} | "
                              f"{type(err).__name__}: {str(err)[:200]} | - | - |")
@@ -126,7 +116,7 @@ def tune(tokens: int = 32768, sparsity: float = 0.5) -> None:
         mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), config)
         for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)):
             try:
-                ms = cuda_ms(lambda: triton_kernel.sparse_attention(q, k, v, config, mask=mask, num_warps=warps,
+                ms = median_ms(lambda: triton_kernel.sparse_attention(q, k, v, config, mask=mask, num_warps=warps,
                                                                     num_stages=stages))
                 print(f"| {block_q} x {block_k} | {warps} | {stages} | {ms:.2f} |", flush=True)
             except Exception as err:

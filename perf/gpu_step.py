@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_ms  # noqa: E402
+
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                 axes_dims_rope=(16, 56, 56))
@@ -52,28 +55,13 @@ FLUX_FLOOR_MS = {"bf16": 75.0, "fp8": 38.0}  # the GPU issue's floor: ~74 TFLOP 
 
 
 class Timer:
-    """Median milliseconds of ``repeats`` calls after ``warmup``: CUDA events on a GPU, the clock on the CPU."""
+    """``median_ms`` with this run's device and repeat count."""
 
     def __init__(self, device: torch.device, repeats: int, warmup: int = 2):
         self.device, self.repeats, self.warmup = device, repeats, warmup
 
     def __call__(self, function) -> float:
-        for _ in range(self.warmup):
-            function()
-        times = []
-        for _ in range(self.repeats):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                function()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                begin = time.perf_counter()
-                function()
-                times.append((time.perf_counter() - begin) * 1e3)
-        return sorted(times)[len(times) // 2]
+        return median_ms(function, self.device, self.repeats, self.warmup)
 
 
 def count_flops(function) -> float:
