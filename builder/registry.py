@@ -87,6 +87,10 @@ class Capabilities:
     tasks: tuple[str, ...] = ("text-to-image",)
     # diffusers' true classifier-free guidance (a second, negative-prompt pass).
     true_cfg: bool = True
+    # guidance_scale is the classifier-free guidance scale (a negative-prompt
+    # pass when > 1, as WanPipeline), not a guidance value the model embeds
+    # (FluxPipeline, whose CFG scale is true_cfg_scale).
+    guidance_is_cfg: bool = False
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,12 @@ API_INPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("negative_prompt", "BYTES", (1,), "UTF-8 text to steer away from; used when true_cfg_scale > 1"),
     ApiTensor("seed", "INT64", (1,), "noise seed, 0 <= seed < 2**63; random when absent"),
     ApiTensor("num_inference_steps", "INT32", (1,), "denoising steps"),
-    ApiTensor("guidance_scale", "FP32", (1,), "embedded guidance of guidance-distilled models"),
-    ApiTensor("true_cfg_scale", "FP32", (1,), "classifier-free guidance scale with negative_prompt"),
+    ApiTensor("guidance_scale", "FP32", (1,), "the embedded guidance of guidance-distilled models (Flux), or the "
+                                              "classifier-free guidance scale of models without one (Wan)"),
+    ApiTensor("guidance_scale_2", "FP32", (1,), "two-expert models (Wan 2.2): the low-noise expert's "
+                                                "classifier-free guidance scale; guidance_scale when absent"),
+    ApiTensor("true_cfg_scale", "FP32", (1,), "classifier-free guidance scale with negative_prompt, for models "
+                                              "whose guidance_scale is embedded"),
     ApiTensor("height", "INT32", (1,), "image height in pixels"),
     ApiTensor("width", "INT32", (1,), "image width in pixels"),
     ApiTensor("cache_policy", "BYTES", (1,), "step reuse: none, fbcache or magcache; the model's calibrated "
@@ -90,7 +94,7 @@ class GenerationRequest:
     seed: int
     num_inference_steps: int
     guidance_scale: float
-    true_cfg_scale: float
+    true_cfg_scale: float  # the CFG scale: guidance_scale's value for a model whose guidance is CFG
     height: int
     width: int
     cache_policy: str | None = None  # None: the served default
@@ -100,6 +104,7 @@ class GenerationRequest:
     num_frames: int = 1  # 1 for an image model
     fps: int | None = None  # video only
     reference_images: np.ndarray | None = None  # reference-to-video: uint8 [count, height, width, 3]
+    guidance_scale_2: float | None = None  # two-expert models: the low-noise expert's CFG scale
 
     @property
     def denoising_steps(self) -> int:
@@ -224,15 +229,40 @@ def _video_fields(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
     return fields
 
 
+def _guidance_fields(get_input: Callable[[str], np.ndarray | None], value: Callable, defaults: Mapping[str, Any],
+                     guidance_is_cfg: bool, experts: int) -> dict[str, Any]:
+    """guidance_scale, true_cfg_scale and guidance_scale_2 as the model reads them."""
+
+    def scale(field: str, default: Any) -> Any:
+        return value(field, lambda f, v: _real(f, v, 0.0, _MAX_GUIDANCE), default)
+
+    guidance = scale("guidance_scale", float(defaults["guidance_scale"]))
+    if guidance_is_cfg:
+        if get_input("true_cfg_scale") is not None:
+            raise InvalidArgument("true_cfg_scale", "this model's classifier-free guidance scale is guidance_scale")
+        true_cfg = guidance
+    else:
+        true_cfg = scale("true_cfg_scale", float(defaults["true_cfg_scale"]))
+    if experts < 2:
+        if get_input("guidance_scale_2") is not None:
+            raise InvalidArgument("guidance_scale_2", "this model has one denoiser, not two experts")
+        return {"guidance_scale": guidance, "true_cfg_scale": true_cfg}
+    return {"guidance_scale": guidance, "true_cfg_scale": true_cfg,
+            "guidance_scale_2": scale("guidance_scale_2", guidance)}
+
+
 def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mapping[str, Any],
                   size_multiple: int, cache_policies: tuple[str, ...] = ("none",),
-                  tasks: tuple[str, ...] = ("text-to-image",), frame_multiple: int = 1) -> GenerationRequest:
+                  tasks: tuple[str, ...] = ("text-to-image",), frame_multiple: int = 1,
+                  guidance_is_cfg: bool = False, experts: int = 1) -> GenerationRequest:
     """Validate one request's inputs and fill in the served defaults.
 
     ``get_input(name)`` returns the input's array or None when it is absent;
     ``defaults`` is a ServedDefaults as JSON; ``cache_policies`` the policy
     names this model serves; ``tasks`` what it can do; a video model's
-    ``num_frames`` is ``frame_multiple`` k + 1. Raises InvalidArgument.
+    ``num_frames`` is ``frame_multiple`` k + 1; ``guidance_is_cfg``: the
+    model's guidance_scale is its CFG scale (Capabilities); ``experts``: 2
+    for a model with a low-noise expert. Raises InvalidArgument.
     """
 
     def value(name: str, parse: Callable[[str, np.ndarray], Any], default: Any) -> Any:
@@ -265,10 +295,7 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
         seed=value("seed", lambda f, v: _integer(f, v, 0, 2**63 - 1), secrets.randbelow(2**63)),
         num_inference_steps=value("num_inference_steps", lambda f, v: _integer(f, v, 1, max_steps),
                                   int(defaults["num_inference_steps"])),
-        guidance_scale=value("guidance_scale", lambda f, v: _real(f, v, 0.0, _MAX_GUIDANCE),
-                             float(defaults["guidance_scale"])),
-        true_cfg_scale=value("true_cfg_scale", lambda f, v: _real(f, v, 0.0, _MAX_GUIDANCE),
-                             float(defaults["true_cfg_scale"])),
+        **_guidance_fields(get_input, value, defaults, guidance_is_cfg, experts),
         height=height,
         width=width,
         cache_policy=value("cache_policy", lambda f, v: _choice(f, v, cache_policies), None),

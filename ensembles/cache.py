@@ -189,6 +189,11 @@ class StepCache:
             schedule = schedule_steps or total_steps
             ratios = tuple(self._calibrated.ratio(first_step + step, schedule) for step in range(total_steps))
             self.config = replace(self._calibrated, magnitude_ratios=ratios)
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget what was kept (residuals, guidance difference): the next
+        step computes. For a switch to another denoiser (Wan 2.2's experts)."""
         self.tail_residual = self.full_residual = self.guidance_difference = None
         self.last_negative_step = -1
         if self.state is not None:

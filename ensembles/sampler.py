@@ -58,7 +58,7 @@ class Conditioning(Protocol):
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, np.ndarray]: ...
 
-    def initial_latents(self, seed: int, height: int, width: int) -> Any: ...
+    def initial_latents(self, seed: int, height: int, width: int, num_frames: int = 1) -> Any: ...
 
     def scheduler(self, num_inference_steps: int, height: int, width: int) -> Any: ...
 
@@ -71,6 +71,14 @@ class Conditioning(Protocol):
                         guidance_scale: float, height: int, width: int) -> dict[str, np.ndarray]: ...
 
     def decoder_latents(self, latents: Any, height: int, width: int) -> Any: ...
+
+    # Optional, for what not every family has:
+    # - ``frame_multiple: int`` (video): num_frames is frame_multiple k + 1;
+    # - ``experts: int`` and ``expert(timestep) -> str``: a model with a
+    #   low-noise expert (Wan 2.2) names the denoiser of each step by its
+    #   component prefix ("denoiser" or "denoiser_2");
+    # - ``decode(latents) -> uint8 [frames, H, W, 3]``: a decode other than
+    #   DECODE_STAGES (a video decoded chunk by chunk).
 
 
 @dataclass
@@ -159,9 +167,12 @@ class Sampler:
 
     def __init__(self, conditioning: Conditioning, run_component: RunComponent,
                  component_inputs: Mapping[str, Sequence[str]], cache_settings: CacheSettings = CacheSettings(),
-                 prompt_cache_size: int = 256, tasks: Sequence[str] = ("text-to-image",)):
+                 prompt_cache_size: int = 256, tasks: Sequence[str] = ("text-to-image",),
+                 guidance_is_cfg: bool = False):
         self.conditioning = conditioning
         self.tasks = tuple(tasks)
+        self.guidance_is_cfg = guidance_is_cfg
+        self.experts = getattr(conditioning, "experts", 1)
         self.run_component = run_component
         self.component_inputs = {name: tuple(inputs) for name, inputs in component_inputs.items()}
         self.tail_inputs = self.component_inputs["denoiser_tail"]
@@ -174,19 +185,21 @@ class Sampler:
         """One request's inputs validated against what this model serves (api.parse_request)."""
         # A video family's frames are frame_multiple k + 1; image families have no such rule.
         return parse_request(get_input, defaults, self.conditioning.size_multiple, self.cache_settings.available(),
-                             self.tasks, getattr(self.conditioning, "frame_multiple", 1))
+                             self.tasks, getattr(self.conditioning, "frame_multiple", 1), self.guidance_is_cfg,
+                             self.experts)
 
     def predict_noise(self, step: int, inputs: dict[str, np.ndarray], cache: StepCache,
-                      stats: GenerationStats) -> tuple[np.ndarray, bool]:
-        """This step's prediction for the rows the cache runs, and whether the tail ran."""
+                      stats: GenerationStats, denoiser: str = "denoiser") -> tuple[np.ndarray, bool]:
+        """This step's prediction for the rows the cache runs, and whether the
+        tail ran; ``denoiser`` is the prefix of the components to call."""
         plan = cache.plan(step)
         head_inputs = _first_rows(inputs, cache.rows(step, plan, len(inputs["hidden_states"])))
         head_outputs = None
         if plan is not StepPlan.REUSE:
-            head_outputs = self.run_component("denoiser_head", head_inputs)
+            head_outputs = self.run_component(f"{denoiser}_head", head_inputs)
             stats.denoiser_head_calls += 1
             if plan is StepPlan.COMPUTE or cache.inspect(step, head_outputs):
-                tail_outputs = self.run_component("denoiser_tail",
+                tail_outputs = self.run_component(f"{denoiser}_tail",
                                                   _route(self.tail_inputs, {**head_inputs, **head_outputs}))
                 stats.denoiser_tail_calls += 1
                 stats.denoiser_tail_passes += len(head_inputs["hidden_states"])
@@ -197,7 +210,7 @@ class Sampler:
         cache.skipped(step)
         available = {**head_inputs,
                      "blocks_residual": cache.blocks_residual(head_outputs, len(head_inputs["hidden_states"]))}
-        return self.run_component("denoiser_reuse", _route(self.reuse_inputs, available))["noise_pred"], False
+        return self.run_component(f"{denoiser}_reuse", _route(self.reuse_inputs, available))["noise_pred"], False
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None,
                  is_cancelled: Callable[[], bool] | None = None) -> Generation:
@@ -218,23 +231,33 @@ class Sampler:
         scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width)
         first_step = request.num_inference_steps - request.denoising_steps
         if request.image is None:
-            latents = cond.initial_latents(request.seed, request.height, request.width)
+            latents = cond.initial_latents(request.seed, request.height, request.width, request.num_frames)
             timesteps = scheduler.timesteps
         else:
             latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler)
         stats.steps = len(timesteps)
         cache.start(len(timesteps), first_step, request.num_inference_steps)
+        denoiser = "denoiser"
         for index, timestep in enumerate(timesteps):
             if is_cancelled is not None and is_cancelled():
                 raise GenerationCancelled(index, len(timesteps))
+            cfg_scale = request.true_cfg_scale
+            if self.experts > 1:
+                expert = cond.expert(timestep)
+                if expert != denoiser:
+                    # What was kept came from the other expert's blocks.
+                    cache.restart()
+                    denoiser = expert
+                if expert != "denoiser":
+                    cfg_scale = request.guidance_scale_2
             # The positive and negative passes share one call: one batch of two rows.
             inputs = cond.denoiser_inputs(latents, timestep, conditioning, request.guidance_scale,
                                           request.height, request.width)
-            noise, ran_tail = self.predict_noise(index, inputs, cache, stats)
+            noise, ran_tail = self.predict_noise(index, inputs, cache, stats, denoiser)
             if request.uses_true_cfg:
                 stats.negative_rows_derived += len(noise) == 1
                 positive, negative = cache.guidance_rows(index, noise, ran_tail)
-                noise = negative + request.true_cfg_scale * (positive - negative)
+                noise = negative + cfg_scale * (positive - negative)
             noise = as_torch(noise)
             latents = scheduler.step(noise, timestep, latents.to(noise.device), return_dict=False)[0]
             if on_step is not None:
@@ -242,7 +265,10 @@ class Sampler:
         return Generation(cond.decoder_latents(latents, request.height, request.width), stats)
 
     def decode(self, latents) -> np.ndarray:
-        """uint8 images [N, H, W, 3] (numpy, host memory) from ``Generation.latents``."""
+        """uint8 frames [N, H, W, 3] (numpy, host memory) from ``Generation.latents``:
+        one for an image, every frame of a video."""
+        if hasattr(self.conditioning, "decode"):
+            return self.conditioning.decode(latents)
         value = latents
         for stage in DECODE_STAGES:
             (input_name,) = self.component_inputs[stage]
@@ -260,4 +286,5 @@ def load_sampler(pipeline: Mapping[str, Any], assets_dir: str, run_component: Ru
     return Sampler(conditioning, run_component, {name: entry["inputs"] for name, entry in components.items()},
                    cache_settings=CacheSettings.from_json(pipeline.get("cache")),
                    prompt_cache_size=int(pipeline.get("prompt_cache_size", 256)),
-                   tasks=pipeline.get("tasks", ("text-to-image",)))
+                   tasks=pipeline.get("tasks", ("text-to-image",)),
+                   guidance_is_cfg=family.capabilities.guidance_is_cfg)

@@ -512,8 +512,8 @@ class FluxConditioning:
         factor = self.settings["vae_scale_factor"]
         return 2 * (height // (factor * 2)), 2 * (width // (factor * 2))
 
-    def initial_latents(self, seed: int, height: int, width: int):
-        """Packed noise exactly as FluxPipeline.prepare_latents draws it."""
+    def initial_latents(self, seed: int, height: int, width: int, num_frames: int = 1):
+        """Packed noise exactly as FluxPipeline.prepare_latents draws it (an image: one frame)."""
         import torch
         from diffusers.utils.torch_utils import randn_tensor
 

@@ -1,0 +1,587 @@
+"""Wan (Wan 2.1 and Wan 2.2 text-to-video): diffusers' WanPipeline.
+
+Components, as Triton serves them:
+
+- ``text_encoder``        UMT5, input ids and mask -> per-token embeddings,
+  zero past the prompt's end (WanPipeline trims and pads them so)
+- ``denoiser_head``       patch embedding, time and text embeddings and the
+  first transformer block; also outputs that block's residual
+- ``denoiser_tail``       the remaining blocks, output norm, projection and
+  unpatchify; reads only the shape of the latents it is also given (rotary
+  embedding, unpatchify)
+- ``denoiser_reuse``      patch embedding plus a kept blocks residual, output
+  norm, projection: the prediction of a step that skips the blocks
+- ``denoiser_2_*``        the same three for Wan 2.2's low-noise expert
+  (``transformer_2``), used below the boundary timestep
+- ``vae_decoder_first``   the first latent frame -> the first video frame and
+  the decoder's causal cache (flattened into one tensor per row)
+- ``vae_decoder_next``    one more latent frame and the cache -> the next
+  four frames and the updated cache
+- ``postprocess``         frames in [-1, 1] -> uint8 [frames, H, W, 3]
+
+The video is decoded latent frame by latent frame, each chunk turned into
+uint8 frames at once, so memory stays that of one chunk whatever the length
+(AutoencoderKLWan.decode walks the frames the same way, keeping the whole
+float video). Concurrent requests of one size batch each decoder call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+from machgen.builder.registry import (
+    AxisRange,
+    Capabilities,
+    ComponentSpec,
+    ExportableComponent,
+    Family,
+    ServedDefaults,
+    TensorSpec,
+    register_family,
+)
+
+_SCALAR = ("batch", 1)
+# Wan 2.2's low-noise expert answers under this component prefix.
+EXPERT_PREFIXES = ("denoiser", "denoiser_2")
+
+
+def _denoiser_specs(prefix: str, *, latent_channels: int, text_dim: int, inner_dim: int) -> list[ComponentSpec]:
+    latents = TensorSpec("hidden_states", "float32",
+                         ("batch", latent_channels, "latent_frames", "latent_height", "latent_width"))
+    video_hidden = TensorSpec("image_hidden", "float32", ("batch", "video_tokens", inner_dim))
+    text_hidden = TensorSpec("text_hidden", "float32", ("batch", "text_tokens", inner_dim))
+    timestep_proj = TensorSpec("timestep_proj", "float32", ("batch", 6, inner_dim))
+    temb = TensorSpec("temb", "float32", ("batch", inner_dim))
+    timestep = TensorSpec("timestep", "float32", _SCALAR)
+    noise_pred = TensorSpec("noise_pred", "float32", latents.shape)
+    residual = ("batch", "video_tokens", inner_dim)
+    return [
+        ComponentSpec(
+            f"{prefix}_head",
+            inputs=(latents, timestep, TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", text_dim))),
+            outputs=(video_hidden, text_hidden, timestep_proj, temb,
+                     TensorSpec("first_block_residual", "float32", residual)),
+            tolerance=1e-4,
+            per_step=True,
+        ),
+        ComponentSpec(
+            f"{prefix}_tail",
+            inputs=(video_hidden, text_hidden, timestep_proj, temb, latents),
+            outputs=(noise_pred, TensorSpec("tail_residual", "float32", residual)),
+            tolerance=1e-4,
+            per_step=True,
+        ),
+        ComponentSpec(
+            f"{prefix}_reuse",
+            inputs=(latents, timestep, TensorSpec("blocks_residual", "float32", residual)),
+            outputs=(noise_pred,),
+            tolerance=1e-4,
+            per_step=True,
+            in_sampler=True,
+        ),
+    ]
+
+
+def _wan_specs(*, latent_channels: int, text_dim: int, inner_dim: int, experts: int,
+               temporal_factor: int) -> dict[str, ComponentSpec]:
+    one_frame = TensorSpec("latents", "float32", ("batch", latent_channels, 1, "latent_height", "latent_width"))
+    cache = ("batch", "decoder_cache")
+    specs = [
+        ComponentSpec(
+            "text_encoder",
+            inputs=(TensorSpec("input_ids", "int64", ("batch", "text_tokens")),
+                    TensorSpec("attention_mask", "int64", ("batch", "text_tokens"))),
+            outputs=(TensorSpec("prompt_embeds", "float32", ("batch", "text_tokens", text_dim)),),
+            tolerance=1e-4,
+        ),
+    ]
+    for prefix in EXPERT_PREFIXES[:experts]:
+        specs += _denoiser_specs(prefix, latent_channels=latent_channels, text_dim=text_dim, inner_dim=inner_dim)
+    specs += [
+        ComponentSpec(
+            "vae_decoder_first",
+            inputs=(one_frame,),
+            outputs=(TensorSpec("frames", "float32", ("batch", 3, 1, "height", "width")),
+                     TensorSpec("decoder_cache", "float32", cache)),
+            tolerance=1e-3,
+        ),
+        ComponentSpec(
+            "vae_decoder_next",
+            inputs=(one_frame, TensorSpec("decoder_cache", "float32", cache)),
+            outputs=(TensorSpec("frames", "float32", ("batch", 3, temporal_factor, "height", "width")),
+                     TensorSpec("updated_cache", "float32", cache)),
+            tolerance=1e-3,
+            # Called once per latent frame, like a denoising step.
+            per_step=True,
+        ),
+        ComponentSpec(
+            "postprocess",
+            inputs=(TensorSpec("frames", "float32", ("batch", 3, "frames", "height", "width")),),
+            outputs=(TensorSpec("images", "uint8", ("batch", "frames", "height", "width", 3)),),
+            tolerance=1.0,  # one step of 255 where rounding lands on the other side of .5
+            in_sampler=True,
+        ),
+    ]
+    return {s.name: s for s in specs}
+
+
+def _modules():
+    """The torch wrappers, defined lazily so that listing families stays light."""
+    import torch
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+
+    class TextEncoder(torch.nn.Module):
+        def __init__(self, umt5):
+            super().__init__()
+            self.umt5 = umt5
+
+        def forward(self, input_ids, attention_mask):
+            hidden = self.umt5(input_ids, attention_mask).last_hidden_state
+            # WanPipeline keeps each prompt's own tokens and pads with zeros: the mask is a prefix of ones.
+            return hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
+
+    def time_embedding(tr, timestep, like):
+        """WanTimeTextImageEmbedding's time half: (temb, timestep_proj [batch, 6, inner])."""
+        embedder = tr.condition_embedder
+        projected = embedder.timesteps_proj(timestep.reshape(-1))
+        projected = projected.to(next(iter(embedder.time_embedder.parameters())).dtype)
+        temb = embedder.time_embedder(projected).type_as(like)
+        return temb, embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))
+
+    def patches(tr, latents):
+        return tr.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+
+    def output(tr, hidden, temb, latents):
+        """WanTransformer3DModel.forward's output norm, projection and unpatchify."""
+        batch, _, frames, height, width = latents.shape
+        p_t, p_h, p_w = tr.config.patch_size
+        shift, scale = (tr.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        hidden = (tr.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        hidden = tr.proj_out(hidden)
+        hidden = hidden.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
+        return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    class DenoiserHead(torch.nn.Module):
+        """WanTransformer3DModel.forward up to and including the first block."""
+
+        def __init__(self, transformer):
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states):
+            tr = self.transformer
+            embedded = patches(tr, hidden_states)
+            temb, timestep_proj = time_embedding(tr, timestep, encoder_hidden_states)
+            text_hidden = tr.condition_embedder.text_embedder(encoder_hidden_states)
+            hidden = tr.blocks[0](embedded, text_hidden, timestep_proj, tr.rope(hidden_states))
+            return hidden, text_hidden, timestep_proj, temb, hidden - embedded
+
+    class DenoiserTail(torch.nn.Module):
+        """The rest of WanTransformer3DModel.forward after the first block."""
+
+        def __init__(self, transformer):
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, image_hidden, text_hidden, timestep_proj, temb, hidden_states):
+            tr = self.transformer
+            rotary = tr.rope(hidden_states)
+            hidden = image_hidden
+            for block in tr.blocks[1:]:
+                hidden = block(hidden, text_hidden, timestep_proj, rotary)
+            return output(tr, hidden, temb, hidden_states), hidden - image_hidden
+
+    class DenoiserReuse(torch.nn.Module):
+        """WanTransformer3DModel.forward with every block replaced by a kept residual."""
+
+        def __init__(self, transformer):
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, hidden_states, timestep, blocks_residual):
+            tr = self.transformer
+            temb, _ = time_embedding(tr, timestep, blocks_residual)
+            return output(tr, patches(tr, hidden_states) + blocks_residual, temb, hidden_states)
+
+    class _DecoderStep(torch.nn.Module):
+        """One latent frame through AutoencoderKLWan's decoder, WanPipeline's
+        latent normalisation undone first.
+
+        The decoder's causal cache (a list of tensors in ``_decode``) travels
+        as one flat tensor per row: the slots in use, each two frames long
+        (a one-frame entry zero-padded in front, which the causal
+        convolutions read as their own zero padding), in ``layout`` order
+        (channels, spatial scale against the latent frame)."""
+
+        def __init__(self, vae):
+            super().__init__()
+            self.vae = vae
+            config = vae.config
+            self.register_buffer("latents_mean", torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1),
+                                 persistent=False)
+            self.register_buffer("latents_std", torch.tensor(config.latents_std).view(1, -1, 1, 1, 1),
+                                 persistent=False)
+
+        def decoder_input(self, latents):
+            return self.vae.post_quant_conv(latents * self.latents_std + self.latents_mean)
+
+        def empty_cache(self) -> list:
+            return [None] * self.vae._cached_conv_counts["decoder"]
+
+    class VaeDecoderFirst(_DecoderStep):
+        def cache_entries(self, latents):
+            """(first frame, [(slot, two-frame cache entry)]) of the first latent frame."""
+            cache = self.empty_cache()
+            # A time-upsampling layer marks its slot "Rep" on the first frame (it
+            # reads zeros next time): its input's shape gives those zeros.
+            upsampler_inputs: dict[int, Any] = {}
+
+            def keep_input(module, args, kwargs):
+                upsampler_inputs[kwargs["feat_idx"][0]] = args[0]
+
+            hooks = [m.register_forward_pre_hook(keep_input, with_kwargs=True) for m in self.vae.decoder.modules()
+                     if isinstance(m, WanResample) and m.mode == "upsample3d"]
+            try:
+                frames = self.vae.decoder(self.decoder_input(latents), feat_cache=cache, feat_idx=[0],
+                                          first_chunk=True)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            entries = []
+            for slot, entry in enumerate(cache):
+                if entry is None:
+                    continue
+                if isinstance(entry, str):
+                    entry = torch.zeros_like(upsampler_inputs[slot])
+                if entry.shape[2] == 1:
+                    entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
+                entries.append((slot, entry))
+            return frames.clamp(-1, 1), entries
+
+        def forward(self, latents):
+            frames, entries = self.cache_entries(latents)
+            return frames, torch.cat([entry.flatten(1) for _, entry in entries], dim=1)
+
+    class VaeDecoderNext(_DecoderStep):
+        def __init__(self, vae, slots: tuple[int, ...], layout: tuple[tuple[int, int], ...]):
+            super().__init__(vae)
+            self.slots, self.layout = slots, layout
+
+        def forward(self, latents, decoder_cache):
+            batch, height, width = latents.shape[0], latents.shape[3], latents.shape[4]
+            cache = self.empty_cache()
+            sizes = [channels * 2 * height * scale * width * scale for channels, scale in self.layout]
+            for slot, part, (channels, scale) in zip(self.slots, torch.split(decoder_cache, sizes, dim=1),
+                                                     self.layout):
+                cache[slot] = part.reshape(batch, channels, 2, height * scale, width * scale)
+            frames = self.vae.decoder(self.decoder_input(latents), feat_cache=cache, feat_idx=[0])
+            return frames.clamp(-1, 1), torch.cat([cache[slot].flatten(1) for slot in self.slots], dim=1)
+
+    class Postprocess(torch.nn.Module):
+        """VideoProcessor.postprocess_video(output_type="np") as uint8, frames last-but-channels."""
+
+        def forward(self, frames):
+            frames = (frames / 2 + 0.5).clamp(0, 1)
+            return (frames.permute(0, 2, 3, 4, 1) * 255).round().to(torch.uint8)
+
+    return TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoderFirst, VaeDecoderNext, Postprocess
+
+
+def _cache_layout(vae) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """(slots, layout) of the decoder cache (_DecoderStep), from a first-frame decode of 2x2 latents."""
+    import torch
+
+    first = _modules()[4](vae).eval()
+    with torch.no_grad():
+        _, entries = first.cache_entries(torch.zeros(1, vae.config.z_dim, 1, 2, 2, device=vae.device,
+                                                     dtype=vae.dtype))
+    return (tuple(slot for slot, _ in entries),
+            tuple((int(entry.shape[1]), int(entry.shape[3]) // 2) for _, entry in entries))
+
+
+@register_family
+class Wan(Family):
+    name = "wan"
+    diffusers_pipeline = "WanPipeline"
+    capabilities = Capabilities(tasks=("text-to-video",), true_cfg=True, guidance_is_cfg=True)
+    sampler_assets = ("tokenizer", "scheduler")
+    attention_modules = ("diffusers.models.transformers.transformer_wan",)
+
+    # ------------------------------------------------------------------ build
+    @staticmethod
+    def experts(pipe) -> int:
+        if getattr(pipe.config, "expand_timesteps", False):
+            raise ValueError("Wan 2.2 TI2V (expand_timesteps: a timestep per token) is not supported yet")
+        if pipe.transformer is None:
+            raise ValueError("a Wan pipeline without its high-noise transformer is not supported")
+        return 2 if pipe.transformer_2 is not None and pipe.config.boundary_ratio is not None else 1
+
+    def specs(self, pipe) -> dict[str, ComponentSpec]:
+        tr = pipe.transformer.config
+        return _wan_specs(latent_channels=tr.in_channels, text_dim=tr.text_dim,
+                          inner_dim=tr.num_attention_heads * tr.attention_head_dim, experts=self.experts(pipe),
+                          temporal_factor=pipe.vae_scale_factor_temporal)
+
+    def components(self, pipe) -> list[ExportableComponent]:
+        import torch
+
+        text_encoder, head, tail, reuse, decoder_first, decoder_next, postprocess = _modules()
+        specs = self.specs(pipe)
+        tr = pipe.transformer.config
+        # Batch 2 (batch 1 would be specialised), sizes unlike any fixed size in the model.
+        batch, text_tokens, frames, lat_h, lat_w = 2, 7, 3, 6, 4
+        gen = torch.Generator().manual_seed(0)
+        device, dtype = pipe.transformer.device, pipe.transformer.dtype
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen)
+
+        mask = torch.ones(batch, text_tokens, dtype=torch.int64)
+        mask[1, 4:] = 0
+        exportable = [ExportableComponent(
+            specs["text_encoder"], text_encoder(pipe.text_encoder).eval(),
+            {"input_ids": torch.randint(0, pipe.text_encoder.config.vocab_size, (batch, text_tokens), generator=gen),
+             "attention_mask": mask})]
+        latents = randn(batch, tr.in_channels, frames, lat_h, lat_w)
+        for prefix, transformer in zip(EXPERT_PREFIXES, (pipe.transformer, pipe.transformer_2)):
+            if f"{prefix}_head" not in specs:
+                break
+            head_module = head(transformer).eval()
+            head_inputs = {"hidden_states": latents, "timestep": torch.tensor([[700.0], [300.0]]),
+                           "encoder_hidden_states": randn(batch, text_tokens, tr.text_dim)}
+            with torch.no_grad():
+                image_hidden, text_hidden, timestep_proj, temb, _ = (output.cpu().float() for output in head_module(
+                    **{name: value.to(device, dtype) for name, value in head_inputs.items()}))
+            exportable += [
+                ExportableComponent(specs[f"{prefix}_head"], head_module, head_inputs),
+                ExportableComponent(specs[f"{prefix}_tail"], tail(transformer).eval(),
+                                    {"image_hidden": image_hidden, "text_hidden": text_hidden,
+                                     "timestep_proj": timestep_proj, "temb": temb, "hidden_states": latents}),
+                ExportableComponent(specs[f"{prefix}_reuse"], reuse(transformer).eval(),
+                                    {"hidden_states": latents, "timestep": head_inputs["timestep"],
+                                     "blocks_residual": randn(*image_hidden.shape)}),
+            ]
+        first = decoder_first(pipe.vae).eval()
+        one_frame = randn(batch, tr.in_channels, 1, lat_h, lat_w)
+        with torch.no_grad():
+            _, cache = first(one_frame.to(pipe.vae.device, pipe.vae.dtype))
+        vae_scale = pipe.vae_scale_factor_spatial
+        exportable += [
+            ExportableComponent(specs["vae_decoder_first"], first, {"latents": one_frame}),
+            ExportableComponent(specs["vae_decoder_next"], decoder_next(pipe.vae, *_cache_layout(pipe.vae)).eval(),
+                                {"latents": randn(batch, tr.in_channels, 1, lat_h, lat_w),
+                                 "decoder_cache": cache.cpu().float()}),
+            ExportableComponent(specs["postprocess"], postprocess().eval(),
+                                {"frames": randn(batch, 3, 2, lat_h * vae_scale, lat_w * vae_scale) * 0.8}),
+        ]
+        return exportable
+
+    def pipeline_defaults(self, pipe) -> ServedDefaults:
+        # WanPipeline.__call__'s defaults (480x832, 81 frames at Wan's 16 fps, 50 steps, CFG 5).
+        return ServedDefaults(height=480, width=832, num_inference_steps=50, guidance_scale=5.0,
+                              negative_prompt="", max_sequence_length=512, max_height=1280, max_width=1280,
+                              num_frames=81, max_frames=81, fps=16)
+
+    def tiny_defaults(self) -> ServedDefaults:
+        return ServedDefaults(height=48, width=32, num_inference_steps=4, guidance_scale=5.0, negative_prompt="",
+                              max_sequence_length=16, max_height=96, max_width=96, num_frames=9, max_frames=17,
+                              fps=16)
+
+    def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
+        return 0  # self-attention over video tokens only; the text enters by cross-attention
+
+    def tiny_pipeline(self):
+        import diffusers
+        import torch
+        import transformers
+
+        from machgen.builder.tiny import tiny_t5_tokenizer
+
+        torch.manual_seed(0)
+        tokenizer = tiny_t5_tokenizer()
+        text_encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(
+            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+        ))
+        vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                         temperal_downsample=[False, True, True])
+
+        def transformer():
+            return diffusers.WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+            )
+
+        # Wan 2.2's layout: a high-noise and a low-noise expert, switched at 0.875 of the schedule.
+        high_noise, low_noise = transformer(), transformer()
+        for module in (text_encoder, vae, high_noise, low_noise):
+            module.eval()
+        return diffusers.WanPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+            scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                        flow_shift=3.0),
+            transformer=high_noise, transformer_2=low_noise, boundary_ratio=0.875,
+        )
+
+    def sampler_settings(self, pipe, defaults: ServedDefaults) -> dict[str, Any]:
+        spatial = pipe.vae_scale_factor_spatial
+        patch = pipe.transformer.config.patch_size
+        _, layout = _cache_layout(pipe.vae)
+        return {
+            "vae_scale_factor": spatial,
+            "temporal_factor": pipe.vae_scale_factor_temporal,
+            # Height and width must be multiples of this: the VAE factor times the transformer's patch.
+            "size_multiple": spatial * max(patch[1], patch[2]),
+            "patch_size": list(patch),
+            "latent_channels": pipe.transformer.config.in_channels,
+            "experts": self.experts(pipe),
+            "boundary_timestep": None if pipe.config.boundary_ratio is None
+            else pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps,
+            "tokenizer_class": type(pipe.tokenizer).__name__,
+            "max_sequence_length": defaults.max_sequence_length,
+            "scheduler_class": type(pipe.scheduler).__name__,
+            "decoder_cache_layout": [list(entry) for entry in layout],
+        }
+
+    def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
+        vae, multiple, temporal = settings["vae_scale_factor"], settings["size_multiple"], settings["temporal_factor"]
+        _, patch_h, patch_w = settings["patch_size"]
+
+        def scaled(size: AxisRange, factor: int) -> AxisRange:
+            return AxisRange(size.min // factor, size.opt // factor, size.max // factor)
+
+        height = AxisRange(multiple, defaults.height, defaults.max_height)
+        width = AxisRange(multiple, defaults.width, defaults.max_width)
+        lat_h, lat_w = scaled(height, vae), scaled(width, vae)
+        frames = AxisRange(1, (defaults.num_frames - 1) // temporal + 1, (defaults.max_frames - 1) // temporal + 1)
+        per_latent_pixel = sum(2 * channels * scale * scale for channels, scale in settings["decoder_cache_layout"])
+
+        def product(*ranges: AxisRange, factor: int = 1) -> AxisRange:
+            low, opt, high = factor, factor, factor
+            for r in ranges:
+                low, opt, high = low * r.min, opt * r.opt, high * r.max
+            return AxisRange(low, opt, high)
+
+        text = defaults.max_sequence_length
+        return {
+            "height": height, "width": width, "latent_height": lat_h, "latent_width": lat_w,
+            "latent_frames": frames, "frames": AxisRange(1, temporal, temporal),
+            "video_tokens": product(frames, scaled(lat_h, patch_h), scaled(lat_w, patch_w)),
+            "text_tokens": AxisRange(text, text, text),
+            "decoder_cache": product(lat_h, lat_w, factor=per_latent_pixel),
+        }
+
+    # --------------------------------------------------------------- run time
+    def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
+        return WanConditioning(settings, assets_dir, run_component)
+
+
+class WanConditioning:
+    """The Wan-specific half of the sampler: prompts, noise, timesteps, experts, decode.
+
+    Mirrors WanPipeline step for step (_get_t5_prompt_embeds, prepare_latents,
+    the expert switch at the boundary timestep, the VAE's frame-by-frame
+    decode) so that a seed gives the same video.
+    """
+
+    def __init__(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
+        import diffusers
+        import transformers
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        self._prompt_clean = prompt_clean
+        self.settings = settings
+        self.run_component = run_component
+        self.tokenizer = getattr(transformers, settings["tokenizer_class"]).from_pretrained(
+            os.path.join(assets_dir, "tokenizer"))
+        with open(os.path.join(assets_dir, "scheduler", "scheduler_config.json")) as f:
+            self.scheduler_config = json.load(f)
+        self._scheduler_class = getattr(diffusers, settings["scheduler_class"])
+
+    @property
+    def size_multiple(self) -> int:
+        return self.settings["size_multiple"]
+
+    @property
+    def frame_multiple(self) -> int:
+        return self.settings["temporal_factor"]
+
+    @property
+    def experts(self) -> int:
+        return self.settings["experts"]
+
+    def encode_prompts(self, prompts: list[str]) -> dict[str, Any]:
+        """WanPipeline._get_t5_prompt_embeds for a list of prompts, one row each."""
+        import numpy as np
+
+        from machgen.ensembles.tensors import as_torch
+
+        tokens = self.tokenizer([self._prompt_clean(p) for p in prompts], padding="max_length",
+                                max_length=self.settings["max_sequence_length"], truncation=True,
+                                add_special_tokens=True, return_attention_mask=True, return_tensors="np")
+        outputs = self.run_component("text_encoder", {"input_ids": tokens.input_ids.astype(np.int64),
+                                                      "attention_mask": tokens.attention_mask.astype(np.int64)})
+        return {"encoder_hidden_states": as_torch(outputs["prompt_embeds"])}
+
+    def latent_size(self, height: int, width: int) -> tuple[int, int]:
+        factor = self.settings["vae_scale_factor"]
+        return height // factor, width // factor
+
+    def initial_latents(self, seed: int, height: int, width: int, num_frames: int = 1):
+        """Noise exactly as WanPipeline.prepare_latents draws it: [1, C, latent frames, h, w]."""
+        import torch
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (1, self.settings["latent_channels"], (num_frames - 1) // self.frame_multiple + 1,
+                 *self.latent_size(height, width))
+        return randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+
+    def scheduler(self, num_inference_steps: int, height: int, width: int):
+        scheduler = self._scheduler_class.from_config(self.scheduler_config)
+        scheduler.set_timesteps(num_inference_steps)
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def expert(self, timestep) -> str:
+        """The component prefix of the denoiser for ``timestep``: Wan 2.2's
+        high-noise expert from the start down to the boundary, the low-noise one after."""
+        boundary = self.settings["boundary_timestep"]
+        return EXPERT_PREFIXES[0] if boundary is None or float(timestep) >= boundary else EXPERT_PREFIXES[1]
+
+    def denoiser_inputs(self, latents, timestep, conditioning: dict[str, Any], guidance_scale: float,
+                        height: int, width: int) -> dict[str, Any]:
+        import torch
+
+        rows = conditioning["encoder_hidden_states"].shape[0]
+        return {
+            "hidden_states": latents.expand(rows, -1, -1, -1, -1).contiguous(),
+            "timestep": torch.full((rows, 1), float(timestep), device=latents.device),
+            "encoder_hidden_states": conditioning["encoder_hidden_states"],
+        }
+
+    def decoder_latents(self, latents, height: int, width: int):
+        return latents
+
+    def decode(self, latents) -> Any:
+        """uint8 frames [F, H, W, 3] (numpy): the decoder run latent frame by
+        latent frame, each chunk made uint8 before the next is decoded."""
+        import numpy as np
+
+        from machgen.ensembles.tensors import as_numpy
+
+        chunks = []
+        cache = None
+        for index in range(latents.shape[2]):
+            frame = latents[:, :, index:index + 1].contiguous()
+            if index == 0:
+                outputs = self.run_component("vae_decoder_first", {"latents": frame})
+                cache = outputs["decoder_cache"]
+            else:
+                outputs = self.run_component("vae_decoder_next", {"latents": frame, "decoder_cache": cache})
+                cache = outputs["updated_cache"]
+            chunks.append(as_numpy(self.run_component("postprocess", {"frames": outputs["frames"]})["images"]))
+        return np.concatenate(chunks, axis=1)[0]

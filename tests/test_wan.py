@@ -1,0 +1,172 @@
+"""Text-to-video on the tiny Wan 2.2 (two experts): the served pipeline
+against diffusers' WanPipeline on the same model, seed and settings, over
+every frame; cache reuse and batching across requests for a video model."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from conftest import free_port
+
+MAX_PIXEL_DIFF = 2  # of 255, over all frames
+NAME = "wan"
+PROMPT = "a red circle at the top"
+
+
+@pytest.fixture(scope="module")
+def tiny_wan_dir(tmp_path_factory):
+    from machgen.builder.build import write_tiny_model
+    from machgen.builder.registry import get_family
+
+    return write_tiny_model(get_family("wan"), tmp_path_factory.mktemp("models") / "tiny-wan")
+
+
+@pytest.fixture(scope="module")
+def wan_pipeline(tiny_wan_dir):
+    import diffusers
+
+    pipe = diffusers.WanPipeline.from_pretrained(tiny_wan_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def wan_repository(tiny_wan_dir, tmp_path_factory):
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp("wan-repository")
+    build_repository(tiny_wan_dir, NAME, out, options=ServingOptions(sampler_instances=4, component_instances=1),
+                     log=lambda line: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_wan(wan_repository):
+    from machgen.ensembles.local import LocalPipeline
+
+    return LocalPipeline(wan_repository, NAME)
+
+
+def diffusers_video(pipe, defaults, prompt: str, seed: int, **call) -> np.ndarray:
+    """WanPipeline's frames as uint8 levels (int16 for differences), [frames, H, W, 3]."""
+    import torch
+
+    settings = {key: defaults[key] for key in ("height", "width", "num_frames", "num_inference_steps",
+                                               "guidance_scale", "max_sequence_length")}
+    frames = pipe(prompt, generator=torch.Generator().manual_seed(seed), output_type="np",
+                  **{**settings, **call}).frames[0]
+    return (frames * 255).round().astype(np.int16)
+
+
+def max_diff(ours: np.ndarray, theirs: np.ndarray) -> int:
+    assert ours.shape == theirs.shape
+    return int(np.abs(ours.astype(np.int16) - theirs).max())
+
+
+def test_repository_has_both_experts_and_the_chunked_decoder(wan_repository):
+    from machgen.builder.repository import pipeline_dir
+
+    pipeline = json.loads((pipeline_dir(wan_repository, NAME) / "pipeline.json").read_text())
+    assert pipeline["tasks"] == ["text-to-video"]
+    assert {"denoiser_head", "denoiser_tail", "denoiser_2_head", "denoiser_2_tail", "vae_decoder_first",
+            "vae_decoder_next"} <= set(pipeline["components"])
+    assert pipeline["family_settings"]["boundary_timestep"] == 875.0
+    assert pipeline["defaults"]["fps"] == 16
+
+
+@pytest.mark.parametrize("call", [
+    {},  # the served defaults: 9 frames, 4 steps, two on each expert
+    {"num_frames": 17, "height": 64, "width": 48, "num_inference_steps": 6, "guidance_scale": 4.0,
+     "guidance_scale_2": 2.0, "negative_prompt": "a blue square"},
+    {"num_frames": 1, "guidance_scale": 1.0},  # one frame, no CFG pass
+], ids=["defaults", "17-frames-two-scales", "one-frame-no-cfg"])
+def test_in_process_text_to_video_equals_diffusers(local_wan, wan_pipeline, call):
+    defaults = local_wan.pipeline["defaults"]
+    frames, stats = local_wan.generate(PROMPT, seed=3, cache_policy="none", **call)
+    expected = diffusers_video(wan_pipeline, defaults, PROMPT, 3, **call)
+    assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
+    steps = call.get("num_inference_steps", defaults["num_inference_steps"])
+    cfg_rows = 1 if call.get("guidance_scale", defaults["guidance_scale"]) <= 1 else 2
+    assert (stats.frames, stats.fps, stats.denoiser_tail_passes) == (len(frames), 16, cfg_rows * steps)
+
+
+def test_cache_reuse_on_video_keeps_the_expert_switch_computed(local_wan):
+    """MagCache on the two-expert model: steps are skipped on both experts,
+    but the first step of the low-noise expert always runs its blocks (a
+    residual kept by the other expert's blocks is never reused)."""
+    from machgen.ensembles.cache import CacheControls, CacheSettings
+
+    steps = 20  # 7 steps on the high-noise expert, the switch outside warm-up
+    uncached, plain = local_wan.generate(PROMPT, seed=4, num_inference_steps=steps, cache_policy="none")
+    calls: list[str] = []
+    run_component = local_wan.sampler.run_component
+    sampler = local_wan.sampler
+    saved = sampler.cache_settings
+    sampler.cache_settings = CacheSettings(
+        thresholds={"magcache": 0.5, "fbcache": 0.2}, magnitude_ratios=(1.0,) * steps,
+        controls={"magcache": CacheControls(warmup_steps=2, final_steps=1, max_consecutive_skips=3)})
+    sampler.run_component = lambda name, inputs: calls.append(name) or run_component(name, inputs)
+    try:
+        cached, stats = local_wan.generate(PROMPT, seed=4, num_inference_steps=steps, cache_policy="magcache")
+    finally:
+        sampler.cache_settings, sampler.run_component = saved, run_component
+    denoiser_calls = [name for name in calls if name.startswith("denoiser")]
+    first_low_noise = next(i for i, name in enumerate(denoiser_calls) if name.startswith("denoiser_2"))
+    assert denoiser_calls[first_low_noise:first_low_noise + 2] == ["denoiser_2_head", "denoiser_2_tail"]
+    assert "denoiser_reuse" in denoiser_calls[:first_low_noise] and "denoiser_2_reuse" in denoiser_calls
+    assert stats.denoiser_tail_passes < plain.denoiser_tail_passes == 2 * steps
+    psnr = 10 * np.log10(255.0 ** 2 / np.mean((cached.astype(float) - uncached.astype(float)) ** 2))
+    assert psnr > 30, f"cached video {psnr:.1f} dB from the uncached one"
+
+
+def test_video_requests_are_validated_against_the_model(local_wan):
+    from machgen.ensembles.api import InvalidArgument
+
+    for options, field in [({"num_frames": 8}, "num_frames"), ({"num_frames": 21}, "num_frames"),
+                           ({"true_cfg_scale": 3.0}, "true_cfg_scale"), ({"height": 40}, "height"),
+                           ({"guidance_scale_2": -1.0}, "guidance_scale_2")]:
+        with pytest.raises(InvalidArgument) as error:
+            local_wan.generate(PROMPT, **options)
+        assert error.value.field == field
+
+
+@pytest.mark.integration
+def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wan_repository, local_wan,
+                                                                              wan_pipeline):
+    from machgen.client import MachgenClient
+    from machgen.server import Ports, TritonServer
+
+    defaults = local_wan.pipeline["defaults"]
+    requests = [dict(seed=10 + i, num_frames=(9, 9, 5, 9)[i], num_inference_steps=(4, 6, 4, 5)[i],
+                     **({"guidance_scale": 3.0} if i % 2 else {})) for i in range(4)]
+
+    def generate(settings, url):
+        with MachgenClient(url) as client:
+            return client.generate_with_stats(NAME, PROMPT, cache_policy="none", **settings)
+
+    with TritonServer(wan_repository, Ports(free_port(), free_port(), free_port())) as server:
+        solo = [generate(settings, server.grpc_url) for settings in requests]
+        with MachgenClient(server.grpc_url) as client:
+            before = {model: client.rows_and_forwards(f"{NAME}_{model}")
+                      for model in ("denoiser_tail", "denoiser_2_tail", "vae_decoder_next")}
+            with ThreadPoolExecutor(len(requests)) as pool:
+                together = list(pool.map(lambda settings: generate(settings, server.grpc_url), requests))
+            after = {model: client.rows_and_forwards(f"{NAME}_{model}") for model in before}
+    for settings, (frames, stats) in zip(requests, solo):
+        expected = diffusers_video(wan_pipeline, defaults, PROMPT, settings["seed"],
+                                   **{k: v for k, v in settings.items() if k != "seed"})
+        assert max_diff(frames, expected) <= MAX_PIXEL_DIFF, settings
+        assert stats["frames"] == settings["num_frames"] == len(frames)
+    for (alone, _), (batched, _) in zip(solo, together):
+        assert max_diff(batched, alone.astype(np.int16)) <= MAX_PIXEL_DIFF
+    rows = sum(after[m][0] - before[m][0] for m in ("denoiser_tail", "denoiser_2_tail"))
+    forwards = sum(after[m][1] - before[m][1] for m in ("denoiser_tail", "denoiser_2_tail"))
+    assert rows == 2 * sum(settings["num_inference_steps"] for settings in requests)
+    assert rows / forwards > 1.3, f"{rows} denoiser rows in {forwards} forwards"
+    decoder_rows = after["vae_decoder_next"][0] - before["vae_decoder_next"][0]
+    assert decoder_rows == sum((settings["num_frames"] - 1) // 4 for settings in requests)
