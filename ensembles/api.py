@@ -100,7 +100,7 @@ class GenerationRequest:
     cache_policy: str | None = None  # None: the served default
     cache_threshold: float | None = None  # None: the policy's calibrated threshold
     image: np.ndarray | None = None  # image-to-image, image-to-video: uint8 [height, width, 3]
-    strength: float = DEFAULT_STRENGTH
+    strength: float | None = None  # image-to-image only
     num_frames: int = 1  # 1 for an image model
     fps: int | None = None  # video only
     reference_images: np.ndarray | None = None  # reference-to-video: uint8 [count, height, width, 3]
@@ -111,7 +111,7 @@ class GenerationRequest:
         """Steps actually run: image-to-image skips the first (1 - strength) of
         the schedule (diffusers' get_timesteps)."""
         steps = self.num_inference_steps
-        return steps if self.image is None else steps - int(max(steps - steps * self.strength, 0))
+        return steps if self.strength is None else steps - int(max(steps - steps * self.strength, 0))
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -276,8 +276,11 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
     image = value("image", _picture, None)
     if image is not None and not {"image-to-image", "image-to-video"} & set(tasks):
         raise InvalidArgument("image", f"this model does not start from an image (it does {', '.join(tasks)})")
-    if image is None and get_input("strength") is not None:
-        raise InvalidArgument("strength", "applies only with an image")
+    if image is None and not any(task.startswith("text-to-") for task in tasks):
+        raise InvalidArgument("image", f"missing; this model starts from an image (it does {', '.join(tasks)})")
+    redraws_image = image is not None and "image-to-image" in tasks
+    if not redraws_image and get_input("strength") is not None:
+        raise InvalidArgument("strength", "applies only to image-to-image, with an image")
     if image is None:
         height = value("height", lambda f, v: _size(f, v, size_multiple, int(defaults["max_height"])),
                        int(defaults["height"]))
@@ -301,7 +304,7 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
         cache_policy=value("cache_policy", lambda f, v: _choice(f, v, cache_policies), None),
         cache_threshold=value("cache_threshold", lambda f, v: _real(f, v, 0.0, _MAX_CACHE_THRESHOLD), None),
         image=image,
-        strength=value("strength", lambda f, v: _real(f, v, 0.0, 1.0), DEFAULT_STRENGTH),
+        strength=value("strength", lambda f, v: _real(f, v, 0.0, 1.0), DEFAULT_STRENGTH) if redraws_image else None,
         **_video_fields(get_input, defaults, tasks, frame_multiple, height, width),
     )
     if request.denoising_steps < 1:

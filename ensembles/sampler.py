@@ -78,7 +78,10 @@ class Conditioning(Protocol):
     #   low-noise expert (Wan 2.2) names the denoiser of each step by its
     #   component prefix ("denoiser" or "denoiser_2");
     # - ``decode(latents) -> uint8 [frames, H, W, 3]``: a decode other than
-    #   DECODE_STAGES (a video decoded chunk by chunk).
+    #   DECODE_STAGES (a video decoded chunk by chunk);
+    # - ``image_condition(image, num_frames) -> dict`` (image-to-video): what
+    #   the picture adds to every step's conditioning (image_latents is
+    #   image-to-image's start from the picture instead).
 
 
 @dataclass
@@ -230,9 +233,11 @@ class Sampler:
         conditioning = self.prompt_cache.encode(prompts, cond.encode_prompts, stats)
         scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width)
         first_step = request.num_inference_steps - request.denoising_steps
-        if request.image is None:
+        if request.strength is None:
             latents = cond.initial_latents(request.seed, request.height, request.width, request.num_frames)
             timesteps = scheduler.timesteps
+            if request.image is not None:  # image-to-video: the picture conditions every step
+                conditioning = {**conditioning, **cond.image_condition(request.image, request.num_frames)}
         else:
             latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler)
         stats.steps = len(timesteps)

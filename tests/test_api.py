@@ -102,7 +102,9 @@ def test_image_sets_the_size_and_strength_defaults_as_diffusers():
     (np.zeros((64, 64, 3), np.uint8), ("text-to-image",), {}, "image", "does not start from an image"),
     (np.zeros((64, 64, 3), np.uint8), IMAGE_TASKS, {"strength": 1.5}, "strength", "outside"),
     (np.zeros((64, 64, 3), np.uint8), IMAGE_TASKS, {"strength": 0.0}, "strength", "no denoising step of 4"),
-    (None, IMAGE_TASKS, {"strength": 0.5}, "strength", "only with an image"),
+    (None, IMAGE_TASKS, {"strength": 0.5}, "strength", "only to image-to-image"),
+    (None, ("image-to-video",), {}, "image", "missing; this model starts from an image"),
+    (np.zeros((64, 64, 3), np.uint8), ("image-to-video",), {"strength": 0.5}, "strength", "only to image-to-image"),
 ])
 def test_bad_image_inputs_are_named(image, tasks, inputs, field, words):
     with pytest.raises(InvalidArgument) as err:
@@ -148,4 +150,33 @@ def test_video_fields_take_the_model_defaults_and_follow_its_frame_rule():
 def test_bad_video_inputs_are_named(tasks, arrays, field, words):
     with pytest.raises(InvalidArgument, match=re.escape(words)) as raised:
         parse_video(tasks=tasks, **arrays)
+    assert raised.value.field == field
+
+
+def parse_guidance(guidance_is_cfg: bool, experts: int, **values):
+    inputs = {"prompt": np.array([b"a cat"], dtype=object),
+              **{name: np.array([value], np.float32) for name, value in values.items()}}
+    return parse_request(inputs.get, dict(VIDEO, negative_prompt=""), size_multiple=16, tasks=("text-to-video",),
+                         frame_multiple=4, guidance_is_cfg=guidance_is_cfg, experts=experts)
+
+
+def test_guidance_scale_is_the_cfg_scale_of_a_model_without_embedded_guidance():
+    request = parse_guidance(True, 1, guidance_scale=5.0)
+    assert (request.true_cfg_scale, request.guidance_scale_2, request.uses_true_cfg) == (5.0, None, True)
+    assert not parse_guidance(True, 1, guidance_scale=1.0).uses_true_cfg  # WanPipeline: CFG only above 1
+    request = parse_guidance(True, 2, guidance_scale=4.0)
+    assert request.guidance_scale_2 == 4.0  # the low-noise expert's scale defaults to guidance_scale
+    assert parse_guidance(True, 2, guidance_scale=4.0, guidance_scale_2=3.0).guidance_scale_2 == 3.0
+    request = parse_guidance(False, 1, guidance_scale=3.5, true_cfg_scale=4.0)  # Flux: embedded guidance
+    assert (request.guidance_scale, request.true_cfg_scale) == (3.5, 4.0)
+
+
+@pytest.mark.parametrize("guidance_is_cfg, experts, values, field, words", [
+    (True, 2, {"true_cfg_scale": 4.0}, "true_cfg_scale", "guidance scale is guidance_scale"),
+    (False, 1, {"guidance_scale_2": 3.0}, "guidance_scale_2", "one denoiser, not two experts"),
+    (True, 2, {"guidance_scale_2": -1.0}, "guidance_scale_2", "outside [0, 100]"),
+])
+def test_bad_guidance_inputs_are_named(guidance_is_cfg, experts, values, field, words):
+    with pytest.raises(InvalidArgument, match=re.escape(words)) as raised:
+        parse_guidance(guidance_is_cfg, experts, **values)
     assert raised.value.field == field

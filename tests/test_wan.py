@@ -58,7 +58,7 @@ def diffusers_video(pipe, defaults, prompt: str, seed: int, **call) -> np.ndarra
 
     settings = {key: defaults[key] for key in ("height", "width", "num_frames", "num_inference_steps",
                                                "guidance_scale", "max_sequence_length")}
-    frames = pipe(prompt, generator=torch.Generator().manual_seed(seed), output_type="np",
+    frames = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np",
                   **{**settings, **call}).frames[0]
     return (frames * 255).round().astype(np.int16)
 
@@ -170,3 +170,82 @@ def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wa
     assert rows / forwards > 1.3, f"{rows} denoiser rows in {forwards} forwards"
     decoder_rows = after["vae_decoder_next"][0] - before["vae_decoder_next"][0]
     assert decoder_rows == sum((settings["num_frames"] - 1) // 4 for settings in requests)
+
+
+# --------------------------------------------------------------- image-to-video
+@pytest.fixture(scope="module")
+def tiny_wan_i2v_dir(tmp_path_factory):
+    from machgen.builder.build import write_tiny_model
+    from machgen.builder.registry import get_family
+
+    return write_tiny_model(get_family("wan-i2v"), tmp_path_factory.mktemp("models") / "tiny-wan-i2v")
+
+
+@pytest.fixture(scope="module")
+def wan_i2v_repository(tiny_wan_i2v_dir, tmp_path_factory):
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp("wan-i2v-repository")
+    build_repository(tiny_wan_i2v_dir, NAME, out, options=ServingOptions(sampler_instances=2, component_instances=1),
+                     log=lambda line: None)
+    return out
+
+
+def _picture(height: int, width: int, seed: int) -> np.ndarray:
+    rows, cols = np.mgrid[0:height, 0:width] / max(height, width)
+    noise = np.random.default_rng(seed).integers(0, 60, (height, width, 3))
+    return (np.stack([rows, cols, rows * cols], axis=-1) * 190 + noise).clip(0, 255).astype(np.uint8)
+
+
+def diffusers_image_to_video(tiny_dir, defaults, image: np.ndarray, seed: int, **call) -> np.ndarray:
+    import diffusers
+    from PIL import Image
+
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(tiny_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    call = {"height": image.shape[0], "width": image.shape[1], **call}
+    return diffusers_video(pipe, defaults, PROMPT, seed, image=Image.fromarray(image), **call)
+
+
+@pytest.mark.parametrize("size, call", [
+    ((48, 32), {}),
+    ((32, 64), {"num_frames": 13, "num_inference_steps": 5, "guidance_scale": 3.0, "guidance_scale_2": 1.5}),
+], ids=["defaults", "13-frames-two-scales"])
+def test_in_process_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan_i2v_dir, size, call):
+    from machgen.ensembles.local import LocalPipeline
+
+    local = LocalPipeline(wan_i2v_repository, NAME)
+    image = _picture(*size, seed=7)
+    frames, stats = local.generate(PROMPT, image=image, seed=8, cache_policy="none", **call)
+    expected = diffusers_image_to_video(tiny_wan_i2v_dir, local.pipeline["defaults"], image, 8, **call)
+    assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
+    assert stats.steps == call.get("num_inference_steps", local.pipeline["defaults"]["num_inference_steps"])
+
+
+def test_image_to_video_needs_its_picture(wan_i2v_repository):
+    from machgen.ensembles.api import InvalidArgument
+    from machgen.ensembles.local import LocalPipeline
+
+    local = LocalPipeline(wan_i2v_repository, NAME)
+    for options, field in [({}, "image"), ({"image": _picture(48, 32, 0), "strength": 0.5}, "strength"),
+                           ({"image": _picture(40, 32, 0)}, "image")]:
+        with pytest.raises(InvalidArgument) as error:
+            local.generate(PROMPT, **options)
+        assert error.value.field == field
+
+
+@pytest.mark.integration
+def test_served_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan_i2v_dir):
+    from machgen.builder.repository import pipeline_dir
+    from machgen.client import MachgenClient
+    from machgen.server import Ports, TritonServer
+
+    image = _picture(48, 32, seed=9)
+    with TritonServer(wan_i2v_repository, Ports(free_port(), free_port(), free_port())) as server, \
+            MachgenClient(server.grpc_url) as client:
+        frames, stats = client.generate_with_stats(NAME, PROMPT, image=image, seed=2, num_frames=9)
+    defaults = json.loads((pipeline_dir(wan_i2v_repository, NAME) / "pipeline.json").read_text())["defaults"]
+    expected = diffusers_image_to_video(tiny_wan_i2v_dir, defaults, image, 2, num_frames=9)
+    assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
+    assert stats["frames"] == 9

@@ -47,15 +47,17 @@ _SCALAR = ("batch", 1)
 EXPERT_PREFIXES = ("denoiser", "denoiser_2")
 
 
-def _denoiser_specs(prefix: str, *, latent_channels: int, text_dim: int, inner_dim: int) -> list[ComponentSpec]:
-    latents = TensorSpec("hidden_states", "float32",
-                         ("batch", latent_channels, "latent_frames", "latent_height", "latent_width"))
+def _denoiser_specs(prefix: str, *, in_channels: int, out_channels: int, text_dim: int,
+                    inner_dim: int) -> list[ComponentSpec]:
+    video = ("latent_frames", "latent_height", "latent_width")
+    # Image-to-video: the noisy latents, then the mask and the image's latents (in_channels > out_channels).
+    latents = TensorSpec("hidden_states", "float32", ("batch", in_channels, *video))
     video_hidden = TensorSpec("image_hidden", "float32", ("batch", "video_tokens", inner_dim))
     text_hidden = TensorSpec("text_hidden", "float32", ("batch", "text_tokens", inner_dim))
     timestep_proj = TensorSpec("timestep_proj", "float32", ("batch", 6, inner_dim))
     temb = TensorSpec("temb", "float32", ("batch", inner_dim))
     timestep = TensorSpec("timestep", "float32", _SCALAR)
-    noise_pred = TensorSpec("noise_pred", "float32", latents.shape)
+    noise_pred = TensorSpec("noise_pred", "float32", ("batch", out_channels, *video))
     residual = ("batch", "video_tokens", inner_dim)
     return [
         ComponentSpec(
@@ -84,10 +86,29 @@ def _denoiser_specs(prefix: str, *, latent_channels: int, text_dim: int, inner_d
     ]
 
 
-def _wan_specs(*, latent_channels: int, text_dim: int, inner_dim: int, experts: int,
-               temporal_factor: int) -> dict[str, ComponentSpec]:
-    one_frame = TensorSpec("latents", "float32", ("batch", latent_channels, 1, "latent_height", "latent_width"))
-    cache = ("batch", "decoder_cache")
+def _chunk_specs(latent_channels: int, temporal_factor: int, coder: str) -> list[ComponentSpec]:
+    """``vae_<coder>_first`` and ``vae_<coder>_next``: the VAE's decoder (or
+    encoder) one chunk at a time, its causal cache a flat tensor per row."""
+    latents = TensorSpec("latents", "float32", ("batch", latent_channels, 1, "latent_height", "latent_width"))
+
+    def frames(count: int) -> TensorSpec:
+        return TensorSpec("frames", "float32", ("batch", 3, count, "height", "width"))
+
+    cache = TensorSpec(f"{coder}_cache", "float32", ("batch", f"{coder}_cache"))
+    updated = TensorSpec("updated_cache", "float32", cache.shape)
+    (first_in, first_out), (next_in, next_out) = (
+        ((latents, frames(1)), (latents, frames(temporal_factor))) if coder == "decoder"
+        else ((frames(1), latents), (frames(temporal_factor), latents)))
+    return [
+        ComponentSpec(f"vae_{coder}_first", inputs=(first_in,), outputs=(first_out, cache), tolerance=1e-3),
+        # Called once per chunk, like a denoising step.
+        ComponentSpec(f"vae_{coder}_next", inputs=(next_in, cache), outputs=(next_out, updated), tolerance=1e-3,
+                      per_step=True),
+    ]
+
+
+def _wan_specs(*, in_channels: int, out_channels: int, text_dim: int, inner_dim: int, experts: int,
+               temporal_factor: int, vae_encoder: bool) -> dict[str, ComponentSpec]:
     specs = [
         ComponentSpec(
             "text_encoder",
@@ -98,32 +119,18 @@ def _wan_specs(*, latent_channels: int, text_dim: int, inner_dim: int, experts: 
         ),
     ]
     for prefix in EXPERT_PREFIXES[:experts]:
-        specs += _denoiser_specs(prefix, latent_channels=latent_channels, text_dim=text_dim, inner_dim=inner_dim)
-    specs += [
-        ComponentSpec(
-            "vae_decoder_first",
-            inputs=(one_frame,),
-            outputs=(TensorSpec("frames", "float32", ("batch", 3, 1, "height", "width")),
-                     TensorSpec("decoder_cache", "float32", cache)),
-            tolerance=1e-3,
-        ),
-        ComponentSpec(
-            "vae_decoder_next",
-            inputs=(one_frame, TensorSpec("decoder_cache", "float32", cache)),
-            outputs=(TensorSpec("frames", "float32", ("batch", 3, temporal_factor, "height", "width")),
-                     TensorSpec("updated_cache", "float32", cache)),
-            tolerance=1e-3,
-            # Called once per latent frame, like a denoising step.
-            per_step=True,
-        ),
-        ComponentSpec(
-            "postprocess",
-            inputs=(TensorSpec("frames", "float32", ("batch", 3, "frames", "height", "width")),),
-            outputs=(TensorSpec("images", "uint8", ("batch", "frames", "height", "width", 3)),),
-            tolerance=1.0,  # one step of 255 where rounding lands on the other side of .5
-            in_sampler=True,
-        ),
-    ]
+        specs += _denoiser_specs(prefix, in_channels=in_channels, out_channels=out_channels, text_dim=text_dim,
+                                 inner_dim=inner_dim)
+    specs += _chunk_specs(out_channels, temporal_factor, "decoder")
+    if vae_encoder:
+        specs += _chunk_specs(out_channels, temporal_factor, "encoder")
+    specs.append(ComponentSpec(
+        "postprocess",
+        inputs=(TensorSpec("frames", "float32", ("batch", 3, "frames", "height", "width")),),
+        outputs=(TensorSpec("images", "uint8", ("batch", "frames", "height", "width", 3)),),
+        tolerance=1.0,  # one step of 255 where rounding lands on the other side of .5
+        in_sampler=True,
+    ))
     return {s.name: s for s in specs}
 
 
@@ -205,79 +212,106 @@ def _modules():
             temb, _ = time_embedding(tr, timestep, blocks_residual)
             return output(tr, patches(tr, hidden_states) + blocks_residual, temb, hidden_states)
 
-    class _DecoderStep(torch.nn.Module):
-        """One latent frame through AutoencoderKLWan's decoder, WanPipeline's
-        latent normalisation undone first.
+    def two_frames(entry):
+        # A one-frame entry zero-padded in front: the causal convolutions read
+        # the zeros as their own padding, the time downsamplers read only the last frame.
+        return torch.cat([torch.zeros_like(entry), entry], dim=2) if entry.shape[2] == 1 else entry
 
-        The decoder's causal cache (a list of tensors in ``_decode``) travels
-        as one flat tensor per row: the slots in use, each two frames long
-        (a one-frame entry zero-padded in front, which the causal
-        convolutions read as their own zero padding), in ``layout`` order
-        (channels, spatial scale against the latent frame)."""
+    class _CausalChunk(torch.nn.Module):
+        """One chunk of frames through AutoencoderKLWan's encoder or decoder
+        with its causal cache (the list ``_encode`` and ``_decode`` keep
+        across chunks) as one flat tensor per row: the slots in use, each two
+        frames long, in ``layout`` order ((channels, spatial scale against
+        the latent frame) per slot). The first chunk starts from an empty
+        cache and differs in structure (no time up- or downsampling), so it
+        is its own module."""
 
-        def __init__(self, vae):
+        coder = "decoder"
+
+        def __init__(self, vae, slots: tuple[int, ...] = (), layout: tuple[tuple[int, int], ...] = ()):
             super().__init__()
             self.vae = vae
+            self.slots, self.layout = slots, layout
             config = vae.config
+            self.spatial_factor = config.scale_factor_spatial
             self.register_buffer("latents_mean", torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1),
                                  persistent=False)
             self.register_buffer("latents_std", torch.tensor(config.latents_std).view(1, -1, 1, 1, 1),
                                  persistent=False)
 
-        def decoder_input(self, latents):
-            return self.vae.post_quant_conv(latents * self.latents_std + self.latents_mean)
+        def run(self, chunk, cache, first: bool):
+            """The coder on ``chunk`` with ``cache``: decoded frames in [-1, 1], or normalised latent means."""
+            if self.coder == "decoder":
+                # WanPipeline's latent normalisation undone first.
+                chunk = self.vae.post_quant_conv(chunk * self.latents_std + self.latents_mean)
+                return self.vae.decoder(chunk, feat_cache=cache, feat_idx=[0], first_chunk=first).clamp(-1, 1)
+            moments = self.vae.quant_conv(self.vae.encoder(chunk, feat_cache=cache, feat_idx=[0]))
+            # The distribution's mode (WanImageToVideoPipeline's argmax), normalised as the pipeline does.
+            return (moments[:, :self.vae.config.z_dim] - self.latents_mean) / self.latents_std
 
-        def empty_cache(self) -> list:
-            return [None] * self.vae._cached_conv_counts["decoder"]
+        def latent_size(self, chunk) -> tuple[Any, Any]:
+            if self.coder == "decoder":
+                return chunk.shape[3], chunk.shape[4]
+            return chunk.shape[3] // self.spatial_factor, chunk.shape[4] // self.spatial_factor
 
-    class VaeDecoderFirst(_DecoderStep):
-        def cache_entries(self, latents):
-            """(first frame, [(slot, two-frame cache entry)]) of the first latent frame."""
-            cache = self.empty_cache()
-            # A time-upsampling layer marks its slot "Rep" on the first frame (it
+        def first_chunk(self, chunk):
+            """(output, [(slot, two-frame cache entry)]) of the first chunk."""
+            cache = [None] * self.vae._cached_conv_counts[self.coder]
+            # A time-upsampling layer marks its slot "Rep" on the first chunk (it
             # reads zeros next time): its input's shape gives those zeros.
             upsampler_inputs: dict[int, Any] = {}
 
             def keep_input(module, args, kwargs):
                 upsampler_inputs[kwargs["feat_idx"][0]] = args[0]
 
-            hooks = [m.register_forward_pre_hook(keep_input, with_kwargs=True) for m in self.vae.decoder.modules()
+            hooks = [m.register_forward_pre_hook(keep_input, with_kwargs=True)
+                     for m in getattr(self.vae, self.coder).modules()
                      if isinstance(m, WanResample) and m.mode == "upsample3d"]
             try:
-                frames = self.vae.decoder(self.decoder_input(latents), feat_cache=cache, feat_idx=[0],
-                                          first_chunk=True)
+                output = self.run(chunk, cache, first=True)
             finally:
                 for hook in hooks:
                     hook.remove()
-            entries = []
-            for slot, entry in enumerate(cache):
-                if entry is None:
-                    continue
-                if isinstance(entry, str):
-                    entry = torch.zeros_like(upsampler_inputs[slot])
-                if entry.shape[2] == 1:
-                    entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
-                entries.append((slot, entry))
-            return frames.clamp(-1, 1), entries
+            entries = [(slot, two_frames(torch.zeros_like(upsampler_inputs[slot]) if isinstance(entry, str)
+                                         else entry))
+                       for slot, entry in enumerate(cache) if entry is not None]
+            return output, entries
 
-        def forward(self, latents):
-            frames, entries = self.cache_entries(latents)
-            return frames, torch.cat([entry.flatten(1) for _, entry in entries], dim=1)
+    class _FirstChunk(_CausalChunk):
+        def forward(self, chunk):
+            output, entries = self.first_chunk(chunk)
+            return output, torch.cat([entry.flatten(1) for _, entry in entries], dim=1)
 
-    class VaeDecoderNext(_DecoderStep):
-        def __init__(self, vae, slots: tuple[int, ...], layout: tuple[tuple[int, int], ...]):
-            super().__init__(vae)
-            self.slots, self.layout = slots, layout
-
-        def forward(self, latents, decoder_cache):
-            batch, height, width = latents.shape[0], latents.shape[3], latents.shape[4]
-            cache = self.empty_cache()
+    class _NextChunk(_CausalChunk):
+        def forward(self, chunk, cache):
+            batch = chunk.shape[0]
+            height, width = self.latent_size(chunk)
+            entries = [None] * self.vae._cached_conv_counts[self.coder]
             sizes = [channels * 2 * height * scale * width * scale for channels, scale in self.layout]
-            for slot, part, (channels, scale) in zip(self.slots, torch.split(decoder_cache, sizes, dim=1),
-                                                     self.layout):
-                cache[slot] = part.reshape(batch, channels, 2, height * scale, width * scale)
-            frames = self.vae.decoder(self.decoder_input(latents), feat_cache=cache, feat_idx=[0])
-            return frames.clamp(-1, 1), torch.cat([cache[slot].flatten(1) for slot in self.slots], dim=1)
+            for slot, part, (channels, scale) in zip(self.slots, torch.split(cache, sizes, dim=1), self.layout):
+                entries[slot] = part.reshape(batch, channels, 2, height * scale, width * scale)
+            output = self.run(chunk, entries, first=False)
+            return output, torch.cat([two_frames(entries[slot]).flatten(1) for slot in self.slots], dim=1)
+
+    class VaeDecoderFirst(_FirstChunk):
+        def forward(self, latents):
+            return super().forward(latents)
+
+    class VaeDecoderNext(_NextChunk):
+        def forward(self, latents, decoder_cache):
+            return super().forward(latents, decoder_cache)
+
+    class VaeEncoderFirst(_FirstChunk):
+        coder = "encoder"
+
+        def forward(self, frames):
+            return super().forward(frames)
+
+    class VaeEncoderNext(_NextChunk):
+        coder = "encoder"
+
+        def forward(self, frames, encoder_cache):
+            return super().forward(frames, encoder_cache)
 
     class Postprocess(torch.nn.Module):
         """VideoProcessor.postprocess_video(output_type="np") as uint8, frames last-but-channels."""
@@ -286,19 +320,59 @@ def _modules():
             frames = (frames / 2 + 0.5).clamp(0, 1)
             return (frames.permute(0, 2, 3, 4, 1) * 255).round().to(torch.uint8)
 
-    return TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoderFirst, VaeDecoderNext, Postprocess
+    return (TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoderFirst, VaeDecoderNext, VaeEncoderFirst,
+            VaeEncoderNext, Postprocess)
 
 
-def _cache_layout(vae) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-    """(slots, layout) of the decoder cache (_DecoderStep), from a first-frame decode of 2x2 latents."""
+def _sample_chunk(vae, coder: str, frames: int, lat_h: int, lat_w: int, batch: int, gen=None):
+    """A chunk a coder takes: latent frames for the decoder, pixel frames for the encoder."""
     import torch
 
-    first = _modules()[4](vae).eval()
+    if coder == "decoder":
+        return torch.randn(batch, vae.config.z_dim, frames, lat_h, lat_w, generator=gen)
+    factor = vae.config.scale_factor_spatial
+    return torch.randn(batch, 3, frames, lat_h * factor, lat_w * factor, generator=gen).clamp(-1, 1)
+
+
+def _chunk_classes(coder: str):
+    decoder_first, decoder_next, encoder_first, encoder_next = _modules()[4:8]
+    return (decoder_first, decoder_next) if coder == "decoder" else (encoder_first, encoder_next)
+
+
+def _chunk_layout(vae, coder: str) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """(slots, layout) of the coder's flat cache (_CausalChunk), from a small
+    first chunk in eager mode (a trace would fix the sizes it reads)."""
+    import torch
+
     with torch.no_grad():
-        _, entries = first.cache_entries(torch.zeros(1, vae.config.z_dim, 1, 2, 2, device=vae.device,
-                                                     dtype=vae.dtype))
+        _, entries = _chunk_classes(coder)[0](vae).eval().first_chunk(
+            _sample_chunk(vae, coder, 1, 2, 2, 1).to(vae.device, vae.dtype))
     return (tuple(slot for slot, _ in entries),
             tuple((int(entry.shape[1]), int(entry.shape[3]) // 2) for _, entry in entries))
+
+
+def cache_per_latent_pixel(vae, coder: str) -> int:
+    """Elements of a row's flat cache per latent pixel (of height x width)."""
+    return sum(2 * channels * scale * scale for channels, scale in _chunk_layout(vae, coder)[1])
+
+
+def vae_chunk_components(vae, coder: str, temporal_factor: int) -> list[ExportableComponent]:
+    """``vae_<coder>_first`` and ``vae_<coder>_next`` of an AutoencoderKLWan
+    (coder: "decoder" or "encoder"), with sample inputs (batch 2, 6x4
+    latents) on the CPU in float32."""
+    import torch
+
+    first_class, next_class = _chunk_classes(coder)
+    first_spec, next_spec = _chunk_specs(vae.config.z_dim, temporal_factor, coder)
+    gen = torch.Generator().manual_seed(1)
+    first = first_class(vae).eval()
+    first_chunk = _sample_chunk(vae, coder, 1, 6, 4, 2, gen)
+    with torch.no_grad():
+        _, cache = first(first_chunk.to(vae.device, vae.dtype))
+    next_chunk = _sample_chunk(vae, coder, next_spec.inputs[0].shape[2], 6, 4, 2, gen)
+    return [ExportableComponent(first_spec, first, {first_spec.inputs[0].name: first_chunk}),
+            ExportableComponent(next_spec, next_class(vae, *_chunk_layout(vae, coder)).eval(),
+                                {next_spec.inputs[0].name: next_chunk, next_spec.inputs[1].name: cache.cpu().float()})]
 
 
 @register_family
@@ -312,22 +386,24 @@ class Wan(Family):
     # ------------------------------------------------------------------ build
     @staticmethod
     def experts(pipe) -> int:
-        if getattr(pipe.config, "expand_timesteps", False):
-            raise ValueError("Wan 2.2 TI2V (expand_timesteps: a timestep per token) is not supported yet")
+        """1, or 2 for Wan 2.2's high- and low-noise experts; refuses what is not supported."""
+        if getattr(pipe.config, "expand_timesteps", False) or pipe.vae.config.patch_size is not None:
+            raise ValueError("Wan 2.2 TI2V-5B (a timestep per token, a patchified VAE) is not supported yet")
         if pipe.transformer is None:
             raise ValueError("a Wan pipeline without its high-noise transformer is not supported")
         return 2 if pipe.transformer_2 is not None and pipe.config.boundary_ratio is not None else 1
 
     def specs(self, pipe) -> dict[str, ComponentSpec]:
         tr = pipe.transformer.config
-        return _wan_specs(latent_channels=tr.in_channels, text_dim=tr.text_dim,
+        return _wan_specs(in_channels=tr.in_channels, out_channels=tr.out_channels, text_dim=tr.text_dim,
+                          vae_encoder="image-to-video" in self.capabilities.tasks,
                           inner_dim=tr.num_attention_heads * tr.attention_head_dim, experts=self.experts(pipe),
                           temporal_factor=pipe.vae_scale_factor_temporal)
 
     def components(self, pipe) -> list[ExportableComponent]:
         import torch
 
-        text_encoder, head, tail, reuse, decoder_first, decoder_next, postprocess = _modules()
+        text_encoder, head, tail, reuse, *_, postprocess = _modules()
         specs = self.specs(pipe)
         tr = pipe.transformer.config
         # Batch 2 (batch 1 would be specialised), sizes unlike any fixed size in the model.
@@ -363,19 +439,13 @@ class Wan(Family):
                                     {"hidden_states": latents, "timestep": head_inputs["timestep"],
                                      "blocks_residual": randn(*image_hidden.shape)}),
             ]
-        first = decoder_first(pipe.vae).eval()
-        one_frame = randn(batch, tr.in_channels, 1, lat_h, lat_w)
-        with torch.no_grad():
-            _, cache = first(one_frame.to(pipe.vae.device, pipe.vae.dtype))
         vae_scale = pipe.vae_scale_factor_spatial
-        exportable += [
-            ExportableComponent(specs["vae_decoder_first"], first, {"latents": one_frame}),
-            ExportableComponent(specs["vae_decoder_next"], decoder_next(pipe.vae, *_cache_layout(pipe.vae)).eval(),
-                                {"latents": randn(batch, tr.in_channels, 1, lat_h, lat_w),
-                                 "decoder_cache": cache.cpu().float()}),
-            ExportableComponent(specs["postprocess"], postprocess().eval(),
-                                {"frames": randn(batch, 3, 2, lat_h * vae_scale, lat_w * vae_scale) * 0.8}),
-        ]
+        exportable += vae_chunk_components(pipe.vae, "decoder", pipe.vae_scale_factor_temporal)
+        if "vae_encoder_first" in specs:
+            exportable += vae_chunk_components(pipe.vae, "encoder", pipe.vae_scale_factor_temporal)
+        exportable.append(ExportableComponent(
+            specs["postprocess"], postprocess().eval(),
+            {"frames": randn(batch, 3, 2, lat_h * vae_scale, lat_w * vae_scale) * 0.8}))
         return exportable
 
     def pipeline_defaults(self, pipe) -> ServedDefaults:
@@ -409,42 +479,46 @@ class Wan(Family):
         vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                          temperal_downsample=[False, True, True])
 
-        def transformer():
+        def transformer(in_channels: int):
             return diffusers.WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
                 out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
             )
 
-        # Wan 2.2's layout: a high-noise and a low-noise expert, switched at 0.875 of the schedule.
-        high_noise, low_noise = transformer(), transformer()
+        # Wan 2.2's layout: a high-noise and a low-noise expert, switched at 0.875 (text-to-video) or 0.9
+        # (image-to-video) of the schedule; image-to-video's transformers also take the mask and the image's latents.
+        image_to_video = "image-to-video" in self.capabilities.tasks
+        high_noise, low_noise = transformer(36 if image_to_video else 16), transformer(36 if image_to_video else 16)
         for module in (text_encoder, vae, high_noise, low_noise):
             module.eval()
-        return diffusers.WanPipeline(
+        pipeline_class = getattr(diffusers, self.diffusers_pipeline)
+        return pipeline_class(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
             scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                         flow_shift=3.0),
-            transformer=high_noise, transformer_2=low_noise, boundary_ratio=0.875,
+            transformer=high_noise, transformer_2=low_noise, boundary_ratio=0.9 if image_to_video else 0.875,
         )
 
     def sampler_settings(self, pipe, defaults: ServedDefaults) -> dict[str, Any]:
         spatial = pipe.vae_scale_factor_spatial
         patch = pipe.transformer.config.patch_size
-        _, layout = _cache_layout(pipe.vae)
         return {
             "vae_scale_factor": spatial,
             "temporal_factor": pipe.vae_scale_factor_temporal,
             # Height and width must be multiples of this: the VAE factor times the transformer's patch.
             "size_multiple": spatial * max(patch[1], patch[2]),
             "patch_size": list(patch),
-            "latent_channels": pipe.transformer.config.in_channels,
+            "latent_channels": pipe.vae.config.z_dim,
             "experts": self.experts(pipe),
             "boundary_timestep": None if pipe.config.boundary_ratio is None
             else pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps,
             "tokenizer_class": type(pipe.tokenizer).__name__,
             "max_sequence_length": defaults.max_sequence_length,
             "scheduler_class": type(pipe.scheduler).__name__,
-            "decoder_cache_layout": [list(entry) for entry in layout],
+            "decoder_cache_per_latent_pixel": cache_per_latent_pixel(pipe.vae, "decoder"),
+            **({"encoder_cache_per_latent_pixel": cache_per_latent_pixel(pipe.vae, "encoder")}
+               if "image-to-video" in self.capabilities.tasks else {}),
         }
 
     def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
@@ -458,7 +532,6 @@ class Wan(Family):
         width = AxisRange(multiple, defaults.width, defaults.max_width)
         lat_h, lat_w = scaled(height, vae), scaled(width, vae)
         frames = AxisRange(1, (defaults.num_frames - 1) // temporal + 1, (defaults.max_frames - 1) // temporal + 1)
-        per_latent_pixel = sum(2 * channels * scale * scale for channels, scale in settings["decoder_cache_layout"])
 
         def product(*ranges: AxisRange, factor: int = 1) -> AxisRange:
             low, opt, high = factor, factor, factor
@@ -472,7 +545,8 @@ class Wan(Family):
             "latent_frames": frames, "frames": AxisRange(1, temporal, temporal),
             "video_tokens": product(frames, scaled(lat_h, patch_h), scaled(lat_w, patch_w)),
             "text_tokens": AxisRange(text, text, text),
-            "decoder_cache": product(lat_h, lat_w, factor=per_latent_pixel),
+            **{f"{coder}_cache": product(lat_h, lat_w, factor=settings[f"{coder}_cache_per_latent_pixel"])
+               for coder in ("decoder", "encoder") if f"{coder}_cache_per_latent_pixel" in settings},
         }
 
     # --------------------------------------------------------------- run time
@@ -567,21 +641,84 @@ class WanConditioning:
         return latents
 
     def decode(self, latents) -> Any:
-        """uint8 frames [F, H, W, 3] (numpy): the decoder run latent frame by
-        latent frame, each chunk made uint8 before the next is decoded."""
+        return decode_video(latents, self.run_component)
+
+
+@register_family
+class WanImageToVideo(Wan):
+    """Wan 2.2 image-to-video (WanImageToVideoPipeline without an image
+    encoder, as Wan2.2-I2V-A14B): every step's transformer input carries, after
+    the noisy latents, a first-frame mask and the latents of the picture
+    followed by empty frames (the VAE encoder, chunked like the decoder)."""
+
+    name = "wan-i2v"
+    diffusers_pipeline = "WanImageToVideoPipeline"
+    capabilities = Capabilities(tasks=("image-to-video",), true_cfg=True, guidance_is_cfg=True)
+
+    @staticmethod
+    def experts(pipe) -> int:
+        if getattr(pipe, "image_encoder", None) is not None or pipe.transformer.config.image_dim is not None:
+            raise ValueError("Wan 2.1 image-to-video (CLIP image embeddings in the transformer) is not supported "
+                             "yet; Wan 2.2's (no image encoder) is")
+        return Wan.experts(pipe)
+
+    def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
+        return WanImageToVideoConditioning(settings, assets_dir, run_component)
+
+
+class WanImageToVideoConditioning(WanConditioning):
+    """WanImageToVideoPipeline.prepare_latents' condition, and the transformer
+    input it makes with the latents."""
+
+    def image_condition(self, image, num_frames: int) -> dict[str, Any]:
+        """The mask (first latent frame 1, the others 0) and the normalised
+        latent means of the picture followed by num_frames - 1 black frames."""
         import numpy as np
+        import torch
 
-        from machgen.ensembles.tensors import as_numpy
+        from machgen.ensembles.tensors import as_torch
 
-        chunks = []
-        cache = None
-        for index in range(latents.shape[2]):
-            frame = latents[:, :, index:index + 1].contiguous()
-            if index == 0:
-                outputs = self.run_component("vae_decoder_first", {"latents": frame})
-                cache = outputs["decoder_cache"]
-            else:
-                outputs = self.run_component("vae_decoder_next", {"latents": frame, "decoder_cache": cache})
-                cache = outputs["updated_cache"]
-            chunks.append(as_numpy(self.run_component("postprocess", {"frames": outputs["frames"]})["images"]))
-        return np.concatenate(chunks, axis=1)[0]
+        # VideoProcessor.preprocess: [0, 255] -> [-1, 1], channels first, one frame.
+        pixels = (image.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None]
+        outputs = self.run_component("vae_encoder_first", {"frames": np.ascontiguousarray(pixels)})
+        latents, cache = [as_torch(outputs["latents"])], outputs["encoder_cache"]
+        empty = np.zeros((1, 3, self.frame_multiple, *image.shape[:2]), np.float32)
+        for _ in range((num_frames - 1) // self.frame_multiple):
+            outputs = self.run_component("vae_encoder_next", {"frames": empty, "encoder_cache": cache})
+            latents.append(as_torch(outputs["latents"]).to(latents[0].device))
+            cache = outputs["updated_cache"]
+        latent_condition = torch.cat(latents, dim=2)
+        mask = torch.zeros_like(latent_condition[:, :self.frame_multiple])
+        mask[:, :, 0] = 1
+        return {"image_condition": torch.cat([mask, latent_condition], dim=1)}
+
+    def denoiser_inputs(self, latents, timestep, conditioning: dict[str, Any], guidance_scale: float,
+                        height: int, width: int) -> dict[str, Any]:
+        import torch
+
+        condition = conditioning["image_condition"].to(latents.device)
+        return super().denoiser_inputs(torch.cat([latents, condition], dim=1), timestep, conditioning,
+                                       guidance_scale, height, width)
+
+
+def decode_video(latents, run_component: Callable) -> Any:
+    """uint8 frames [F, H, W, 3] (numpy) of latents [1, C, latent frames, h,
+    w]: the decoder components run latent frame by latent frame, each chunk
+    made uint8 by ``postprocess`` before the next is decoded."""
+    import numpy as np
+
+    from machgen.ensembles.tensors import as_numpy, as_torch
+
+    latents = as_torch(latents)
+    chunks = []
+    cache = None
+    for index in range(latents.shape[2]):
+        frame = latents[:, :, index:index + 1].contiguous()
+        if index == 0:
+            outputs = run_component("vae_decoder_first", {"latents": frame})
+            cache = outputs["decoder_cache"]
+        else:
+            outputs = run_component("vae_decoder_next", {"latents": frame, "decoder_cache": cache})
+            cache = outputs["updated_cache"]
+        chunks.append(as_numpy(run_component("postprocess", {"frames": outputs["frames"]})["images"]))
+    return np.concatenate(chunks, axis=1)[0]
