@@ -78,28 +78,42 @@ def export_onnx(component: ExportableComponent, path: Path,
     if missing:
         raise ValueError(f"{spec.name}: sample inputs lack {missing}")
     path.parent.mkdir(parents=True, exist_ok=True)
+    kwargs = {t.name: component.sample_inputs[t.name] for t in spec.inputs}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
+        # torch.export first, then the conversion of its program: the exporter's own trace leaves
+        # some shapes unproved that torch.export proves (LTX's attention mask view: (b*h*t)//(b*h*t)).
+        exported = torch.export.export(component.module, args=(), kwargs=kwargs,
+                                       dynamic_shapes=_dynamic_shapes(spec))
         program = torch.onnx.export(
-            component.module,
+            exported,
             args=(),
-            kwargs={t.name: component.sample_inputs[t.name] for t in spec.inputs},
+            kwargs=kwargs,
             input_names=[t.name for t in spec.inputs],
             output_names=[t.name for t in spec.outputs],
-            dynamic_shapes=_dynamic_shapes(spec),
             dynamo=True,
             verbose=False,
             custom_translation_table=ops.onnx_translation() if attention is not None else None,
         )
     size = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
-    if attention is None:
-        program.save(os.fspath(path), external_data=size > _EXTERNAL_DATA_BYTES)
-        return 0
     model = program.model_proto
-    nodes = ops.attach_onnx_function(model, attention)
+    _name_axes(model, spec)
+    nodes = ops.attach_onnx_function(model, attention) if attention is not None else 0
     onnx.save_model(model, os.fspath(path), save_as_external_data=size > _EXTERNAL_DATA_BYTES,
                     location=path.name + ".data")
     return nodes
+
+
+def _name_axes(model, spec: ComponentSpec) -> None:
+    """The spec's axis names on the graph's inputs and outputs (a converted
+    program names them after its symbols: s0, s1, ...)."""
+    tensors = {t.name: t for t in spec.inputs + spec.outputs}
+    for value in list(model.graph.input) + list(model.graph.output):
+        if value.name not in tensors:
+            continue
+        for dim, size in zip(value.type.tensor_type.shape.dim, tensors[value.name].shape):
+            if isinstance(size, str):
+                dim.dim_param = size
 
 
 def trace_torch(component: ExportableComponent, dtype: str, device: str, cuda_graphs: bool = True,

@@ -60,7 +60,7 @@ class Conditioning(Protocol):
 
     def initial_latents(self, seed: int, height: int, width: int, num_frames: int = 1) -> Any: ...
 
-    def scheduler(self, num_inference_steps: int, height: int, width: int) -> Any: ...
+    def scheduler(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1) -> Any: ...
 
     def image_latents(self, image: np.ndarray, first_step: int, seed: int, scheduler: Any) -> tuple[Any, Any]:
         """Image-to-image: the latents of ``image`` (uint8 [H, W, 3]) noised to
@@ -79,9 +79,10 @@ class Conditioning(Protocol):
     #   component prefix ("denoiser" or "denoiser_2");
     # - ``decode(latents) -> uint8 [frames, H, W, 3]``: a decode other than
     #   DECODE_STAGES (a video decoded chunk by chunk);
-    # - ``image_condition(image, num_frames) -> dict`` (image-to-video): what
-    #   the picture adds to every step's conditioning (image_latents is
-    #   image-to-image's start from the picture instead).
+    # - ``request_conditioning(request) -> dict``: what a request adds to
+    #   every step's conditioning besides its prompts (image-to-video's
+    #   picture, a video's positions at its frame rate); image_latents is
+    #   image-to-image's start from the picture instead.
 
 
 @dataclass
@@ -231,15 +232,15 @@ class Sampler:
         if request.uses_true_cfg:
             prompts.append(request.negative_prompt)
         conditioning = self.prompt_cache.encode(prompts, cond.encode_prompts, stats)
-        scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width)
+        scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width, request.num_frames)
         first_step = request.num_inference_steps - request.denoising_steps
         if request.strength is None:
             latents = cond.initial_latents(request.seed, request.height, request.width, request.num_frames)
             timesteps = scheduler.timesteps
-            if request.image is not None:  # image-to-video: the picture conditions every step
-                conditioning = {**conditioning, **cond.image_condition(request.image, request.num_frames)}
         else:
             latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler)
+        if hasattr(cond, "request_conditioning"):
+            conditioning = {**conditioning, **cond.request_conditioning(request)}
         stats.steps = len(timesteps)
         cache.start(len(timesteps), first_step, request.num_inference_steps)
         denoiser = "denoiser"

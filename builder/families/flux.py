@@ -528,7 +528,7 @@ class FluxConditioning:
         size and device (read-only), not once per denoising step."""
         return _image_ids(*self.latent_size(height, width), rows, str(device))
 
-    def scheduler(self, num_inference_steps: int, height: int, width: int):
+    def scheduler(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1):
         """A fresh scheduler with FluxPipeline's sigmas and resolution-dependent shift."""
         import numpy as np
 

@@ -614,7 +614,7 @@ class WanConditioning:
                  *self.latent_size(height, width))
         return randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
 
-    def scheduler(self, num_inference_steps: int, height: int, width: int):
+    def scheduler(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1):
         scheduler = self._scheduler_class.from_config(self.scheduler_config)
         scheduler.set_timesteps(num_inference_steps)
         scheduler.set_begin_index(0)
@@ -670,13 +670,15 @@ class WanImageToVideoConditioning(WanConditioning):
     """WanImageToVideoPipeline.prepare_latents' condition, and the transformer
     input it makes with the latents."""
 
-    def image_condition(self, image, num_frames: int) -> dict[str, Any]:
+    def request_conditioning(self, request) -> dict[str, Any]:
         """The mask (first latent frame 1, the others 0) and the normalised
         latent means of the picture followed by num_frames - 1 black frames."""
         import numpy as np
         import torch
 
         from machgen.ensembles.tensors import as_torch
+
+        image, num_frames = request.image, request.num_frames
 
         # VideoProcessor.preprocess: [0, 255] -> [-1, 1], channels first, one frame.
         pixels = (image.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None]
