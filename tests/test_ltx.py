@@ -1,0 +1,108 @@
+"""Text-to-video on the tiny LTX-Video: the served pipeline against
+diffusers' LTXPipeline on the same model, seed and settings, over every
+frame, the frame rate included (it scales the rotary positions)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import free_port
+
+MAX_PIXEL_DIFF = 2  # of 255, over all frames
+NAME = "ltx"
+PROMPT = "a red circle at the top"
+
+
+@pytest.fixture(scope="module")
+def tiny_ltx_dir(tmp_path_factory):
+    from machgen.builder.build import write_tiny_model
+    from machgen.builder.registry import get_family
+
+    return write_tiny_model(get_family("ltx"), tmp_path_factory.mktemp("models") / "tiny-ltx")
+
+
+@pytest.fixture(scope="module")
+def ltx_pipeline(tiny_ltx_dir):
+    import diffusers
+
+    pipe = diffusers.LTXPipeline.from_pretrained(tiny_ltx_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def ltx_repository(tiny_ltx_dir, tmp_path_factory):
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp("ltx-repository")
+    build_repository(tiny_ltx_dir, NAME, out, options=ServingOptions(sampler_instances=2, component_instances=1),
+                     log=lambda line: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_ltx(ltx_repository):
+    from machgen.ensembles.local import LocalPipeline
+
+    return LocalPipeline(ltx_repository, NAME)
+
+
+def diffusers_video(pipe, defaults, seed: int, **call) -> np.ndarray:
+    """LTXPipeline's frames as uint8 levels (int16), [frames, H, W, 3]; ``fps`` is its frame_rate."""
+    import torch
+
+    settings = {key: defaults[key] for key in ("height", "width", "num_frames", "num_inference_steps",
+                                               "guidance_scale", "max_sequence_length")}
+    settings["frame_rate"] = call.pop("fps", defaults["fps"])
+    frames = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
+                  **{**settings, **call}).frames[0]
+    return (frames * 255).round().astype(np.int16)
+
+
+@pytest.mark.parametrize("call", [
+    {},  # the served defaults: 9 frames at 25 fps, 4 steps, CFG 3
+    {"num_frames": 17, "height": 64, "width": 32, "num_inference_steps": 6, "guidance_scale": 4.0, "fps": 12,
+     "negative_prompt": "a blue square"},
+    {"num_frames": 1, "guidance_scale": 1.0, "num_inference_steps": 3},
+], ids=["defaults", "17-frames-12-fps", "one-frame-no-cfg"])
+def test_in_process_text_to_video_equals_diffusers(local_ltx, ltx_pipeline, call):
+    defaults = local_ltx.pipeline["defaults"]
+    frames, stats = local_ltx.generate(PROMPT, seed=5, cache_policy="none", **call)
+    expected = diffusers_video(ltx_pipeline, defaults, 5, **call)
+    assert frames.shape == expected.shape
+    assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
+    assert (stats.frames, stats.fps) == (len(frames), call.get("fps", 25))
+
+
+def test_the_frame_rate_changes_the_video(local_ltx):
+    at_25, _ = local_ltx.generate(PROMPT, seed=6, fps=25, cache_policy="none")
+    at_8, _ = local_ltx.generate(PROMPT, seed=6, fps=8, cache_policy="none")
+    assert np.abs(at_25.astype(np.int16) - at_8).max() > 2
+
+
+def test_first_block_cache_skips_steps_of_a_video(local_ltx):
+    uncached, plain = local_ltx.generate(PROMPT, seed=7, num_inference_steps=12, cache_policy="none")
+    cached, stats = local_ltx.generate(PROMPT, seed=7, num_inference_steps=12, cache_policy="fbcache",
+                                       cache_threshold=0.5)
+    assert stats.denoiser_tail_passes < plain.denoiser_tail_passes
+    psnr = 10 * np.log10(255.0 ** 2 / max(np.mean((cached.astype(float) - uncached.astype(float)) ** 2), 1e-12))
+    assert psnr > 25, f"cached video {psnr:.1f} dB from the uncached one"
+
+
+@pytest.mark.integration
+def test_served_text_to_video_equals_diffusers(ltx_repository, ltx_pipeline):
+    from machgen.builder.repository import pipeline_dir
+    from machgen.client import MachgenClient
+    from machgen.server import Ports, TritonServer
+
+    defaults = json.loads((pipeline_dir(ltx_repository, NAME) / "pipeline.json").read_text())["defaults"]
+    with TritonServer(ltx_repository, Ports(free_port(), free_port(), free_port())) as server, \
+            MachgenClient(server.grpc_url) as client:
+        frames, stats = client.generate_with_stats(NAME, PROMPT, seed=3, num_frames=13, fps=16)
+    expected = diffusers_video(ltx_pipeline, defaults, 3, num_frames=13, fps=16)
+    assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
+    assert (stats["frames"], stats["fps"]) == (13, 16)
