@@ -83,8 +83,10 @@ def export_onnx(component: ExportableComponent, path: Path,
         warnings.simplefilter("ignore")
         # torch.export first, then the conversion of its program: the exporter's own trace leaves
         # some shapes unproved that torch.export proves (LTX's attention mask view: (b*h*t)//(b*h*t)).
+        # Every axis Dim.DYNAMIC, as for the torch target: named ranges fail where a model's guards
+        # narrow them (the VAE's batch <= 63).
         exported = torch.export.export(component.module, args=(), kwargs=kwargs,
-                                       dynamic_shapes=_dynamic_shapes(spec))
+                                       dynamic_shapes=_dynamic_shapes(spec, inferred=True))
         program = torch.onnx.export(
             exported,
             args=(),
@@ -106,14 +108,18 @@ def export_onnx(component: ExportableComponent, path: Path,
 
 def _name_axes(model, spec: ComponentSpec) -> None:
     """The spec's axis names on the graph's inputs and outputs (a converted
-    program names them after its symbols: s0, s1, ...)."""
+    program names them after its symbols: s0, s1, ...); an axis the trace
+    fixed to one size is refused."""
     tensors = {t.name: t for t in spec.inputs + spec.outputs}
     for value in list(model.graph.input) + list(model.graph.output):
         if value.name not in tensors:
             continue
         for dim, size in zip(value.type.tensor_type.shape.dim, tensors[value.name].shape):
-            if isinstance(size, str):
-                dim.dim_param = size
+            if not isinstance(size, str):
+                continue
+            if dim.HasField("dim_value"):
+                raise ValueError(f"{spec.name}.{value.name}: the trace fixed axis '{size}' to {dim.dim_value}")
+            dim.dim_param = size
 
 
 def trace_torch(component: ExportableComponent, dtype: str, device: str, cuda_graphs: bool = True,

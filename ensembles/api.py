@@ -28,7 +28,8 @@ DEFAULT_STRENGTH = 0.6
 
 API_INPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("prompt", "BYTES", (1,), "UTF-8 text to generate from", required=True),
-    ApiTensor("negative_prompt", "BYTES", (1,), "UTF-8 text to steer away from; used when true_cfg_scale > 1"),
+    ApiTensor("negative_prompt", "BYTES", (1,), "UTF-8 text to steer away from; used when classifier-free "
+                                                "guidance runs (its scale > 1)"),
     ApiTensor("seed", "INT64", (1,), "noise seed, 0 <= seed < 2**63; random when absent"),
     ApiTensor("num_inference_steps", "INT32", (1,), "denoising steps"),
     ApiTensor("guidance_scale", "FP32", (1,), "the embedded guidance of guidance-distilled models (Flux), or the "

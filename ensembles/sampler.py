@@ -62,9 +62,13 @@ class Conditioning(Protocol):
 
     def scheduler(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1) -> Any: ...
 
-    def image_latents(self, image: np.ndarray, first_step: int, seed: int, scheduler: Any) -> tuple[Any, Any]:
-        """Image-to-image: the latents of ``image`` (uint8 [H, W, 3]) noised to
-        ``first_step`` and the timesteps from there, ``scheduler`` set to start there."""
+    def image_latents(self, image: np.ndarray, first_step: int, seed: int, scheduler: Any,
+                      num_frames: int = 1) -> tuple[Any, Any]:
+        """A start from ``image`` (uint8 [H, W, 3]): image-to-image's latents of
+        the picture noised to ``first_step`` (``scheduler`` set to start there),
+        or an image-to-video model's first frame; and the timesteps to run.
+        (A family whose picture only conditions the steps, Wan's
+        image-to-video, has no such method: request_conditioning instead.)"""
         ...
 
     def denoiser_inputs(self, latents: Any, timestep: Any, conditioning: dict[str, np.ndarray],
@@ -81,8 +85,7 @@ class Conditioning(Protocol):
     #   DECODE_STAGES (a video decoded chunk by chunk);
     # - ``request_conditioning(request) -> dict``: what a request adds to
     #   every step's conditioning besides its prompts (image-to-video's
-    #   picture, a video's positions at its frame rate); image_latents is
-    #   image-to-image's start from the picture instead.
+    #   picture, a video's positions at its frame rate).
 
 
 @dataclass
@@ -234,11 +237,12 @@ class Sampler:
         conditioning = self.prompt_cache.encode(prompts, cond.encode_prompts, stats)
         scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width, request.num_frames)
         first_step = request.num_inference_steps - request.denoising_steps
-        if request.strength is None:
+        if request.image is not None and hasattr(cond, "image_latents"):
+            latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler,
+                                                    request.num_frames)
+        else:
             latents = cond.initial_latents(request.seed, request.height, request.width, request.num_frames)
             timesteps = scheduler.timesteps
-        else:
-            latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler)
         if hasattr(cond, "request_conditioning"):
             conditioning = {**conditioning, **cond.request_conditioning(request)}
         stats.steps = len(timesteps)

@@ -106,3 +106,48 @@ def test_served_text_to_video_equals_diffusers(ltx_repository, ltx_pipeline):
     expected = diffusers_video(ltx_pipeline, defaults, 3, num_frames=13, fps=16)
     assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
     assert (stats["frames"], stats["fps"]) == (13, 16)
+
+
+# --------------------------------------------------------------- image-to-video
+@pytest.fixture(scope="module")
+def tiny_ltx_i2v_dir(tmp_path_factory):
+    from machgen.builder.build import write_tiny_model
+    from machgen.builder.registry import get_family
+
+    return write_tiny_model(get_family("ltx-i2v"), tmp_path_factory.mktemp("models") / "tiny-ltx-i2v")
+
+
+@pytest.fixture(scope="module")
+def local_ltx_i2v(tiny_ltx_i2v_dir, tmp_path_factory):
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+    from machgen.ensembles.local import LocalPipeline
+
+    out = tmp_path_factory.mktemp("ltx-i2v-repository")
+    build_repository(tiny_ltx_i2v_dir, NAME, out, options=ServingOptions(sampler_instances=1, component_instances=1),
+                     log=lambda line: None)
+    return LocalPipeline(out, NAME)
+
+
+def _picture(height: int, width: int, seed: int) -> np.ndarray:
+    rows, cols = np.mgrid[0:height, 0:width] / max(height, width)
+    noise = np.random.default_rng(seed).integers(0, 60, (height, width, 3))
+    return (np.stack([rows, cols, rows * cols], axis=-1) * 190 + noise).clip(0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("size, call", [
+    ((32, 64), {}),
+    ((64, 32), {"num_frames": 13, "num_inference_steps": 5, "guidance_scale": 1.0, "fps": 16}),
+], ids=["defaults", "13-frames-no-cfg"])
+def test_in_process_image_to_video_equals_diffusers(local_ltx_i2v, tiny_ltx_i2v_dir, size, call):
+    import diffusers
+    from PIL import Image
+
+    image = _picture(*size, seed=4)
+    frames, stats = local_ltx_i2v.generate(PROMPT, image=image, seed=9, cache_policy="none", **call)
+    pipe = diffusers.LTXImageToVideoPipeline.from_pretrained(tiny_ltx_i2v_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    expected = diffusers_video(pipe, local_ltx_i2v.pipeline["defaults"], 9, image=Image.fromarray(image),
+                               height=size[0], width=size[1], **call)
+    assert frames.shape == expected.shape
+    assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF

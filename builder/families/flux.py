@@ -548,7 +548,7 @@ class FluxConditioning:
         scheduler.set_begin_index(0)
         return scheduler
 
-    def image_latents(self, image, first_step: int, seed: int, scheduler):
+    def image_latents(self, image, first_step: int, seed: int, scheduler, num_frames: int = 1):
         """FluxImg2ImgPipeline's start: the schedule from ``first_step`` on,
         the image's latents sampled from the VAE encoder's distribution and
         noised to that step, drawing from one generator in the pipeline's

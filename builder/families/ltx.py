@@ -40,17 +40,19 @@ from machgen.builder.registry import (
 _SCALAR = ("batch", 1)
 
 
-def _ltx_specs(*, text_dim: int, inner_dim: int, in_channels: int, out_channels: int,
-               latent_channels: int) -> dict[str, ComponentSpec]:
+def _ltx_specs(*, text_dim: int, inner_dim: int, in_channels: int, out_channels: int, latent_channels: int,
+               image_to_video: bool) -> dict[str, ComponentSpec]:
     latents = TensorSpec("hidden_states", "float32", ("batch", "video_tokens", in_channels))
     text = TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", text_dim))
     mask = TensorSpec("encoder_attention_mask", "float32", ("batch", "text_tokens"))
-    timestep = TensorSpec("timestep", "float32", _SCALAR)
+    # Image-to-video: a timestep per token (0 on the first frame's, which hold the picture).
+    timesteps = "video_tokens" if image_to_video else 1
+    timestep = TensorSpec("timestep", "float32", ("batch", timesteps))
     coords = TensorSpec("video_coords", "float32", ("batch", 3, "video_tokens"))
     video_hidden = TensorSpec("image_hidden", "float32", ("batch", "video_tokens", inner_dim))
     text_hidden = TensorSpec("text_hidden", "float32", ("batch", "text_tokens", inner_dim))
-    temb = TensorSpec("temb", "float32", ("batch", 1, 6 * inner_dim))
-    embedded_timestep = TensorSpec("embedded_timestep", "float32", ("batch", 1, inner_dim))
+    temb = TensorSpec("temb", "float32", ("batch", timesteps, 6 * inner_dim))
+    embedded_timestep = TensorSpec("embedded_timestep", "float32", ("batch", timesteps, inner_dim))
     noise_pred = TensorSpec("noise_pred", "float32", ("batch", "video_tokens", out_channels))
     residual = ("batch", "video_tokens", inner_dim)
     frames = ("batch", 3, "frames", "height", "width")
@@ -100,6 +102,14 @@ def _ltx_specs(*, text_dim: int, inner_dim: int, in_channels: int, out_channels:
             in_sampler=True,
         ),
     ]
+    if image_to_video:
+        latent = ("batch", latent_channels, 1, "latent_height", "latent_width")
+        specs.append(ComponentSpec(
+            "vae_encoder",
+            inputs=(TensorSpec("frames", "float32", ("batch", 3, 1, "height", "width")),),
+            outputs=(TensorSpec("latent_mean", "float32", latent), TensorSpec("latent_std", "float32", latent)),
+            tolerance=1e-3,
+        ))
     return {s.name: s for s in specs}
 
 
@@ -120,10 +130,11 @@ def _modules():
         return ((1 - mask.to(dtype)) * -10000.0).unsqueeze(1)
 
     def time_embedding(tr, timestep, batch: int, dtype):
-        # One timestep per row: [batch, 1, features] (the model's view(batch, -1, ...) of the same values
-        # leaves the exporter a token count it cannot prove equal to the text's).
+        # [batch, timesteps per row, features], sized from the timestep (the model's view(batch, -1, ...)
+        # of the same values leaves the exporter a count it cannot prove equal to the tokens').
         temb, embedded = tr.time_embed(timestep.reshape(-1), batch_size=batch, hidden_dtype=dtype)
-        return temb.unsqueeze(1), embedded.unsqueeze(1)
+        return (temb.reshape(batch, timestep.shape[1], temb.size(-1)),
+                embedded.reshape(batch, timestep.shape[1], embedded.size(-1)))
 
     def output(tr, hidden, embedded_timestep):
         shift_scale = tr.scale_shift_table[None, None] + embedded_timestep[:, :, None]
@@ -202,7 +213,21 @@ def _modules():
             frames = (frames / 2 + 0.5).clamp(0, 1)
             return (frames.permute(0, 2, 3, 4, 1) * 255).round().to(torch.uint8)
 
-    return TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoder, Postprocess
+    class VaeEncoder(torch.nn.Module):
+        """AutoencoderKLLTXVideo.encode's latent distribution in LTXPipeline's
+        normalisation: (sample - mean) * scale / std = latent_mean + latent_std * noise."""
+
+        def __init__(self, vae):
+            super().__init__()
+            self.vae = vae
+            self.scaling_factor = float(vae.config.scaling_factor)
+
+        def forward(self, frames):
+            distribution = self.vae.encode(frames).latent_dist
+            scale = self.scaling_factor / self.vae.latents_std.view(1, -1, 1, 1, 1)
+            return (distribution.mean - self.vae.latents_mean.view(1, -1, 1, 1, 1)) * scale, distribution.std * scale
+
+    return TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoder, Postprocess, VaeEncoder
 
 
 @register_family
@@ -218,12 +243,16 @@ class Ltx(Family):
         tr = pipe.transformer.config
         return _ltx_specs(text_dim=tr.caption_channels, inner_dim=tr.num_attention_heads * tr.attention_head_dim,
                           in_channels=tr.in_channels, out_channels=tr.out_channels,
-                          latent_channels=pipe.vae.config.latent_channels)
+                          latent_channels=pipe.vae.config.latent_channels, image_to_video=self.image_to_video)
+
+    @property
+    def image_to_video(self) -> bool:
+        return "image-to-video" in self.capabilities.tasks
 
     def components(self, pipe) -> list[ExportableComponent]:
         import torch
 
-        text_encoder, head, tail, reuse, vae_decoder, postprocess = _modules()
+        text_encoder, head, tail, reuse, vae_decoder, postprocess, vae_encoder = _modules()
         if pipe.vae.config.timestep_conditioning is None:
             raise ValueError("an LTX VAE without timestep_conditioning in its config is not supported")
         specs = self.specs(pipe)
@@ -241,15 +270,21 @@ class Ltx(Family):
         mask[1, 4:] = 0
         coords = _video_coords(frames, lat_h, lat_w, (1 / 25, 32, 32), 1, 1).expand(batch, -1, -1).contiguous()
         head_module = head(pipe.transformer).eval()
+        timestep = torch.tensor([[700.0], [300.0]])
+        if self.image_to_video:  # the first frame's tokens at 0
+            timestep = timestep.repeat(1, tokens)
+            timestep[:, :lat_h * lat_w] = 0
         head_inputs = {"hidden_states": randn(batch, tokens, tr.in_channels),
                        "encoder_hidden_states": randn(batch, text_tokens, tr.caption_channels),
-                       "encoder_attention_mask": mask.float(), "timestep": torch.tensor([[700.0], [300.0]]),
-                       "video_coords": coords}
+                       "encoder_attention_mask": mask.float(), "timestep": timestep, "video_coords": coords}
         with torch.no_grad():
             image_hidden, text_hidden, temb, embedded_timestep, _ = (output.cpu().float() for output in head_module(
                 **{name: value.to(device, dtype) for name, value in head_inputs.items()}))
         vae_spatial = pipe.vae_spatial_compression_ratio
-        return [
+        encoder = [ExportableComponent(specs["vae_encoder"], vae_encoder(pipe.vae).eval(),
+                                       {"frames": randn(batch, 3, 1, lat_h * vae_spatial, lat_w * vae_spatial)})
+                   ] if self.image_to_video else []
+        return encoder + [
             ExportableComponent(specs["text_encoder"], text_encoder(pipe.text_encoder).eval(),
                                 {"input_ids": torch.randint(0, pipe.text_encoder.config.vocab_size,
                                                             (batch, text_tokens), generator=gen)}),
@@ -307,7 +342,7 @@ class Ltx(Family):
         )
         for module in (text_encoder, transformer, vae):
             module.eval()
-        return diffusers.LTXPipeline(
+        return getattr(diffusers, self.diffusers_pipeline)(
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
             tokenizer=tokenizer, transformer=transformer,
         )
@@ -424,11 +459,15 @@ class LtxConditioning:
         from diffusers.utils.torch_utils import randn_tensor
 
         shape = (1, self.settings["latent_channels"], *self.latent_shape(height, width, num_frames))
-        noise = randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+        return self.pack(randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32))
+
+    def pack(self, latents):
+        """LTXPipeline._pack_latents: [1, C, F, h, w] -> [1, tokens, C x patches]."""
         patch, patch_t = self.settings["patch_size"], self.settings["patch_size_t"]
-        _, channels, frames, lat_h, lat_w = noise.shape
-        noise = noise.reshape(1, channels, frames // patch_t, patch_t, lat_h // patch, patch, lat_w // patch, patch)
-        return noise.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
+        _, channels, frames, lat_h, lat_w = latents.shape
+        latents = latents.reshape(1, channels, frames // patch_t, patch_t, lat_h // patch, patch, lat_w // patch,
+                                  patch)
+        return latents.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
 
     def scheduler(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1):
         """A fresh scheduler with LTXPipeline's sigmas and shift for the video's token count."""
@@ -482,3 +521,73 @@ class LtxConditioning:
 
         frames = self.run_component("vae_decoder", {"latents": latents})["frames"]
         return as_numpy(self.run_component("postprocess", {"frames": frames})["images"])[0]
+
+
+@register_family
+class LtxImageToVideo(Ltx):
+    """LTX-Video image-to-video (LTXImageToVideoPipeline): the picture's
+    latents are the first latent frame, kept as they are through the loop
+    (its tokens denoised at timestep 0), the other frames start from noise."""
+
+    name = "ltx-i2v"
+    diffusers_pipeline = "LTXImageToVideoPipeline"
+    capabilities = Capabilities(tasks=("image-to-video",), true_cfg=True, guidance_is_cfg=True)
+
+    def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
+        return LtxImageToVideoConditioning(settings, assets_dir, run_component)
+
+
+class _KeepFirstFrame:
+    """A scheduler whose step leaves the first latent frame's tokens as they
+    are: LTXImageToVideoPipeline steps only the others (FlowMatchEuler's step
+    is elementwise, so this is the same)."""
+
+    def __init__(self, scheduler, frame_tokens: int):
+        self.scheduler = scheduler
+        self.frame_tokens = frame_tokens
+        self.timesteps = scheduler.timesteps
+
+    def step(self, model_output, timestep, sample, return_dict: bool = False):
+        stepped = self.scheduler.step(model_output, timestep, sample, return_dict=False)[0]
+        stepped[:, :self.frame_tokens] = sample[:, :self.frame_tokens]
+        return (stepped,)
+
+
+class LtxImageToVideoConditioning(LtxConditioning):
+    """LTXImageToVideoPipeline.prepare_latents and its per-token timesteps."""
+
+    def frame_tokens(self, height: int, width: int) -> int:
+        spatial, patch = self.settings["vae_spatial_ratio"], self.settings["patch_size"]
+        return (height // spatial // patch) * (width // spatial // patch)
+
+    def scheduler(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1):
+        return _KeepFirstFrame(super().scheduler(num_inference_steps, height, width, num_frames),
+                               self.frame_tokens(height, width))
+
+    def image_latents(self, image, first_step: int, seed: int, scheduler, num_frames: int = 1):
+        """The picture's latents (sampled from the VAE encoder's distribution)
+        as the first latent frame, noise after it, drawn from one generator in
+        the pipeline's order (the sample, then the noise); packed."""
+        import numpy as np
+        import torch
+        from diffusers.utils.torch_utils import randn_tensor
+
+        from machgen.ensembles.tensors import as_torch
+
+        pixels = (image.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None]
+        encoded = self.run_component("vae_encoder", {"frames": np.ascontiguousarray(pixels)})
+        mean, std = (as_torch(encoded[name]) for name in ("latent_mean", "latent_std"))
+        generator = torch.Generator("cpu").manual_seed(seed)
+        picture = mean + std * randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+        shape = (1, self.settings["latent_channels"], *self.latent_shape(*image.shape[:2], num_frames))
+        noise = randn_tensor(shape, generator=generator, device=mean.device, dtype=torch.float32)
+        latents = torch.cat([picture, noise[:, :, 1:]], dim=2)
+        return self.pack(latents), scheduler.timesteps
+
+    def denoiser_inputs(self, latents, timestep, conditioning: dict[str, Any], guidance_scale: float,
+                        height: int, width: int) -> dict[str, Any]:
+        inputs = super().denoiser_inputs(latents, timestep, conditioning, guidance_scale, height, width)
+        # t on every token but the first frame's, which stay at 0 (the picture is clean).
+        inputs["timestep"] = inputs["timestep"].expand(-1, latents.shape[1]).clone()
+        inputs["timestep"][:, :self.frame_tokens(height, width)] = 0
+        return inputs
