@@ -1,4 +1,5 @@
-"""LTX-Video text-to-video: diffusers' LTXPipeline.
+"""LTX-Video: diffusers' LTXPipeline (text-to-video) and LTXImageToVideoPipeline
+(``ltx-i2v``: image-to-video, which adds ``vae_encoder`` and takes a timestep per token).
 
 Components, as Triton serves them:
 
