@@ -69,6 +69,9 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed"),
     steps: Optional[int] = typer.Option(None, "--steps"),
     guidance_scale: Optional[float] = typer.Option(None, "--guidance-scale"),
+    guidance_scale_2: Optional[float] = typer.Option(None, "--guidance-scale-2",
+                                                     help="two-expert models (Wan 2.2): the low-noise expert's "
+                                                          "guidance scale"),
     true_cfg_scale: Optional[float] = typer.Option(None, "--true-cfg-scale"),
     height: Optional[int] = typer.Option(None, "--height"),
     width: Optional[int] = typer.Option(None, "--width"),
@@ -112,7 +115,8 @@ def generate(
             start = time.perf_counter()
             images, stats = client.generate_with_stats(
                 model, prompt, negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
-                guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width,
+                guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, true_cfg_scale=true_cfg_scale,
+                height=height, width=width,
                 cache_policy=cache_policy, cache_threshold=cache_threshold, image=picture, strength=strength,
                 num_frames=num_frames, fps=fps, reference_images=references)
             seconds = time.perf_counter() - start
