@@ -151,3 +151,16 @@ def test_in_process_image_to_video_equals_diffusers(local_ltx_i2v, tiny_ltx_i2v_
                                height=size[0], width=size[1], **call)
     assert frames.shape == expected.shape
     assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_torch_target_serves_the_video_in_process(tiny_ltx_dir, ltx_pipeline, tmp_path):
+    """The torch target (torch.export programs, CPU here) on a video family: 5-D latents in, every frame out."""
+    from machgen.builder.build import TargetOptions, build_repository
+    from machgen.ensembles.local import LocalPipeline
+
+    build_repository(tiny_ltx_dir, NAME, tmp_path, target="torch", target_options=TargetOptions(device="cpu"),
+                     log=lambda line: None)
+    local = LocalPipeline(tmp_path, NAME)
+    frames, _ = local.generate(PROMPT, seed=8, num_frames=5, fps=20, cache_policy="none")
+    expected = diffusers_video(ltx_pipeline, local.pipeline["defaults"], 8, num_frames=5, fps=20)
+    assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
