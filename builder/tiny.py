@@ -52,3 +52,16 @@ def tiny_t5_tokenizer(model_max_length: int = 512):
     pieces += [(c, -3.0) for c in string.ascii_letters + string.digits + string.punctuation]
     pieces += [("\u2581" + w, -1.0) for w in _T5_WORDS]
     return transformers.T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def tiny_t5_encoder(tokenizer, model_class: str = "T5EncoderModel"):
+    """A two-layer T5-family text encoder over ``tokenizer`` (``model_class``:
+    T5EncoderModel for Flux and LTX, UMT5EncoderModel for Wan), in eval mode."""
+    import transformers
+
+    config_class = getattr(transformers, model_class.replace("EncoderModel", "Config"))
+    return getattr(transformers, model_class)(config_class(
+        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+    )).eval()

@@ -360,7 +360,7 @@ class Flux(Family):
         import torch
         import transformers
 
-        from machgen.builder.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+        from machgen.builder.tiny import tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer
 
         torch.manual_seed(0)
         clip_tok = tiny_clip_tokenizer()
@@ -371,11 +371,7 @@ class Flux(Family):
             bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
             pad_token_id=clip_tok.pad_token_id,
         ))
-        t5 = transformers.T5EncoderModel(transformers.T5Config(
-            vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=t5_tok.pad_token_id,
-        ))
+        t5 = tiny_t5_encoder(t5_tok)
         vae = diffusers.AutoencoderKL(
             in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1,
             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,

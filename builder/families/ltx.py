@@ -317,17 +317,12 @@ class Ltx(Family):
     def tiny_pipeline(self):
         import diffusers
         import torch
-        import transformers
 
-        from machgen.builder.tiny import tiny_t5_tokenizer
+        from machgen.builder.tiny import tiny_t5_encoder, tiny_t5_tokenizer
 
         torch.manual_seed(0)
         tokenizer = tiny_t5_tokenizer()
-        text_encoder = transformers.T5EncoderModel(transformers.T5Config(
-            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-        ))
+        text_encoder = tiny_t5_encoder(tokenizer)
         transformer = diffusers.LTXVideoTransformer3DModel(
             in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4,
             attention_head_dim=8, cross_attention_dim=32, num_layers=2, caption_channels=32,

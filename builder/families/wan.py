@@ -465,17 +465,12 @@ class Wan(Family):
     def tiny_pipeline(self):
         import diffusers
         import torch
-        import transformers
 
-        from machgen.builder.tiny import tiny_t5_tokenizer
+        from machgen.builder.tiny import tiny_t5_encoder, tiny_t5_tokenizer
 
         torch.manual_seed(0)
         tokenizer = tiny_t5_tokenizer()
-        text_encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(
-            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-        ))
+        text_encoder = tiny_t5_encoder(tokenizer, "UMT5EncoderModel")
         vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                          temperal_downsample=[False, True, True])
 
