@@ -1,9 +1,10 @@
-"""In-memory tokenizers for tiny test models (no model hub is reachable).
+"""In-memory tokenizers and a text encoder for tiny test models (no model hub is reachable).
 
 The CLIP tokenizer is a byte-level BPE over single characters with a few
 merges; the T5 tokenizer is a unigram model over letters and a handful of
-words. Both save with ``save_pretrained`` and load back with the classes a
-diffusers pipeline names in its ``model_index.json``.
+words; the Llama one a byte-level BPE with Llama 3's special tokens. All
+save with ``save_pretrained`` and load back with the classes a diffusers
+pipeline names in its ``model_index.json``.
 """
 
 from __future__ import annotations
@@ -65,3 +66,25 @@ def tiny_t5_encoder(tokenizer, model_class: str = "T5EncoderModel"):
         relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
     )).eval()
+
+
+def tiny_llama_tokenizer(model_max_length: int = 512):
+    """A byte-level BPE in Llama 3's manner: a begin-of-text token in front,
+    none at the end; ``<|end_of_text|>`` is the end (and, in
+    HiDreamImagePipeline, the padding) token."""
+    import tokenizers
+    import transformers
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    merges = [("c", "a"), ("ca", "t"), ("\u0120", "a"), ("r", "e"), ("re", "d")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    begin, end = "<|begin_of_text|>", "<|end_of_text|>"
+    vocab[begin], vocab[end] = len(vocab), len(vocab) + 1
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{begin} $A", pair=f"{begin} $A {begin} $B", special_tokens=[(begin, vocab[begin])])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=begin, eos_token=end,
+                                                model_max_length=model_max_length)

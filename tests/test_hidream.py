@@ -1,0 +1,119 @@
+"""Text-to-image on the tiny HiDream-I1: the served pipeline against
+diffusers' HiDreamImagePipeline on the same model, seed and settings
+(square and padded non-square sizes, CFG on and off), its exportable
+mixture of experts against diffusers' own, and cache reuse."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import free_port
+
+MAX_PIXEL_DIFF = 2  # of 255
+NAME = "hidream"
+PROMPT = "a red cat at the top"
+
+
+@pytest.fixture(scope="module")
+def tiny_hidream_dir(tmp_path_factory):
+    from machgen.builder.build import write_tiny_model
+    from machgen.builder.registry import get_family
+
+    return write_tiny_model(get_family("hidream"), tmp_path_factory.mktemp("models") / "tiny-hidream")
+
+
+@pytest.fixture(scope="module")
+def hidream_pipeline(tiny_hidream_dir):
+    import diffusers
+
+    pipe = diffusers.HiDreamImagePipeline.from_pretrained(tiny_hidream_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def hidream_repository(tiny_hidream_dir, tmp_path_factory):
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp("hidream-repository")
+    build_repository(tiny_hidream_dir, NAME, out, options=ServingOptions(sampler_instances=2, component_instances=1),
+                     log=lambda line: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_hidream(hidream_repository):
+    from machgen.ensembles.local import LocalPipeline
+
+    return LocalPipeline(hidream_repository, NAME)
+
+
+def diffusers_image(pipe, defaults, seed: int, **call) -> np.ndarray:
+    """HiDreamImagePipeline's image as uint8 levels (int16), [H, W, 3]."""
+    import torch
+
+    settings = {key: defaults[key] for key in ("height", "width", "num_inference_steps", "guidance_scale",
+                                               "max_sequence_length")}
+    image = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
+                 **{**settings, **call}).images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+def test_dense_mixture_of_experts_equals_diffusers_routing():
+    """The exportable form adds the same terms in the same order as MOEFeedForwardSwiGLU.moe_infer."""
+    import torch
+    from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
+
+    from machgen.builder.families.hidream import _modules
+
+    *_, dense_mixture = _modules()
+    torch.manual_seed(0)
+    mixture = MOEFeedForwardSwiGLU(dim=32, hidden_dim=128, num_routed_experts=4, num_activated_experts=2).eval()
+    x = torch.randn(2, 50, 32)
+    with torch.no_grad():
+        chosen, _, _ = mixture.gate(x)
+        expected, dense = mixture(x), dense_mixture(mixture)(x)
+    assert len(chosen.unique()) == 4  # every expert routes some tokens
+    assert (dense - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+@pytest.mark.parametrize("call", [
+    {},  # the served defaults: 256 x 256 (the tiny pipeline's rendered size), 4 steps, CFG 5
+    # Rendered at 220 x 292 (the aspect ratio kept), padded to max_seq tokens with a mask.
+    {"height": 192, "width": 256, "num_inference_steps": 3, "negative_prompt": "a blue square"},
+    {"guidance_scale": 1.0, "num_inference_steps": 2},
+], ids=["defaults", "non-square-negative-prompt", "no-cfg"])
+def test_in_process_text_to_image_equals_diffusers(local_hidream, hidream_pipeline, call):
+    defaults = local_hidream.pipeline["defaults"]
+    images, _ = local_hidream.generate(PROMPT, seed=5, cache_policy="none", **call)
+    expected = diffusers_image(hidream_pipeline, defaults, 5, **call)
+    assert images.shape == (1, *expected.shape)
+    assert np.abs(images[0].astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_first_block_cache_skips_steps(local_hidream):
+    uncached, plain = local_hidream.generate(PROMPT, seed=7, num_inference_steps=10, cache_policy="none")
+    cached, stats = local_hidream.generate(PROMPT, seed=7, num_inference_steps=10, cache_policy="fbcache",
+                                           cache_threshold=0.3)
+    assert stats.denoiser_tail_passes < plain.denoiser_tail_passes
+    psnr = 10 * np.log10(255.0 ** 2 / max(np.mean((cached.astype(float) - uncached.astype(float)) ** 2), 1e-12))
+    assert psnr > 25, f"cached image {psnr:.1f} dB from the uncached one"
+
+
+@pytest.mark.integration
+def test_served_text_to_image_equals_diffusers(hidream_repository, hidream_pipeline):
+    from machgen.builder.repository import pipeline_dir
+    from machgen.client import MachgenClient
+    from machgen.server import Ports, TritonServer
+
+    defaults = json.loads((pipeline_dir(hidream_repository, NAME) / "pipeline.json").read_text())["defaults"]
+    with TritonServer(hidream_repository, Ports(free_port(), free_port(), free_port())) as server, \
+            MachgenClient(server.grpc_url) as client:
+        images, stats = client.generate_with_stats(NAME, PROMPT, seed=3, num_inference_steps=3)
+    expected = diffusers_image(hidream_pipeline, defaults, 3, num_inference_steps=3)
+    assert np.abs(images[0].astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
+    assert stats["steps"] == 3
