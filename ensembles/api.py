@@ -65,7 +65,7 @@ _NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP3
 _MAX_GUIDANCE = 100.0
 _MAX_CACHE_THRESHOLD = 10.0
 _MAX_FPS = 240
-_MAX_REFERENCE_IMAGES = 8
+MAX_REFERENCE_IMAGES = 8
 
 
 def numpy_dtype(triton_dtype: str):
@@ -196,8 +196,8 @@ def _frames(field: str, value: np.ndarray, frame_multiple: int, maximum: int) ->
 def _pictures(field: str, value: np.ndarray, height: int, width: int) -> np.ndarray:
     if value.dtype != np.uint8:
         raise InvalidArgument(field, f"expected UINT8 pixels, got {value.dtype}")
-    if value.ndim != 4 or value.shape[3] != 3 or not 1 <= value.shape[0] <= _MAX_REFERENCE_IMAGES:
-        raise InvalidArgument(field, f"expected shape [1 to {_MAX_REFERENCE_IMAGES} images, height, width, 3], "
+    if value.ndim != 4 or value.shape[3] != 3 or not 1 <= value.shape[0] <= MAX_REFERENCE_IMAGES:
+        raise InvalidArgument(field, f"expected shape [1 to {MAX_REFERENCE_IMAGES} images, height, width, 3], "
                                      f"got {list(value.shape)}")
     if value.shape[1:3] != (height, width):
         raise InvalidArgument(field, f"their size {value.shape[2]}x{value.shape[1]} is not the video's "

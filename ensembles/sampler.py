@@ -85,7 +85,10 @@ class Conditioning(Protocol):
     #   DECODE_STAGES (a video decoded chunk by chunk);
     # - ``request_conditioning(request) -> dict``: what a request adds to
     #   every step's conditioning besides its prompts (image-to-video's
-    #   picture, a video's positions at its frame rate).
+    #   picture, a video's positions at its frame rate);
+    # - ``reference_frames(request) -> int``: latent frames denoised in
+    #   front of the video and dropped before the decode (Wan VACE's
+    #   reference images; latents [1, C, frames, h, w]).
 
 
 @dataclass
@@ -236,12 +239,14 @@ class Sampler:
             prompts.append(request.negative_prompt)
         conditioning = self.prompt_cache.encode(prompts, cond.encode_prompts, stats)
         scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width, request.num_frames)
+        reference_frames = cond.reference_frames(request) if hasattr(cond, "reference_frames") else 0
         first_step = request.num_inference_steps - request.denoising_steps
         if request.image is not None and hasattr(cond, "image_latents"):
             latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler,
                                                     request.num_frames)
         else:
-            latents = cond.initial_latents(request.seed, request.height, request.width, request.num_frames)
+            latents = cond.initial_latents(request.seed, request.height, request.width,
+                                           request.num_frames + reference_frames * getattr(cond, "frame_multiple", 1))
             timesteps = scheduler.timesteps
         if hasattr(cond, "request_conditioning"):
             conditioning = {**conditioning, **cond.request_conditioning(request)}
@@ -272,6 +277,8 @@ class Sampler:
             latents = scheduler.step(noise, timestep, latents.to(noise.device), return_dict=False)[0]
             if on_step is not None:
                 on_step(index + 1, len(timesteps))
+        if reference_frames:
+            latents = latents[:, :, reference_frames:]
         return Generation(cond.decoder_latents(latents, request.height, request.width), stats)
 
     def decode(self, latents) -> np.ndarray:

@@ -47,8 +47,8 @@ _SCALAR = ("batch", 1)
 EXPERT_PREFIXES = ("denoiser", "denoiser_2")
 
 
-def _denoiser_specs(prefix: str, *, in_channels: int, out_channels: int, text_dim: int,
-                    inner_dim: int) -> list[ComponentSpec]:
+def _denoiser_specs(prefix: str, *, in_channels: int, out_channels: int, text_dim: int, inner_dim: int,
+                    control_channels: int | None) -> list[ComponentSpec]:
     video = ("latent_frames", "latent_height", "latent_width")
     # Image-to-video: the noisy latents, then the mask and the image's latents (in_channels > out_channels).
     latents = TensorSpec("hidden_states", "float32", ("batch", in_channels, *video))
@@ -59,18 +59,23 @@ def _denoiser_specs(prefix: str, *, in_channels: int, out_channels: int, text_di
     timestep = TensorSpec("timestep", "float32", _SCALAR)
     noise_pred = TensorSpec("noise_pred", "float32", ("batch", out_channels, *video))
     residual = ("batch", "video_tokens", inner_dim)
+    # VACE (reference-to-video): the control latents in, and the control stream after its first block between.
+    control_in, control_between = ((), ()) if control_channels is None else (
+        (TensorSpec("control_hidden_states", "float32", ("batch", control_channels, *video)),),
+        (TensorSpec("control_hidden", "float32", residual),))
     return [
         ComponentSpec(
             f"{prefix}_head",
-            inputs=(latents, timestep, TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", text_dim))),
+            inputs=(latents, timestep, TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", text_dim)))
+            + control_in,
             outputs=(video_hidden, text_hidden, timestep_proj, temb,
-                     TensorSpec("first_block_residual", "float32", residual)),
+                     TensorSpec("first_block_residual", "float32", residual)) + control_between,
             tolerance=1e-4,
             per_step=True,
         ),
         ComponentSpec(
             f"{prefix}_tail",
-            inputs=(video_hidden, text_hidden, timestep_proj, temb, latents),
+            inputs=(video_hidden, text_hidden, timestep_proj, temb, latents) + control_between,
             outputs=(noise_pred, TensorSpec("tail_residual", "float32", residual)),
             tolerance=1e-4,
             per_step=True,
@@ -108,7 +113,7 @@ def _chunk_specs(latent_channels: int, temporal_factor: int, coder: str) -> list
 
 
 def _wan_specs(*, in_channels: int, out_channels: int, text_dim: int, inner_dim: int, experts: int,
-               temporal_factor: int, vae_encoder: bool) -> dict[str, ComponentSpec]:
+               temporal_factor: int, vae_encoder: bool, control_channels: int | None) -> dict[str, ComponentSpec]:
     specs = [
         ComponentSpec(
             "text_encoder",
@@ -120,7 +125,7 @@ def _wan_specs(*, in_channels: int, out_channels: int, text_dim: int, inner_dim:
     ]
     for prefix in EXPERT_PREFIXES[:experts]:
         specs += _denoiser_specs(prefix, in_channels=in_channels, out_channels=out_channels, text_dim=text_dim,
-                                 inner_dim=inner_dim)
+                                 inner_dim=inner_dim, control_channels=control_channels)
     specs += _chunk_specs(out_channels, temporal_factor, "decoder")
     if vae_encoder:
         specs += _chunk_specs(out_channels, temporal_factor, "encoder")
@@ -157,8 +162,9 @@ def _modules():
         temb = embedder.time_embedder(projected).type_as(like)
         return temb, embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))
 
-    def patches(tr, latents):
-        return tr.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+    def patches(embedding, latents):
+        """A patch embedding's tokens [batch, tokens, inner] of latents [batch, C, frames, h, w]."""
+        return embedding(latents).flatten(2).transpose(1, 2).contiguous()
 
     def output(tr, hidden, temb, latents):
         """WanTransformer3DModel.forward's output norm, projection and unpatchify."""
@@ -179,7 +185,7 @@ def _modules():
 
         def forward(self, hidden_states, timestep, encoder_hidden_states):
             tr = self.transformer
-            embedded = patches(tr, hidden_states)
+            embedded = patches(tr.patch_embedding, hidden_states)
             temb, timestep_proj = time_embedding(tr, timestep, encoder_hidden_states)
             text_hidden = tr.condition_embedder.text_embedder(encoder_hidden_states)
             hidden = tr.blocks[0](embedded, text_hidden, timestep_proj, tr.rope(hidden_states))
@@ -210,7 +216,7 @@ def _modules():
         def forward(self, hidden_states, timestep, blocks_residual):
             tr = self.transformer
             temb, _ = time_embedding(tr, timestep, blocks_residual)
-            return output(tr, patches(tr, hidden_states) + blocks_residual, temb, hidden_states)
+            return output(tr, patches(tr.patch_embedding, hidden_states) + blocks_residual, temb, hidden_states)
 
     def two_frames(entry):
         # A one-frame entry zero-padded in front: the causal convolutions read
@@ -313,6 +319,45 @@ def _modules():
         def forward(self, frames, encoder_cache):
             return super().forward(frames, encoder_cache)
 
+    class _Vace:
+        """WanVACETransformer3DModel's control branch: its block j (run in
+        order) makes the hint added after the j-th main block of vace_layers.
+        diffusers runs every control block before the main blocks; a control
+        block reads only the control stream, the text and the timestep
+        (the first also the embedded latents), so running each where its hint
+        is needed computes the same."""
+
+        def hint_after(self, block: int) -> int | None:
+            """The control block whose hint follows main block ``block``, or None."""
+            layers = sorted(self.transformer.config.vace_layers)
+            return layers.index(block) if block in layers else None
+
+    class VaceDenoiserHead(DenoiserHead, _Vace):
+        def forward(self, hidden_states, timestep, encoder_hidden_states, control_hidden_states):
+            tr = self.transformer
+            embedded = patches(tr.patch_embedding, hidden_states)
+            temb, timestep_proj = time_embedding(tr, timestep, encoder_hidden_states)
+            text_hidden = tr.condition_embedder.text_embedder(encoder_hidden_states)
+            rotary = tr.rope(hidden_states)
+            # The control latents cover every latent frame (references included): no padding to add.
+            control = patches(tr.vace_patch_embedding, control_hidden_states)
+            hint, control = tr.vace_blocks[0](embedded, text_hidden, control, timestep_proj, rotary)
+            hidden = tr.blocks[0](embedded, text_hidden, timestep_proj, rotary) + hint  # layer 0 is always a VACE layer
+            return hidden, text_hidden, timestep_proj, temb, hidden - embedded, control
+
+    class VaceDenoiserTail(DenoiserTail, _Vace):
+        def forward(self, image_hidden, text_hidden, timestep_proj, temb, hidden_states, control_hidden):
+            tr = self.transformer
+            rotary = tr.rope(hidden_states)
+            hidden, control = image_hidden, control_hidden
+            for index, block in enumerate(tr.blocks[1:], start=1):
+                hidden = block(hidden, text_hidden, timestep_proj, rotary)
+                if self.hint_after(index) is not None:
+                    hint, control = tr.vace_blocks[self.hint_after(index)](hidden, text_hidden, control,
+                                                                           timestep_proj, rotary)
+                    hidden = hidden + hint
+            return output(tr, hidden, temb, hidden_states), hidden - image_hidden
+
     class Postprocess(torch.nn.Module):
         """VideoProcessor.postprocess_video(output_type="np") as uint8, frames last-but-channels."""
 
@@ -321,7 +366,7 @@ def _modules():
             return (frames.permute(0, 2, 3, 4, 1) * 255).round().to(torch.uint8)
 
     return (TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoderFirst, VaeDecoderNext, VaeEncoderFirst,
-            VaeEncoderNext, Postprocess)
+            VaeEncoderNext, VaceDenoiserHead, VaceDenoiserTail, Postprocess)
 
 
 def _sample_chunk(vae, coder: str, frames: int, lat_h: int, lat_w: int, batch: int, gen=None):
@@ -396,15 +441,31 @@ class Wan(Family):
     def specs(self, pipe) -> dict[str, ComponentSpec]:
         tr = pipe.transformer.config
         return _wan_specs(in_channels=tr.in_channels, out_channels=tr.out_channels, text_dim=tr.text_dim,
-                          vae_encoder="image-to-video" in self.capabilities.tasks,
+                          vae_encoder=self.encodes_pictures, control_channels=self.control_channels(pipe),
                           inner_dim=tr.num_attention_heads * tr.attention_head_dim, experts=self.experts(pipe),
                           temporal_factor=pipe.vae_scale_factor_temporal)
+
+    @property
+    def encodes_pictures(self) -> bool:
+        """Whether requests bring pictures for the VAE encoder (image- and reference-to-video)."""
+        return bool({"image-to-video", "reference-to-video"} & set(self.capabilities.tasks))
+
+    def control_channels(self, pipe) -> int | None:
+        """The channels of VACE's control latents (reference-to-video), None without a control branch."""
+        return None
+
+    def denoiser_modules(self):
+        """(head, tail, reuse) module classes."""
+        modules = _modules()
+        return modules[1:4]
 
     def components(self, pipe) -> list[ExportableComponent]:
         import torch
 
-        text_encoder, head, tail, reuse, *_, postprocess = _modules()
+        text_encoder, *_, postprocess = _modules()
+        head, tail, reuse = self.denoiser_modules()
         specs = self.specs(pipe)
+        control_channels = self.control_channels(pipe)
         tr = pipe.transformer.config
         # Batch 2 (batch 1 would be specialised), sizes unlike any fixed size in the model.
         batch, text_tokens, frames, lat_h, lat_w = 2, 7, 3, 6, 4
@@ -427,14 +488,18 @@ class Wan(Family):
             head_module = head(transformer).eval()
             head_inputs = {"hidden_states": latents, "timestep": torch.tensor([[700.0], [300.0]]),
                            "encoder_hidden_states": randn(batch, text_tokens, tr.text_dim)}
+            if control_channels is not None:
+                head_inputs["control_hidden_states"] = randn(batch, control_channels, frames, lat_h, lat_w)
             with torch.no_grad():
-                image_hidden, text_hidden, timestep_proj, temb, _ = (output.cpu().float() for output in head_module(
-                    **{name: value.to(device, dtype) for name, value in head_inputs.items()}))
+                image_hidden, text_hidden, timestep_proj, temb, _, *control = (
+                    output.cpu().float() for output in head_module(
+                        **{name: value.to(device, dtype) for name, value in head_inputs.items()}))
             exportable += [
                 ExportableComponent(specs[f"{prefix}_head"], head_module, head_inputs),
                 ExportableComponent(specs[f"{prefix}_tail"], tail(transformer).eval(),
                                     {"image_hidden": image_hidden, "text_hidden": text_hidden,
-                                     "timestep_proj": timestep_proj, "temb": temb, "hidden_states": latents}),
+                                     "timestep_proj": timestep_proj, "temb": temb, "hidden_states": latents,
+                                     **({"control_hidden": control[0]} if control else {})}),
                 ExportableComponent(specs[f"{prefix}_reuse"], reuse(transformer).eval(),
                                     {"hidden_states": latents, "timestep": head_inputs["timestep"],
                                      "blocks_residual": randn(*image_hidden.shape)}),
@@ -474,25 +539,30 @@ class Wan(Family):
         vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                          temperal_downsample=[False, True, True])
 
-        def transformer(in_channels: int):
-            return diffusers.WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
-                out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-            )
-
-        # Wan 2.2's layout: a high-noise and a low-noise expert, switched at 0.875 (text-to-video) or 0.9
-        # (image-to-video) of the schedule; image-to-video's transformers also take the mask and the image's latents.
-        image_to_video = "image-to-video" in self.capabilities.tasks
-        high_noise, low_noise = transformer(36 if image_to_video else 16), transformer(36 if image_to_video else 16)
+        high_noise = self.tiny_transformer()
+        low_noise = None if self.tiny_boundary_ratio is None else self.tiny_transformer()
         for module in (text_encoder, vae, high_noise, low_noise):
-            module.eval()
+            if module is not None:
+                module.eval()
         pipeline_class = getattr(diffusers, self.diffusers_pipeline)
         return pipeline_class(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
             scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                         flow_shift=3.0),
-            transformer=high_noise, transformer_2=low_noise, boundary_ratio=0.9 if image_to_video else 0.875,
+            transformer=high_noise, transformer_2=low_noise, boundary_ratio=self.tiny_boundary_ratio,
+        )
+
+    # The tiny model has Wan 2.2's layout: a high-noise and a low-noise expert, switched at this share of the
+    # schedule (None: one transformer, as Wan 2.1).
+    tiny_boundary_ratio: float | None = 0.875
+
+    def tiny_transformer(self, in_channels: int = 16):
+        import diffusers
+
+        return diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
+            out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
         )
 
     def sampler_settings(self, pipe, defaults: ServedDefaults) -> dict[str, Any]:
@@ -513,7 +583,7 @@ class Wan(Family):
             "scheduler_class": type(pipe.scheduler).__name__,
             "decoder_cache_per_latent_pixel": cache_per_latent_pixel(pipe.vae, "decoder"),
             **({"encoder_cache_per_latent_pixel": cache_per_latent_pixel(pipe.vae, "encoder")}
-               if "image-to-video" in self.capabilities.tasks else {}),
+               if self.encodes_pictures else {}),
         }
 
     def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
@@ -638,6 +708,25 @@ class WanConditioning:
     def decode(self, latents) -> Any:
         return decode_video(latents, self.run_component)
 
+    def encode_frames(self, first, black_chunks: int) -> Any:
+        """The normalised latent means [1, C, 1 + black_chunks, h, w] of a
+        video: the frame ``first`` ([1, 3, 1, H, W] in [-1, 1]) followed by
+        ``black_chunks`` x frame_multiple black frames, encoded chunk by chunk
+        (the chunked VAE encoder; AutoencoderKLWan.encode walks them the same way)."""
+        import numpy as np
+        import torch
+
+        from machgen.ensembles.tensors import as_torch
+
+        outputs = self.run_component("vae_encoder_first", {"frames": first})
+        latents, cache = [as_torch(outputs["latents"])], outputs["encoder_cache"]
+        black = np.zeros((1, 3, self.frame_multiple, *first.shape[3:]), np.float32)
+        for _ in range(black_chunks):
+            outputs = self.run_component("vae_encoder_next", {"frames": black, "encoder_cache": cache})
+            latents.append(as_torch(outputs["latents"]).to(latents[0].device))
+            cache = outputs["updated_cache"]
+        return torch.cat(latents, dim=2)
+
 
 @register_family
 class WanImageToVideo(Wan):
@@ -649,6 +738,12 @@ class WanImageToVideo(Wan):
     name = "wan-i2v"
     diffusers_pipeline = "WanImageToVideoPipeline"
     capabilities = Capabilities(tasks=("image-to-video",), true_cfg=True, guidance_is_cfg=True)
+
+    tiny_boundary_ratio = 0.9
+
+    def tiny_transformer(self, in_channels: int = 36):
+        # The noisy latents, then the first-frame mask (4 channels) and the picture's latents.
+        return super().tiny_transformer(in_channels)
 
     @staticmethod
     def experts(pipe) -> int:
@@ -668,23 +763,9 @@ class WanImageToVideoConditioning(WanConditioning):
     def request_conditioning(self, request) -> dict[str, Any]:
         """The mask (first latent frame 1, the others 0) and the normalised
         latent means of the picture followed by num_frames - 1 black frames."""
-        import numpy as np
         import torch
 
-        from machgen.ensembles.tensors import as_torch
-
-        image, num_frames = request.image, request.num_frames
-
-        # VideoProcessor.preprocess: [0, 255] -> [-1, 1], channels first, one frame.
-        pixels = (image.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None]
-        outputs = self.run_component("vae_encoder_first", {"frames": np.ascontiguousarray(pixels)})
-        latents, cache = [as_torch(outputs["latents"])], outputs["encoder_cache"]
-        empty = np.zeros((1, 3, self.frame_multiple, *image.shape[:2]), np.float32)
-        for _ in range((num_frames - 1) // self.frame_multiple):
-            outputs = self.run_component("vae_encoder_next", {"frames": empty, "encoder_cache": cache})
-            latents.append(as_torch(outputs["latents"]).to(latents[0].device))
-            cache = outputs["updated_cache"]
-        latent_condition = torch.cat(latents, dim=2)
+        latent_condition = self.encode_frames(_pixels(request.image), (request.num_frames - 1) // self.frame_multiple)
         mask = torch.zeros_like(latent_condition[:, :self.frame_multiple])
         mask[:, :, 0] = 1
         return {"image_condition": torch.cat([mask, latent_condition], dim=1)}
@@ -696,6 +777,105 @@ class WanImageToVideoConditioning(WanConditioning):
         condition = conditioning["image_condition"].to(latents.device)
         return super().denoiser_inputs(torch.cat([latents, condition], dim=1), timestep, conditioning,
                                        guidance_scale, height, width)
+
+
+@register_family
+class WanVace(Wan):
+    """Wan VACE (WanVACEPipeline: Wan2.1-VACE, Wan 2.2 VACE-Fun's two experts)
+    with reference images and no control video or mask: reference-to-video,
+    or text-to-video without references. A control branch (``vace_blocks``)
+    reads latents of an empty video, of each reference image and a mask, and
+    adds a hint after each of its ``vace_layers``; each reference also adds a
+    latent frame in front of the video, denoised and then dropped."""
+
+    name = "wan-vace"
+    diffusers_pipeline = "WanVACEPipeline"
+    capabilities = Capabilities(tasks=("text-to-video", "reference-to-video"), true_cfg=True, guidance_is_cfg=True)
+    # The tiny model has Wan2.1-VACE's layout: one transformer.
+    tiny_boundary_ratio = None
+
+    def tiny_transformer(self, in_channels: int = 16):
+        import diffusers
+
+        import torch
+
+        # Control latents: the empty video's twice (16 + 16 channels) and the 8 x 8 mask of each latent pixel.
+        transformer = diffusers.WanVACETransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
+            out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=3, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32, vace_layers=[0, 2], vace_in_channels=96,
+        )
+        # At their initial scale the control branch's hints move the frames by a level or two: louder, so that
+        # the parity tests see every reference's latents.
+        with torch.no_grad():
+            transformer.vace_patch_embedding.weight.mul_(10)
+            for block in transformer.vace_blocks:
+                block.proj_out.weight.mul_(4)
+        return transformer
+
+    def control_channels(self, pipe) -> int | None:
+        return pipe.transformer.config.vace_in_channels
+
+    def denoiser_modules(self):
+        modules = _modules()
+        return modules[8], modules[9], modules[3]
+
+    def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
+        from machgen.ensembles.api import MAX_REFERENCE_IMAGES
+
+        ranges = super().axis_ranges(defaults, settings)
+        frames, tokens = ranges["latent_frames"], ranges["video_tokens"]
+        # Each reference image adds a latent frame in front of the video.
+        ranges["latent_frames"] = AxisRange(frames.min, frames.opt, frames.max + MAX_REFERENCE_IMAGES)
+        ranges["video_tokens"] = AxisRange(tokens.min, tokens.opt,
+                                           tokens.max // frames.max * (frames.max + MAX_REFERENCE_IMAGES))
+        return ranges
+
+    def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
+        return WanVaceConditioning(settings, assets_dir, run_component)
+
+
+class WanVaceConditioning(WanConditioning):
+    """WanVACEPipeline's control latents (preprocess_conditions,
+    prepare_video_latents, prepare_masks without video or mask) and the
+    reference frames in front of the video."""
+
+    def reference_frames(self, request) -> int:
+        return 0 if request.reference_images is None else len(request.reference_images)
+
+    def request_conditioning(self, request) -> dict[str, Any]:
+        """[1, control channels, references + latent frames, h, w]: the empty
+        video's latents twice (its inactive and reactive parts are both
+        empty), each reference's latents beside zeros in front of them (the
+        last reference first, as the pipeline prepends them), then the mask:
+        0 on the references' frames, 1 on the video's."""
+        import numpy as np
+        import torch
+
+        empty_first = np.zeros((1, 3, 1, request.height, request.width), np.float32)
+        empty = self.encode_frames(empty_first, (request.num_frames - 1) // self.frame_multiple)
+        control = torch.cat([empty, empty], dim=1)
+        for picture in request.reference_images if request.reference_images is not None else ():
+            latent = self.encode_frames(_pixels(picture), 0)
+            control = torch.cat([torch.cat([latent, torch.zeros_like(latent)], dim=1), control], dim=2)
+        spatial = self.settings["vae_scale_factor"]
+        mask = control.new_ones(1, spatial * spatial, *control.shape[2:])
+        mask[:, :, :self.reference_frames(request)] = 0
+        return {"control_hidden_states": torch.cat([control, mask], dim=1)}
+
+    def denoiser_inputs(self, latents, timestep, conditioning: dict[str, Any], guidance_scale: float,
+                        height: int, width: int) -> dict[str, Any]:
+        inputs = super().denoiser_inputs(latents, timestep, conditioning, guidance_scale, height, width)
+        control = conditioning["control_hidden_states"].to(latents.device)
+        inputs["control_hidden_states"] = control.expand(len(inputs["hidden_states"]), -1, -1, -1, -1).contiguous()
+        return inputs
+
+
+def _pixels(picture) -> Any:
+    """VideoProcessor.preprocess of a uint8 [H, W, 3] picture: [1, 3, 1, H, W] float32 in [-1, 1]."""
+    import numpy as np
+
+    return np.ascontiguousarray((picture.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None])
 
 
 def decode_video(latents, run_component: Callable) -> Any:
