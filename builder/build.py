@@ -153,11 +153,14 @@ def _quiet_exporter() -> None:
 
 def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
                      options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
-                     target_options: TargetOptions = TargetOptions(),
+                     target_options: TargetOptions = TargetOptions(), export_cache: Path | None = None,
                      log: Callable[[str], None] = print) -> list[ComponentResult]:
     """Export, check and write every component of the model in ``model_dir``
-    (with ``lora`` fused into its weights first), served with ``options``."""
-    from machgen.builder.export import check_parity, export_onnx, export_torch
+    (with ``lora`` fused into its weights first), served with ``options``;
+    components found in ``export_cache`` (default: $MACHGEN_EXPORT_CACHE,
+    builder/export_cache.py) are copied from there, not exported again."""
+    from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch
+    from machgen.builder.export_cache import ExportCache, cache_root, component_key
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
     from machgen.plugins.ops import attention_swapped
 
@@ -195,6 +198,13 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
 
             pipe.to(device=device, dtype=getattr(torch, dtype))  # the components' modules share these weights
     serving = TargetServing(target, torch_device=device, torch_dtype=dtype)
+    root = cache_root(export_cache)
+    cache = ExportCache(root) if root is not None else None
+    # What decides an export besides the component (the tensorrt target exports the ONNX file onnxruntime runs).
+    export_options = {"format": "torch" if target == "torch" else "onnx", "dtype": dtype, "device": device,
+                      "attention": asdict(sparse) if sparse else None}
+    if target == "torch":
+        export_options.update(cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)
     results: list[ComponentResult] = []
     sparse_nodes = 0
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
@@ -204,20 +214,26 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             start = time.perf_counter()
             log(f"[{index}/{len(components)}] {spec.name}: exporting ({target})")
             folder = Path(scratch) / spec.name
-            # Swapped for the parity check too: torch then runs the operator's CPU reference.
-            with attention_swapped(family.attention_modules, sparse) if sparse else contextlib.nullcontext():
-                if target == "torch":
-                    nodes = export_torch(component, folder, dtype, device, cuda_graphs=target_options.cuda_graphs,
-                                         compile=target_options.compile)
-                    path = serving.model_file(folder)
-                else:
-                    path = folder / "model.onnx"
-                    nodes = export_onnx(component, path, attention=sparse)
-                report = check_parity(component, path, dtype, device)
+            path = serving.model_file(folder) if target == "torch" else folder / "model.onnx"
+            key = component_key(component, **export_options) if cache is not None else None
+            cached = cache.load(key, folder) if cache is not None else None
+            if cached is not None:
+                nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])
+            else:
+                # Swapped for the parity check too: torch then runs the operator's CPU reference.
+                with attention_swapped(family.attention_modules, sparse) if sparse else contextlib.nullcontext():
+                    if target == "torch":
+                        nodes = export_torch(component, folder, dtype, device,
+                                             cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)
+                    else:
+                        nodes = export_onnx(component, path, attention=sparse)
+                    report = check_parity(component, path, dtype, device)
+                if cache is not None:
+                    cache.store(key, folder, {"sparse_attention_nodes": nodes, "parity": asdict(report)})
             sparse_nodes += nodes
             log(f"[{index}/{len(components)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
                 f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention calls' if nodes else ''}, "
-                f"{time.perf_counter() - start:.1f} s")
+                f"{time.perf_counter() - start:.1f} s{' (export cache)' if cached is not None else ''}")
             if target == "tensorrt":
                 path = _engine(family, component, path, defaults, settings, options, target_options, sparse, log)
             exported[spec.name] = path

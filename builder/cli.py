@@ -91,6 +91,10 @@ def build(
                                     help="tensorrt: engines whose weights can be swapped without a rebuild"),
     timing_cache: Path = typer.Option(None, "--timing-cache", dir_okay=False,
                                       help="tensorrt: tactic timing cache file, read and rewritten"),
+    export_cache: Path = typer.Option(None, "--export-cache", file_okay=False,
+                                      help="a folder of exported, checked components: what is already there "
+                                           "(same weights, code, options) is copied, not exported again "
+                                           "(default: $MACHGEN_EXPORT_CACHE, else none)"),
 ) -> None:
     """Export every component, check it against torch, and write the model repository."""
     from machgen.builder.build import build_repository
@@ -109,7 +113,8 @@ def build(
                                                     attention_cdf_threshold, attention_topk_ratio),
                          target_options=TargetOptions(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                                       compile=compile_programs, precision=precision,
-                                                      refittable=refittable, timing_cache=timing_cache))
+                                                      refittable=refittable, timing_cache=timing_cache),
+                         export_cache=export_cache)
     except (ParityError, ValueError, KeyError, FileNotFoundError, TensorRTUnavailable) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None

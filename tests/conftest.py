@@ -41,6 +41,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_export_cache(tmp_path_factory):
+    """One export cache for every build of the session (builder/export_cache.py): the tiny Wan
+    models share their VAE and text encoder, the LoRA and sparse-attention builds of the tiny
+    Flux its text encoders and VAE. Never the developer's own cache."""
+    from machgen.builder.export_cache import CACHE_ENV
+
+    previous = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("export-cache"))
+    yield
+    if previous is None:
+        del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_flux_dir(tmp_path_factory) -> Path:
     from machgen.builder.build import write_tiny_model
