@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=15
 
 repository: install
 	$(BIN)/machgen-build build $(MODEL) --name $(NAME) --target onnxruntime --out model_repository

@@ -314,7 +314,9 @@ def magnitude_ratios(tail_residuals: Sequence[np.ndarray]) -> list[float]:
 class BlocksResidualRecorder:
     """Wraps a ``run_component`` and keeps, for every step that ran the tail,
     the residual of all blocks (first block's plus the tail's): what
-    ``magnitude_ratios`` is calibrated from."""
+    ``magnitude_ratios`` is calibrated from. Every denoiser counts (Wan 2.2's
+    two experts: ``denoiser_*`` and ``denoiser_2_*``), so there is a ratio
+    per step of the whole schedule."""
 
     def __init__(self, run_component):
         self.run_component = run_component
@@ -323,8 +325,9 @@ class BlocksResidualRecorder:
 
     def __call__(self, name: str, inputs: dict) -> dict:
         outputs = self.run_component(name, inputs)
-        if name == "denoiser_head":
+        prefix, _, part = name.rpartition("_")
+        if prefix.startswith("denoiser") and part == "head":
             self._first_block = outputs["first_block_residual"]
-        elif name == "denoiser_tail":
+        elif prefix.startswith("denoiser") and part == "tail":
             self.residuals.append(as_numpy(self._first_block + outputs["tail_residual"]))
         return outputs

@@ -35,6 +35,50 @@ def component_onnx(repository: Path, component: str, pipeline: str = PIPELINE_NA
     return public_dir / entry["file"] if "file" in entry else repository / entry["model"] / "1" / "model.onnx"
 
 
+def write_tiny(tmp_path_factory, family: str) -> Path:
+    """A tiny random-weight model folder of ``family``, as `machgen-build tiny` writes it."""
+    from machgen.builder.build import write_tiny_model
+    from machgen.builder.registry import get_family
+
+    return write_tiny_model(get_family(family), tmp_path_factory.mktemp("models") / f"tiny-{family}")
+
+
+def load_diffusers(model_dir: Path):
+    """The diffusers pipeline the folder's model_index.json names, loaded from it, quiet."""
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, sampler_instances: int = 2) -> Path:
+    """A model repository of ``model_dir`` served as ``name`` (one instance per component)."""
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp(f"{name}-repository")
+    build_repository(model_dir, name, out, options=ServingOptions(sampler_instances=sampler_instances,
+                                                                  component_instances=1), log=lambda line: None)
+    return out
+
+
+def levels(pixels):
+    """Pixels in [0, 1] (diffusers' "np" output) as uint8 levels, int16 to take differences."""
+    import numpy as np
+
+    return (np.asarray(pixels) * 255).round().astype(np.int16)
+
+
+def picture(height: int, width: int, seed: int):
+    """A uint8 [H, W, 3] test picture: smooth gradients plus noise."""
+    import numpy as np
+
+    rows, cols = np.mgrid[0:height, 0:width] / max(height, width)
+    noise = np.random.default_rng(seed).integers(0, 60, (height, width, 3))
+    return (np.stack([rows, cols, rows * cols], axis=-1) * 190 + noise).clip(0, 255).astype(np.uint8)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

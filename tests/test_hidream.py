@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import build_tiny_repository, free_port, levels, load_diffusers, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255
 NAME = "hidream"
@@ -19,30 +19,17 @@ PROMPT = "a red cat at the top"
 
 @pytest.fixture(scope="module")
 def tiny_hidream_dir(tmp_path_factory):
-    from machgen.builder.build import write_tiny_model
-    from machgen.builder.registry import get_family
-
-    return write_tiny_model(get_family("hidream"), tmp_path_factory.mktemp("models") / "tiny-hidream")
+    return write_tiny(tmp_path_factory, "hidream")
 
 
 @pytest.fixture(scope="module")
 def hidream_pipeline(tiny_hidream_dir):
-    import diffusers
-
-    pipe = diffusers.HiDreamImagePipeline.from_pretrained(tiny_hidream_dir, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_diffusers(tiny_hidream_dir)
 
 
 @pytest.fixture(scope="module")
 def hidream_repository(tiny_hidream_dir, tmp_path_factory):
-    from machgen.builder.build import build_repository
-    from machgen.builder.repository import ServingOptions
-
-    out = tmp_path_factory.mktemp("hidream-repository")
-    build_repository(tiny_hidream_dir, NAME, out, options=ServingOptions(sampler_instances=2, component_instances=1),
-                     log=lambda line: None)
-    return out
+    return build_tiny_repository(tmp_path_factory, tiny_hidream_dir, NAME)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +45,8 @@ def diffusers_image(pipe, defaults, seed: int, **call) -> np.ndarray:
 
     settings = {key: defaults[key] for key in ("height", "width", "num_inference_steps", "guidance_scale",
                                                "max_sequence_length")}
-    image = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
-                 **{**settings, **call}).images[0]
-    return (image * 255).round().astype(np.int16)
+    return levels(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
+                       **{**settings, **call}).images[0])
 
 
 def test_dense_mixture_of_experts_equals_diffusers_routing():

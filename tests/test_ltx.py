@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import build_tiny_repository, free_port, levels, load_diffusers, picture, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "ltx"
@@ -18,30 +18,17 @@ PROMPT = "a red circle at the top"
 
 @pytest.fixture(scope="module")
 def tiny_ltx_dir(tmp_path_factory):
-    from machgen.builder.build import write_tiny_model
-    from machgen.builder.registry import get_family
-
-    return write_tiny_model(get_family("ltx"), tmp_path_factory.mktemp("models") / "tiny-ltx")
+    return write_tiny(tmp_path_factory, "ltx")
 
 
 @pytest.fixture(scope="module")
 def ltx_pipeline(tiny_ltx_dir):
-    import diffusers
-
-    pipe = diffusers.LTXPipeline.from_pretrained(tiny_ltx_dir, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_diffusers(tiny_ltx_dir)
 
 
 @pytest.fixture(scope="module")
 def ltx_repository(tiny_ltx_dir, tmp_path_factory):
-    from machgen.builder.build import build_repository
-    from machgen.builder.repository import ServingOptions
-
-    out = tmp_path_factory.mktemp("ltx-repository")
-    build_repository(tiny_ltx_dir, NAME, out, options=ServingOptions(sampler_instances=2, component_instances=1),
-                     log=lambda line: None)
-    return out
+    return build_tiny_repository(tmp_path_factory, tiny_ltx_dir, NAME)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +45,8 @@ def diffusers_video(pipe, defaults, seed: int, **call) -> np.ndarray:
     settings = {key: defaults[key] for key in ("height", "width", "num_frames", "num_inference_steps",
                                                "guidance_scale", "max_sequence_length")}
     settings["frame_rate"] = call.pop("fps", defaults["fps"])
-    frames = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
-                  **{**settings, **call}).frames[0]
-    return (frames * 255).round().astype(np.int16)
+    return levels(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
+                       **{**settings, **call}).frames[0])
 
 
 @pytest.mark.parametrize("call", [
@@ -111,28 +97,14 @@ def test_served_text_to_video_equals_diffusers(ltx_repository, ltx_pipeline):
 # --------------------------------------------------------------- image-to-video
 @pytest.fixture(scope="module")
 def tiny_ltx_i2v_dir(tmp_path_factory):
-    from machgen.builder.build import write_tiny_model
-    from machgen.builder.registry import get_family
-
-    return write_tiny_model(get_family("ltx-i2v"), tmp_path_factory.mktemp("models") / "tiny-ltx-i2v")
+    return write_tiny(tmp_path_factory, "ltx-i2v")
 
 
 @pytest.fixture(scope="module")
 def local_ltx_i2v(tiny_ltx_i2v_dir, tmp_path_factory):
-    from machgen.builder.build import build_repository
-    from machgen.builder.repository import ServingOptions
     from machgen.ensembles.local import LocalPipeline
 
-    out = tmp_path_factory.mktemp("ltx-i2v-repository")
-    build_repository(tiny_ltx_i2v_dir, NAME, out, options=ServingOptions(sampler_instances=1, component_instances=1),
-                     log=lambda line: None)
-    return LocalPipeline(out, NAME)
-
-
-def _picture(height: int, width: int, seed: int) -> np.ndarray:
-    rows, cols = np.mgrid[0:height, 0:width] / max(height, width)
-    noise = np.random.default_rng(seed).integers(0, 60, (height, width, 3))
-    return (np.stack([rows, cols, rows * cols], axis=-1) * 190 + noise).clip(0, 255).astype(np.uint8)
+    return LocalPipeline(build_tiny_repository(tmp_path_factory, tiny_ltx_i2v_dir, NAME, sampler_instances=1), NAME)
 
 
 @pytest.mark.parametrize("size, call", [
@@ -140,13 +112,11 @@ def _picture(height: int, width: int, seed: int) -> np.ndarray:
     ((64, 32), {"num_frames": 13, "num_inference_steps": 5, "guidance_scale": 1.0, "fps": 16}),
 ], ids=["defaults", "13-frames-no-cfg"])
 def test_in_process_image_to_video_equals_diffusers(local_ltx_i2v, tiny_ltx_i2v_dir, size, call):
-    import diffusers
     from PIL import Image
 
-    image = _picture(*size, seed=4)
+    image = picture(*size, seed=4)
     frames, stats = local_ltx_i2v.generate(PROMPT, image=image, seed=9, cache_policy="none", **call)
-    pipe = diffusers.LTXImageToVideoPipeline.from_pretrained(tiny_ltx_i2v_dir, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_diffusers(tiny_ltx_i2v_dir)
     expected = diffusers_video(pipe, local_ltx_i2v.pipeline["defaults"], 9, image=Image.fromarray(image),
                                height=size[0], width=size[1], **call)
     assert frames.shape == expected.shape

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import build_tiny_repository, free_port, levels, load_diffusers, picture, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "wan"
@@ -19,30 +19,17 @@ PROMPT = "a red circle at the top"
 
 @pytest.fixture(scope="module")
 def tiny_wan_dir(tmp_path_factory):
-    from machgen.builder.build import write_tiny_model
-    from machgen.builder.registry import get_family
-
-    return write_tiny_model(get_family("wan"), tmp_path_factory.mktemp("models") / "tiny-wan")
+    return write_tiny(tmp_path_factory, "wan")
 
 
 @pytest.fixture(scope="module")
 def wan_pipeline(tiny_wan_dir):
-    import diffusers
-
-    pipe = diffusers.WanPipeline.from_pretrained(tiny_wan_dir, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_diffusers(tiny_wan_dir)
 
 
 @pytest.fixture(scope="module")
 def wan_repository(tiny_wan_dir, tmp_path_factory):
-    from machgen.builder.build import build_repository
-    from machgen.builder.repository import ServingOptions
-
-    out = tmp_path_factory.mktemp("wan-repository")
-    build_repository(tiny_wan_dir, NAME, out, options=ServingOptions(sampler_instances=4, component_instances=1),
-                     log=lambda line: None)
-    return out
+    return build_tiny_repository(tmp_path_factory, tiny_wan_dir, NAME, sampler_instances=4)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +45,8 @@ def diffusers_video(pipe, defaults, prompt: str, seed: int, **call) -> np.ndarra
 
     settings = {key: defaults[key] for key in ("height", "width", "num_frames", "num_inference_steps",
                                                "guidance_scale", "max_sequence_length")}
-    frames = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np",
-                  **{**settings, **call}).frames[0]
-    return (frames * 255).round().astype(np.int16)
+    return levels(pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np",
+                       **{**settings, **call}).frames[0])
 
 
 def max_diff(ours: np.ndarray, theirs: np.ndarray) -> int:
@@ -124,6 +110,15 @@ def test_cache_reuse_on_video_keeps_the_expert_switch_computed(local_wan):
     assert psnr > 30, f"cached video {psnr:.1f} dB from the uncached one"
 
 
+def test_magcache_calibration_records_both_experts(local_wan):
+    """A magnitude ratio for every step of the schedule, the low-noise expert's included."""
+    from machgen.builder.calibrate import record_magnitude_ratios
+
+    _, stats, ratios = record_magnitude_ratios(local_wan, [(PROMPT, 1)])
+    assert len(ratios) == stats[0].steps == local_wan.pipeline["defaults"]["num_inference_steps"]
+    assert all(ratio > 0 for ratio in ratios)
+
+
 def test_video_requests_are_validated_against_the_model(local_wan):
     from machgen.ensembles.api import InvalidArgument
 
@@ -175,35 +170,18 @@ def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wa
 # --------------------------------------------------------------- image-to-video
 @pytest.fixture(scope="module")
 def tiny_wan_i2v_dir(tmp_path_factory):
-    from machgen.builder.build import write_tiny_model
-    from machgen.builder.registry import get_family
-
-    return write_tiny_model(get_family("wan-i2v"), tmp_path_factory.mktemp("models") / "tiny-wan-i2v")
+    return write_tiny(tmp_path_factory, "wan-i2v")
 
 
 @pytest.fixture(scope="module")
 def wan_i2v_repository(tiny_wan_i2v_dir, tmp_path_factory):
-    from machgen.builder.build import build_repository
-    from machgen.builder.repository import ServingOptions
-
-    out = tmp_path_factory.mktemp("wan-i2v-repository")
-    build_repository(tiny_wan_i2v_dir, NAME, out, options=ServingOptions(sampler_instances=2, component_instances=1),
-                     log=lambda line: None)
-    return out
-
-
-def _picture(height: int, width: int, seed: int) -> np.ndarray:
-    rows, cols = np.mgrid[0:height, 0:width] / max(height, width)
-    noise = np.random.default_rng(seed).integers(0, 60, (height, width, 3))
-    return (np.stack([rows, cols, rows * cols], axis=-1) * 190 + noise).clip(0, 255).astype(np.uint8)
+    return build_tiny_repository(tmp_path_factory, tiny_wan_i2v_dir, NAME)
 
 
 def diffusers_image_to_video(tiny_dir, defaults, image: np.ndarray, seed: int, **call) -> np.ndarray:
-    import diffusers
     from PIL import Image
 
-    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(tiny_dir, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_diffusers(tiny_dir)
     call = {"height": image.shape[0], "width": image.shape[1], **call}
     return diffusers_video(pipe, defaults, PROMPT, seed, image=Image.fromarray(image), **call)
 
@@ -216,7 +194,7 @@ def test_in_process_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan
     from machgen.ensembles.local import LocalPipeline
 
     local = LocalPipeline(wan_i2v_repository, NAME)
-    image = _picture(*size, seed=7)
+    image = picture(*size, seed=7)
     frames, stats = local.generate(PROMPT, image=image, seed=8, cache_policy="none", **call)
     expected = diffusers_image_to_video(tiny_wan_i2v_dir, local.pipeline["defaults"], image, 8, **call)
     assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
@@ -228,8 +206,8 @@ def test_image_to_video_needs_its_picture(wan_i2v_repository):
     from machgen.ensembles.local import LocalPipeline
 
     local = LocalPipeline(wan_i2v_repository, NAME)
-    for options, field in [({}, "image"), ({"image": _picture(48, 32, 0), "strength": 0.5}, "strength"),
-                           ({"image": _picture(40, 32, 0)}, "image")]:
+    for options, field in [({}, "image"), ({"image": picture(48, 32, 0), "strength": 0.5}, "strength"),
+                           ({"image": picture(40, 32, 0)}, "image")]:
         with pytest.raises(InvalidArgument) as error:
             local.generate(PROMPT, **options)
         assert error.value.field == field
@@ -241,7 +219,7 @@ def test_served_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan_i2v
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 
-    image = _picture(48, 32, seed=9)
+    image = picture(48, 32, seed=9)
     with TritonServer(wan_i2v_repository, Ports(free_port(), free_port(), free_port())) as server, \
             MachgenClient(server.grpc_url) as client:
         frames, stats = client.generate_with_stats(NAME, PROMPT, image=image, seed=2, num_frames=9)

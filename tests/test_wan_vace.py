@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import build_tiny_repository, free_port, levels, load_diffusers, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "vace"
@@ -18,30 +18,17 @@ PROMPT = "a red circle at the top"
 
 @pytest.fixture(scope="module")
 def tiny_vace_dir(tmp_path_factory):
-    from machgen.builder.build import write_tiny_model
-    from machgen.builder.registry import get_family
-
-    return write_tiny_model(get_family("wan-vace"), tmp_path_factory.mktemp("models") / "tiny-wan-vace")
+    return write_tiny(tmp_path_factory, "wan-vace")
 
 
 @pytest.fixture(scope="module")
 def vace_pipeline(tiny_vace_dir):
-    import diffusers
-
-    pipe = diffusers.WanVACEPipeline.from_pretrained(tiny_vace_dir, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_diffusers(tiny_vace_dir)
 
 
 @pytest.fixture(scope="module")
 def vace_repository(tiny_vace_dir, tmp_path_factory):
-    from machgen.builder.build import build_repository
-    from machgen.builder.repository import ServingOptions
-
-    out = tmp_path_factory.mktemp("vace-repository")
-    build_repository(tiny_vace_dir, NAME, out, options=ServingOptions(sampler_instances=2, component_instances=1),
-                     log=lambda line: None)
-    return out
+    return build_tiny_repository(tmp_path_factory, tiny_vace_dir, NAME)
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +51,8 @@ def diffusers_video(pipe, defaults, seed: int, reference_images: np.ndarray | No
                                                "guidance_scale", "max_sequence_length")}
     if reference_images is not None:
         settings["reference_images"] = [PIL.Image.fromarray(picture) for picture in reference_images]
-    frames = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
-                  **{**settings, **call}).frames[0]
-    return (frames * 255).round().astype(np.int16)
+    return levels(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
+                       **{**settings, **call}).frames[0])
 
 
 @pytest.mark.parametrize("count, call", [
