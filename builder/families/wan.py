@@ -796,7 +796,6 @@ class WanVace(Wan):
 
     def tiny_transformer(self, in_channels: int = 16):
         import diffusers
-
         import torch
 
         # Control latents: the empty video's twice (16 + 16 channels) and the 8 x 8 mask of each latent pixel.
