@@ -21,7 +21,6 @@ import gzip
 import io
 import json
 import math
-import os
 import string
 import time
 import zipfile
