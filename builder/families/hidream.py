@@ -42,6 +42,7 @@ import math
 import os
 from typing import Any, Callable
 
+from machgen.builder.families.flux import _vae_scale_factor
 from machgen.builder.registry import (
     AxisRange,
     Capabilities,
@@ -285,10 +286,6 @@ def _modules():
             return self.output(image, self.time_embedding(timestep, pooled_embeds, hidden_states.dtype))
 
     return ProjectedPooled, MaskedT5, LlamaLayers, DenoiserHead, DenoiserTail, DenoiserReuse, DenseMixture
-
-
-def _vae_scale_factor(vae_config) -> int:
-    return 2 ** (len(vae_config.block_out_channels) - 1)
 
 
 @register_family
