@@ -146,10 +146,12 @@ def build_engine(onnx_path: Path, spec: ComponentSpec, profile: Mapping[str, tup
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     plugins: tuple[str, ...] = ()
+    fp8_attention = False
     if sparse_attention:
+        onnx_path, fp8_attention = _lowered_for_tensorrt(onnx_path)
         from machgen.plugins.tensorrt_plugin import register
 
-        plugins = (register(),)
+        plugins = register()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # explicit batch: the only mode of TensorRT 10
@@ -159,8 +161,8 @@ def build_engine(onnx_path: Path, spec: ComponentSpec, profile: Mapping[str, tup
         raise RuntimeError(f"{spec.name}: TensorRT cannot parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     config.set_flag(trt.BuilderFlag.BF16)
-    if precision == "fp8":
-        # FP8 where the graph says so (Q/DQ pairs, the FP8 attention plugin); BF16 elsewhere.
+    if precision == "fp8" or fp8_attention:
+        # FP8 where the graph says so (Q/DQ pairs, the FP8 attention plugins' operands); BF16 elsewhere.
         config.set_flag(trt.BuilderFlag.FP8)
     if refittable:
         # Weights can be swapped (a fused LoRA) without a rebuild: refit_engine.
@@ -186,6 +188,23 @@ def build_engine(onnx_path: Path, spec: ComponentSpec, profile: Mapping[str, tup
     metadata.write(out)
     log(f"{spec.name}: engine built in {time.perf_counter() - start:.0f} s ({precision}, {gpu_name})")
     return metadata
+
+
+def _lowered_for_tensorrt(onnx_path: Path) -> tuple[Path, bool]:
+    """The component's file with its SparseAttention nodes rewritten into
+    the ahead-of-time plugins (plugins/tensorrt_plugin.py), written beside
+    it so that its external weights resolve; and whether they run in FP8."""
+    import onnx
+
+    from machgen.plugins.tensorrt_plugin import lower_for_tensorrt
+
+    model = onnx.load(os.fspath(onnx_path), load_external_data=False)
+    fp8 = any(a.name == "precision" and a.s == b"fp8_e4m3" for n in model.graph.node for a in n.attribute)
+    if not lower_for_tensorrt(model):
+        return onnx_path, False
+    lowered = onnx_path.with_name(onnx_path.stem + ".tensorrt.onnx")
+    onnx.save_model(model, os.fspath(lowered))
+    return lowered, fp8
 
 
 def _progress_monitor(trt, component: str, log: Callable[[str], None]):

@@ -8,11 +8,18 @@ in fp8_e4m3, bf16 and fp32 against the operator's float32 reference
 no NaN, and an error at most 1.25x that of the reference rounding the same
 way.
 
+Ahead of time (what TensorRT's plugins run): both kernels compiled to PTX
+for this GPU by plugins/triton_kernel.py's compile_ahead, loaded and
+launched through the CUDA driver with exactly the parameters TensorRT
+passes (inputs, int32 scalars from the launch plan, outputs), against the
+same kernels launched by Triton from torch.
+
 Timing: CUDA events after warm-up, median of the repeats; batch 1, 24
 heads, head_dim 128, bf16 inputs; dense is torch's
 scaled_dot_product_attention (bf16, the flash backend where available);
-ours is the whole operator (mask prediction, FP8 quantization, kernel) and
-the kernel alone; sparsity by a top-k mask without dense blocks.
+ours is the whole operator (mask prediction, kept lists, FP8 quantization
+kernels, attention kernel) and the attention kernel alone on operands
+already quantized; sparsity by a top-k mask without dense blocks.
 """
 
 from __future__ import annotations
@@ -71,12 +78,95 @@ def checks() -> list[str]:
     return failures
 
 
+def ahead_of_time_checks() -> list[str]:
+    """The PTX TensorRT would load, launched as TensorRT launches it, against Triton's own launch."""
+    from machgen.plugins import reference, tensorrt_plugin, triton_kernel
+    from machgen.plugins.schema import SparseAttentionConfig
+
+    failures = []
+    lines = ["| kernel | PTX | launched by the driver vs by Triton |", "| --- | --- | --- |"]
+    capability = torch.cuda.get_device_capability()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(1, 4096, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    config = SparseAttentionConfig(block_q=64, block_k=64, topk_ratio=0.5)
+    kept, counts = reference.kept_block_lists(reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), config),
+                                              trim=False)
+    quantize, attention = tensorrt_plugin.PLUGINS["BlockQuantize"], tensorrt_plugin.PLUGINS["BlockSparseAttention"]
+    try:
+        operands = []
+        for x, block, transpose in ((q, config.block_q, 0), (k, config.block_k, 0), (v, config.block_k, 1)):
+            fields = {"block": block, "head_dim": HEAD_DIM, "precision": config.precision, "transpose": transpose}
+            outputs = _driver_launch(quantize, [x], fields, capability, lines)
+            want = triton_kernel.quantize(x, block, config.precision, transpose=bool(transpose))
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn
+                       else torch.equal(a, b) for a, b in zip(outputs, want))
+            lines[-1] += f" {'identical' if same else 'DIFFERENT'} |"
+            if not same:
+                failures.append(lines[-1])
+            operands.append(outputs)
+        (q8, q_scale), (k8, k_scale), (vt8, v_scale) = operands
+        fields = {"block_q": 64, "block_k": 64, "head_dim": HEAD_DIM, "precision": config.precision,
+                  "qk_scale": config.scale_for(HEAD_DIM), "out_type": "bf16"}
+        inputs = [q8, k8, vt8, q_scale, k_scale, v_scale, kept.to(torch.int32).contiguous(), counts]
+        (out,) = _driver_launch(attention, inputs, fields, capability, lines)
+        want = triton_kernel.attend(q8, q_scale, k8, k_scale, vt8, v_scale, inputs[6], counts, config,
+                                    out_dtype=torch.bfloat16)
+        error = reference.relative_l2(out, want)
+        lines[-1] += f" rel. L2 {error:.1e} |"
+        if not error < 1e-3:
+            failures.append(lines[-1])
+    except Exception as err:  # a failed compile or launch is a failed check, not the end of the script
+        lines.append(f"| - | {type(err).__name__}: {str(err)[:300]} | - |")
+        failures.append(lines[-1])
+    print("\n".join(lines), flush=True)
+    return failures
+
+
+def _driver_launch(plugin, inputs: list, fields: dict, capability, lines: list[str]) -> list:
+    """``plugin``'s kernel as TensorRT runs an ahead-of-time plugin: its PTX
+    loaded by the CUDA driver, launched with inputs, scalars and outputs."""
+    import ctypes
+
+    from machgen.plugins import tensorrt_plugin, triton_kernel
+
+    torch_types = {name: dtype for dtype, name in triton_kernel.TRITON_TYPES.items()}
+    outputs, launch = tensorrt_plugin.launch_plan(plugin, [tuple(t.shape) for t in inputs],
+                                                  [triton_kernel.TRITON_TYPES[t.dtype] for t in inputs], fields)
+    results = [torch.empty(shape, dtype=torch_types[kind], device="cuda") for shape, kind in outputs]
+    compiled = triton_kernel.compile_ahead(plugin.kernel, launch.pointer_types, launch.constants, capability)
+    lines.append(f"| {plugin.name} {fields.get('transpose', '')} | {compiled.name}, {len(compiled.parameters)} "
+                 f"parameters, {compiled.shared_bytes} B shared |")
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what}: CUDA driver error {status}")
+
+    module, function = ctypes.c_void_p(), ctypes.c_void_p()
+    check(cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(compiled.ptx.encode() + b"\0")),
+          "cuModuleLoadData")
+    check(cuda.cuModuleGetFunction(ctypes.byref(function), module, compiled.name.encode()), "cuModuleGetFunction")
+    if compiled.shared_bytes > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(cuda.cuFuncSetAttribute(function, 8, compiled.shared_bytes), "cuFuncSetAttribute")
+    values = ([ctypes.c_void_p(t.data_ptr()) for t in inputs] + [ctypes.c_int32(int(n)) for n in launch.scalars]
+              + [ctypes.c_void_p(t.data_ptr()) for t in results])
+    parameters = (ctypes.c_void_p * len(values))(*[ctypes.addressof(x) for x in values])
+    grid_x, grid_y = (int(n) for n in launch.grid)
+    cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    check(cuda.cuLaunchKernel(function, grid_x, grid_y, 1, compiled.threads, 1, 1, compiled.shared_bytes,
+                              torch.cuda.current_stream().cuda_stream, ctypes.cast(parameters, ctypes.c_void_p), None),
+          "cuLaunchKernel")
+    torch.cuda.synchronize()
+    return results
+
+
 def timings() -> str:
     from machgen.plugins import reference, triton_kernel
     from machgen.plugins.schema import SparseAttentionConfig
 
-    lines = ["| tokens | sparsity | dense SDPA bf16 ms | ours ms (kernel) | speed-up | kernel TFLOP/s (kept) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| tokens | sparsity | dense SDPA bf16 ms | ours ms (attention kernel) | speed-up | "
+             "kernel TFLOP/s (kept) |", "| --- | --- | --- | --- | --- | --- |"]
     for tokens in TOKENS:
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         q, k, v = (torch.randn(1, tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -89,7 +179,12 @@ def timings() -> str:
             kept = float(mask.float().mean())
             try:
                 total_ms = median_ms(lambda: triton_kernel.sparse_attention(q, k, v, config))
-                kernel_ms = median_ms(lambda: triton_kernel.sparse_attention(q, k, v, config, mask=mask))
+                lists = [t.to(torch.int32) for t in reference.kept_block_lists(mask)]
+                operands = [*triton_kernel.quantize(q, 64, config.precision),
+                            *triton_kernel.quantize(k, 64, config.precision),
+                            *triton_kernel.quantize(v, 64, config.precision, transpose=True)]
+                kernel_ms = median_ms(lambda: triton_kernel.attend(*operands, *lists, config,
+                                                                   out_dtype=torch.bfloat16))
             except Exception as err:
                 lines.append(f"| {tokens:,} | {100 * (1 - kept):.0f} % | {dense_ms:.2f} | "
                              f"{type(err).__name__}: {str(err)[:200]} | - | - |")
@@ -137,7 +232,7 @@ def main() -> int:
     header = (f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}, CUDA {torch.version.cuda}, "
               f"measured {time.strftime('%Y-%m-%d %H:%M')}")
     print(header, flush=True)
-    failures = checks()
+    failures = checks() + ahead_of_time_checks()
     table = timings()
     if args.out:
         with open(args.out, "w") as out:

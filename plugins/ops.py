@@ -6,8 +6,9 @@ tensors and the Triton kernel (plugins/triton_kernel.py) on CUDA ones. The
 dynamo exporter writes it as one ``machgen::SparseAttention`` node carrying
 the schema's attributes, and ``attach_onnx_function`` adds to the file an
 ONNX function of that name whose body is ``masked_dense_attention`` in
-standard ops: ONNX Runtime runs the body, TensorRT replaces the node with
-the plugin (plugins/tensorrt_plugin.py).
+standard ops: ONNX Runtime runs the body; for TensorRT the node is lowered
+into its mask prediction (``block_lists_function``) and plugins
+(plugins/tensorrt_plugin.py).
 """
 
 from __future__ import annotations
@@ -79,36 +80,76 @@ class _MaskedDense(torch.nn.Module):
         return reference.masked_dense_attention(q, k, v, self.config)
 
 
+class _BlockLists(torch.nn.Module):
+    def __init__(self, config: SparseAttentionConfig):
+        super().__init__()
+        self.config = config
+
+    def forward(self, q, k):
+        mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), self.config)
+        kept, counts = reference.kept_block_lists(mask, trim=False)
+        return kept.to(torch.int32), counts
+
+
+BLOCK_LISTS = "SparseAttentionBlockLists"
+
+
 @functools.lru_cache(maxsize=None)  # the head and the tail of one build share it (an export takes ~10 s)
 def onnx_function(config: SparseAttentionConfig, head_dim: int, opset: int):
     """``machgen::SparseAttention`` as an ONNX FunctionProto: the masked dense
-    form exported by the dynamo exporter (dynamic batch and tokens), its
-    weights-free graph turned into a function body (batch, tokens and heads
-    dynamic; head_dim fixed)."""
+    form in standard ops (batch, tokens and heads dynamic; head_dim fixed)."""
+    return _exported_function(_MaskedDense(config), OP_TYPE, ["q", "k", "v"], ["output"], head_dim, opset,
+                              attributes=list(config.onnx_attributes()))
+
+
+@functools.lru_cache(maxsize=None)
+def block_lists_function(config: SparseAttentionConfig, head_dim: int, opset: int):
+    """``machgen::SparseAttentionBlockLists`` (q, k in [B, N, H, D]) -> (kept
+    key blocks per query block [B, H, q_blocks, k_blocks] int32, kept ones
+    first in key order; their counts [B, H, q_blocks] int32): the operator's
+    mask prediction in standard ops, for the TensorRT form of the graph."""
+    return _exported_function(_BlockLists(config), BLOCK_LISTS, ["q", "k"], ["kept", "counts"], head_dim, opset)
+
+
+def _exported_function(module: torch.nn.Module, name: str, inputs: list[str], outputs: list[str], head_dim: int,
+                       opset: int, attributes: Sequence[str] = ()):
+    """``module`` exported by the dynamo exporter (inputs [B, N, H, D],
+    batch, tokens and heads dynamic) and its weights-free graph turned into
+    the body of the function ``machgen::name``."""
     import onnx
     from torch.export import Dim
 
-    # Three distinct tensors: the exporter folds one tensor passed three times into one input.
-    samples = tuple(torch.randn(2, 2 * max(config.block_q, config.block_k) + 3, 3, head_dim) for _ in range(3))
+    config = module.config
+    # Distinct tensors: the exporter folds one tensor passed several times into one input.
+    samples = tuple(torch.randn(2, 2 * max(config.block_q, config.block_k) + 3, 3, head_dim) for _ in inputs)
     axes = {0: Dim("batch", min=1), 1: Dim("tokens", min=2), 2: Dim("heads", min=1)}
     with torch.no_grad(), contextlib.redirect_stdout(None), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(_MaskedDense(config).eval(), samples, dynamo=True,
-                                    input_names=["q", "k", "v"], output_names=["output"],
-                                    dynamic_shapes=(axes, axes, axes), opset_version=opset, verbose=False)
+        program = torch.onnx.export(module.eval(), samples, dynamo=True, input_names=inputs, output_names=outputs,
+                                    dynamic_shapes=tuple(axes for _ in inputs), opset_version=opset, verbose=False)
     graph = program.model_proto.graph
     constants = [onnx.helper.make_node("Constant", [], [tensor.name], value=tensor) for tensor in graph.initializer]
     return onnx.helper.make_function(
-        DOMAIN, OP_TYPE, ["q", "k", "v"], ["output"], [*constants, *graph.node],
+        DOMAIN, name, inputs, outputs, [*constants, *graph.node],
         opset_imports=[o for o in program.model_proto.opset_import if o.domain != DOMAIN],
-        attributes=list(config.onnx_attributes()))
+        attributes=list(attributes))
 
 
-def _head_dim(model, node) -> int:
-    for info in [*model.graph.value_info, *model.graph.input]:
-        if info.name == node.input[0]:
-            return info.type.tensor_type.shape.dim[-1].dim_value
-    raise ValueError(f"{node.name}: the exporter recorded no shape for its input {node.input[0]!r}")
+def tensor_type(model, name: str):
+    """The recorded TypeProto.Tensor of the value ``name`` in ``model``'s graph."""
+    for info in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
+        if info.name == name:
+            return info.type.tensor_type
+    raise ValueError(f"the exporter recorded no type for {name!r}")
+
+
+def head_dim(model, node) -> int:
+    """head_dim of a SparseAttention node (its q's last axis, which the exporter records)."""
+    return tensor_type(model, node.input[0]).shape.dim[-1].dim_value
+
+
+def sparse_attention_nodes(model) -> list:
+    return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
 
 
 def attach_onnx_function(model, config: SparseAttentionConfig) -> int:
@@ -117,12 +158,12 @@ def attach_onnx_function(model, config: SparseAttentionConfig) -> int:
     and the same head_dim (the body is exported for one)."""
     import onnx
 
-    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+    nodes = sparse_attention_nodes(model)
     for node in nodes:
         found = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if _as_float32(found) != _as_float32(config.onnx_attributes()):
             raise ValueError(f"{node.name}: attributes {found} differ from the build's {config}")
-    head_dims = {_head_dim(model, node) for node in nodes}
+    head_dims = {head_dim(model, node) for node in nodes}
     if len(head_dims) > 1:
         raise ValueError(f"SparseAttention nodes with different head_dims {sorted(head_dims)}")
     if nodes:

@@ -115,13 +115,19 @@ def masked_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _heads_first(out.to(q.dtype))
 
 
-def kept_block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_block_lists(mask: torch.Tensor, trim: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The mask [B, H, qb, kb] as per-query-block index lists: (indices
-    [B, H, qb, most kept], the kept ones first in key order, padded with
-    dropped ones; counts [B, H, qb] int32)."""
+    [B, H, qb, most kept] (``trim``) or [B, H, qb, kb], the kept ones first
+    in key order, then the dropped ones; counts [B, H, qb] int32)."""
     counts = mask.sum(dim=-1, dtype=torch.int32)
-    order = torch.argsort(mask.to(torch.int8), dim=-1, descending=True, stable=True)
-    return order[..., :int(counts.max())].contiguous(), counts.contiguous()
+    blocks = mask.shape[-1]
+    # Distinct sort keys (exact in float32 below 2^24 blocks), so that every sort, TensorRT's TopK included,
+    # gives this order.
+    keys = (~mask).to(torch.float32) * blocks + torch.arange(blocks, device=mask.device, dtype=torch.float32)
+    order = torch.argsort(keys, dim=-1)
+    if trim:
+        order = order[..., :int(counts.max())]
+    return order.contiguous(), counts.contiguous()
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: SparseAttentionConfig,

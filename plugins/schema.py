@@ -3,8 +3,8 @@
 Every other form of the operator is derived from ``ATTRIBUTES`` here: the
 ONNX op schema (``register_onnx_schema``), the attributes the exporter writes
 on the node (``SparseAttentionConfig.onnx_attributes``), the torch custom op's
-arguments (plugins/ops.py) and the TensorRT plugin's fields
-(``tensorrt_fields``). Only the standard library is imported.
+arguments (plugins/ops.py) and the TensorRT plugins' fields of the same
+names (plugins/tensorrt_plugin.py). Only the standard library is imported.
 
 The operator: attention over q, k, v of shape [batch, tokens, heads,
 head_dim] (the layout diffusers' attention processors hand to
@@ -110,7 +110,3 @@ def register_onnx_schema() -> None:
         type_constraints=tensor,
         attributes=[OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=False) for a in ATTRIBUTES]))
 
-
-def tensorrt_fields() -> list[tuple[str, str]]:
-    """(name, kind) of the TensorRT plugin's fields, in order."""
-    return [(a.name, a.kind) for a in ATTRIBUTES]

@@ -79,6 +79,45 @@ def picture(height: int, width: int, seed: int):
     return (np.stack([rows, cols, rows * cols], axis=-1) * 190 + noise).clip(0, 255).astype(np.uint8)
 
 
+def run_tensorrt_form(model, feeds: dict) -> list:
+    """A graph lowered for TensorRT (plugins/tensorrt_plugin.py) run on the CPU:
+    standard ops by ONNX's reference evaluator, each plugin node by its Triton
+    kernel (under the interpreter) launched as TensorRT launches it."""
+    import numpy as np
+    import torch
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    from machgen.plugins import tensorrt_plugin, triton_kernel
+    from machgen.plugins.schema import DOMAIN
+
+    torch_types = {name: dtype for dtype, name in triton_kernel.TRITON_TYPES.items()}
+    fp8 = torch.float8_e4m3fn
+
+    class GatherElements(OpRun):  # onnx 1.23's reference implementation mishandles a negative axis
+        def _run(self, data, indices, axis=None):
+            return (np.take_along_axis(data, indices, axis=axis),)
+
+    class PluginOp(OpRun):
+        op_domain = DOMAIN
+
+        def _run(self, *arrays, **attributes):
+            plugin = tensorrt_plugin.PLUGINS[type(self).__name__]
+            fields = {f.name: getattr(self, f.name) for f in plugin.fields}
+            fields = {name: value.decode() if isinstance(value, bytes) else value for name, value in fields.items()}
+            # numpy has no float8: float8 tensors travel between the nodes as their bytes (uint8)
+            tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+            tensors = [t.view(fp8) if t.dtype == torch.uint8 else t for t in tensors]
+            outputs, _ = tensorrt_plugin.launch_plan(plugin, [t.shape for t in tensors],
+                                                     [triton_kernel.TRITON_TYPES[t.dtype] for t in tensors], fields)
+            results = [torch.empty(shape, dtype=torch_types[kind]) for shape, kind in outputs]
+            tensorrt_plugin.launch_kernel(plugin, tensors, results, fields)
+            return tuple((r.view(torch.uint8) if r.dtype == fp8 else r).numpy() for r in results)
+
+    plugins = [type(name, (PluginOp,), {}) for name in tensorrt_plugin.PLUGINS]
+    return ReferenceEvaluator(model, new_ops=[GatherElements, *plugins]).run(None, feeds)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

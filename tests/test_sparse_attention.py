@@ -33,7 +33,6 @@ CONFIGS = [
 def test_one_schema_for_every_form():
     names = [a.name for a in schema.ATTRIBUTES]
     assert list(SparseAttentionConfig().onnx_attributes()) == names
-    assert [name for name, _ in schema.tensorrt_fields()] == names
     assert list(inspect.signature(ops.sparse_attention_op._init_fn).parameters)[3:] == names
     schema.register_onnx_schema()
     import onnx
@@ -187,18 +186,3 @@ def test_swap_replaces_unmasked_dispatch_calls_only():
     assert torch.allclose(masked_call, dense, atol=1e-5)
     assert torch.equal(flux.dispatch_attention_fn(q, k, v), dense)  # restored
 
-
-def test_tensorrt_plugin_fields_come_from_the_schema():
-    from machgen.plugins.tensorrt_plugin import plugin_signature
-
-    signature = plugin_signature(object)
-    assert list(signature.parameters) == ["q", "k", "v", *(a.name for a in schema.ATTRIBUTES)]
-    assert signature.parameters["precision"].annotation is str
-    assert signature.parameters["topk_ratio"].annotation is float
-
-
-def test_tensorrt_plugin_registers():
-    pytest.importorskip("tensorrt", reason="TensorRT is not installed")
-    from machgen.plugins import tensorrt_plugin
-
-    assert tensorrt_plugin.register() == f"{schema.DOMAIN}::{schema.OP_TYPE}"

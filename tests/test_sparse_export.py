@@ -84,3 +84,44 @@ def test_sparse_attention_needs_a_family_that_declares_its_attention(tiny_flux_d
     with pytest.raises(ValueError, match="no attention"):
         build_repository(tiny_flux_dir, NAME, tmp_path, attention=SPARSE, log=lambda line: None)
     assert not any(tmp_path.iterdir())
+
+
+def test_tensorrt_form_of_the_tail_equals_the_tail_running_the_kernels(sparse_repository, tiny_flux_dir,
+                                                                       tiny_flux_pipeline, tmp_path, monkeypatch):
+    """The tail's file as the tensorrt target hands it to TensorRT's parser (every SparseAttention node
+    lowered into standard ops and the ahead-of-time plugins), run on the CPU with the plugins' kernels,
+    against the torch tail whose attention calls run the same kernels from torch."""
+    import shutil
+
+    import torch
+
+    from conftest import run_tensorrt_form
+    from machgen.builder.build import served_defaults
+    from machgen.builder.registry import get_family
+    from machgen.builder.tensorrt_engine import _lowered_for_tensorrt
+    from machgen.plugins import reference, triton_kernel
+    from machgen.plugins.ops import attention_swapped
+
+    source = component_onnx(sparse_repository, "denoiser_tail", NAME)
+    for path in source.parent.glob(source.name + "*"):  # the file and its external weights, if any
+        shutil.copy(path, tmp_path)
+    lowered_path, fp8 = _lowered_for_tensorrt(tmp_path / source.name)
+    assert fp8 and lowered_path != tmp_path / source.name
+    lowered = onnx.load(lowered_path)
+    onnx.checker.check_model(lowered)
+    transformer = tiny_flux_pipeline.transformer.config
+    attention = [n for n in lowered.graph.node if n.op_type == "BlockSparseAttention"]
+    assert len(attention) == transformer.num_layers - 1 + transformer.num_single_layers
+    assert not [n for n in lowered.graph.node if n.op_type == OP_TYPE] and not list(lowered.functions)
+
+    family = get_family("flux")
+    tail = next(c for c in family.components(tiny_flux_pipeline) if c.spec.name == "denoiser_tail")
+    got = run_tensorrt_form(lowered, {t.name: tail.sample_inputs[t.name].numpy() for t in tail.spec.inputs})
+    monkeypatch.setattr(reference, "sparse_attention", triton_kernel.sparse_attention)  # the op's CPU kernel
+    config = SPARSE.config(family, served_defaults(tiny_flux_dir, family, tiny_flux_pipeline))
+    with attention_swapped(family.attention_modules, config), torch.no_grad():
+        wanted = tail.module(**tail.sample_inputs)
+    wanted = wanted if isinstance(wanted, tuple) else (wanted,)
+    assert len(got) == len(wanted) == len(tail.spec.outputs)
+    for value, want in zip(got, wanted):
+        assert np.allclose(value, want.numpy(), rtol=1e-5, atol=1e-5)
