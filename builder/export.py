@@ -95,7 +95,7 @@ def export_onnx(component: ExportableComponent, path: Path,
             output_names=[t.name for t in spec.outputs],
             dynamo=True,
             verbose=False,
-            custom_translation_table=ops.onnx_translation() if attention is not None else None,
+            custom_translation_table={**_squeeze_translations(), **(ops.onnx_translation() if attention is not None else {})},
         )
     size = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
     model = program.model_proto
@@ -104,6 +104,23 @@ def export_onnx(component: ExportableComponent, path: Path,
     onnx.save_model(model, os.fspath(path), save_as_external_data=size > _EXTERNAL_DATA_BYTES,
                     location=path.name + ".data")
     return nodes
+
+
+def _squeeze_translations() -> dict:
+    """aten.squeeze.dim as torch means it: onnxscript 0.7.2 writes a Squeeze
+    even where the axis is not 1 (torch then leaves the tensor as it is), and
+    ONNX Runtime refuses such a file (LTX-2's transformer: ``gate.squeeze(2)``
+    on [batch, tokens, dim])."""
+    import torch
+    from onnxscript import opset18 as op
+
+    def squeeze_dim(self, dim: int):
+        shape = self.shape
+        if shape is not None and (len(shape) == 0 or (isinstance(shape[dim], int) and shape[dim] != 1)):
+            return op.Identity(self)
+        return op.Squeeze(self, op.Constant(value_ints=[dim]))
+
+    return {torch.ops.aten.squeeze.dim: squeeze_dim}
 
 
 def _name_axes(model, spec: ComponentSpec) -> None:

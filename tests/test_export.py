@@ -73,3 +73,22 @@ def test_split_denoiser_equals_the_whole_transformer(tiny_flux_pipeline):
                               blocks_residual=first_block_residual + tail_residual)
     assert torch.equal(split, whole)
     torch.testing.assert_close(reused, whole, rtol=0, atol=1e-5)
+
+
+def test_a_squeeze_of_an_axis_that_is_not_one_exports_as_torch_means_it(tmp_path):
+    """torch leaves x.squeeze(2) alone when axis 2 is not 1; the exported file must too
+    (onnxscript writes a Squeeze that ONNX Runtime refuses: LTX-2's transformer)."""
+    from machgen.builder.export import export_onnx
+    from machgen.builder.registry import ComponentSpec, ExportableComponent, TensorSpec
+
+    class Gate(torch.nn.Module):
+        def forward(self, x):
+            return x.squeeze(2) * 2 + x.unsqueeze(2).squeeze(2)  # axis 2 is 5, then a real unit axis
+
+    spec = ComponentSpec("gate", inputs=(TensorSpec("x", "float32", ("batch", "tokens", 5)),),
+                         outputs=(TensorSpec("y", "float32", ("batch", "tokens", 5)),), tolerance=1e-6)
+    x = torch.randn(2, 3, 5)
+    export_onnx(ExportableComponent(spec, Gate().eval(), {"x": x}), tmp_path / "gate.onnx")
+    unseen = torch.randn(4, 7, 5)
+    (got,) = OnnxSession(tmp_path / "gate.onnx").run({"x": unseen.numpy()}).values()
+    assert np.allclose(got, (unseen * 3).numpy(), atol=1e-6)
