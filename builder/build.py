@@ -123,7 +123,9 @@ def served_defaults(model_dir: Path, family: Family, pipe) -> ServedDefaults:
         unknown = set(overrides) - set(defaults.to_json())
         if unknown:
             raise ValueError(f"{card}: unknown serving keys {sorted(unknown)}")
-        defaults = ServedDefaults(**{**defaults.to_json(), **overrides})
+        # A family's guidance defaults are merged key by key: a card may set one of them.
+        guidance = {**defaults.family_guidance, **overrides.get("family_guidance", {})}
+        defaults = ServedDefaults(**{**defaults.to_json(), **overrides, "family_guidance": guidance})
     return defaults
 
 

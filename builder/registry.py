@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,6 +90,11 @@ class Capabilities:
     # pass when > 1, as WanPipeline), not a guidance value the model embeds
     # (FluxPipeline, whose CFG scale is true_cfg_scale).
     guidance_is_cfg: bool = False
+    # The model makes a sound track with its video (the ``audio`` output).
+    audio: bool = False
+    # The API's FAMILY_INPUTS this family takes (ensembles/api.py; its
+    # conditioning's ``parse_guidance`` validates them).
+    guidance_inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,9 +121,11 @@ class ServedDefaults:
     num_frames: int = 1
     max_frames: int = 1
     fps: int = 0
+    # Defaults of the family's own guidance inputs (Capabilities.guidance_inputs), by input name.
+    family_guidance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "family_guidance": dict(self.family_guidance)}
 
 
 @dataclass

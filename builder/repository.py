@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from machgen.builder.registry import ComponentSpec, Family, ServedDefaults, TensorSpec
-from machgen.ensembles.api import API_INPUTS, API_OUTPUTS
+from machgen.ensembles.api import API_INPUTS, public_outputs
 from machgen.ensembles.cache import CacheSettings
 
 _TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
@@ -184,7 +184,7 @@ def _api_io(tensors, *, optional: bool):
     return [(t.name, t.triton_dtype, _dims(t.dims), optional) for t in tensors]
 
 
-def render_public_config(pipeline: str, options: ServingOptions) -> str:
+def render_public_config(pipeline: str, options: ServingOptions, audio: bool = False) -> str:
     # The scheduler here batches nothing (max_batch_size 0: one request per
     # execute); it is what gives the model a bounded queue.
     return (
@@ -194,7 +194,7 @@ def render_public_config(pipeline: str, options: ServingOptions) -> str:
         "dynamic_batching {\n  default_queue_policy {\n"
         f"    max_queue_size: {options.max_queue_size}\n  }}\n}}\n"
         + _tensor_block("input", _api_io(API_INPUTS, optional=True))
-        + _tensor_block("output", _api_io(API_OUTPUTS, optional=False))
+        + _tensor_block("output", _api_io(public_outputs(audio), optional=False))
         + f"instance_group [\n  {{\n    count: {options.sampler_instances}\n    kind: KIND_CPU\n  }}\n]\n"
     )
 
@@ -237,7 +237,7 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
                       serving: TargetServing = TargetServing()) -> dict[str, str]:
     """Every generated text file of the pipeline, keyed by path in the repository."""
     files = {
-        f"{pipeline}/config.pbtxt": render_public_config(pipeline, options),
+        f"{pipeline}/config.pbtxt": render_public_config(pipeline, options, audio=family.capabilities.audio),
         f"{pipeline}/1/model.py": _SHIM.format(cls="SamplerModel"),
         f"{pipeline}/1/pipeline.json": json.dumps(
             pipeline_json(pipeline, family, specs, defaults, family_settings, cache, options, attention, serving),

@@ -2,7 +2,7 @@
 
 The CLIP tokenizer is a byte-level BPE over single characters with a few
 merges; the T5 tokenizer is a unigram model over letters and a handful of
-words; the Llama one a byte-level BPE with Llama 3's special tokens. All
+words; the Llama and Gemma ones byte-level BPEs with their special tokens. All
 save with ``save_pretrained`` and load back with the classes a diffusers
 pipeline names in its ``model_index.json``.
 """
@@ -88,3 +88,25 @@ def tiny_llama_tokenizer(model_max_length: int = 512):
         single=f"{begin} $A", pair=f"{begin} $A {begin} $B", special_tokens=[(begin, vocab[begin])])
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=begin, eos_token=end,
                                                 model_max_length=model_max_length)
+
+
+def tiny_gemma_tokenizer(model_max_length: int = 1024):
+    """A byte-level BPE in Gemma's manner: ``<bos>`` in front, ``<pad>``
+    (id 0) to pad, ``<eos>`` to end (LTX2Pipeline pads on the left)."""
+    import tokenizers
+    import transformers
+
+    special = ("<pad>", "<eos>", "<bos>", "<unk>")
+    vocab = {token: i for i, token in enumerate(special)}
+    for c in bytes_to_unicode().values():
+        vocab.setdefault(c, len(vocab))
+    merges = [("r", "o"), ("ro", "b"), ("\u0120", "a"), ("c", "a")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])])
+    return transformers.GemmaTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
+                                           pad_token="<pad>", unk_token="<unk>", model_max_length=model_max_length)

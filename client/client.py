@@ -8,10 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from machgen.ensembles.api import API_INPUTS, input_array
+from machgen.ensembles.api import API_INPUTS, AUDIO_OUTPUT, Generated, input_array
 
 PROTOCOLS = ("grpc", "http")
 _API = {tensor.name: tensor for tensor in API_INPUTS}
+
+
+def _stats(array: np.ndarray) -> dict[str, Any]:
+    return json.loads(bytes(array.reshape(-1)[0]).decode("utf-8"))
 
 
 class GenerationError(RuntimeError):
@@ -90,7 +94,8 @@ class MachgenClient:
         """Generate images for ``prompt``; options are the API's optional inputs
         (negative_prompt, seed, num_inference_steps, guidance_scale, true_cfg_scale,
         height, width, cache_policy, cache_threshold, image, strength, num_frames,
-        fps, reference_images). Absent ones take the served model's defaults.
+        fps, reference_images, and a family's own guidance inputs: api.FAMILY_INPUTS).
+        Absent ones take the served model's defaults.
         A video model returns all its frames [F, H, W, 3]; ``client.video.write_mp4``
         writes them as MP4."""
         return self.infer(model, self._inputs(prompt, options))["images"]
@@ -98,7 +103,22 @@ class MachgenClient:
     def generate_with_stats(self, model: str, prompt: str, **options: Any) -> tuple[np.ndarray, dict[str, Any]]:
         """``generate`` plus the ``stats`` output (steps, tail calls, cache hits, ...)."""
         result = self.infer(model, self._inputs(prompt, options), outputs=("images", "stats"))
-        return result["images"], json.loads(bytes(result["stats"].reshape(-1)[0]).decode("utf-8"))
+        return result["images"], _stats(result["stats"])
+
+    def generate_all(self, model: str, prompt: str, **options: Any) -> Generated:
+        """Everything a request gives back: frames, stats, and the sound track
+        of a model that makes one (asked for only where the model declares it)."""
+        outputs = ("images", "stats") + ((AUDIO_OUTPUT,) if self.makes_audio(model) else ())
+        result = self.infer(model, self._inputs(prompt, options), outputs=outputs)
+        return Generated(result["images"], result.get(AUDIO_OUTPUT), _stats(result["stats"]))
+
+    def makes_audio(self, model: str) -> bool:
+        """Whether the served model declares the ``audio`` output."""
+        if self.protocol == "grpc":
+            outputs = self._client.get_model_metadata(model, as_json=True).get("outputs", [])
+        else:
+            outputs = self._client.get_model_metadata(model).get("outputs", [])
+        return any(output["name"] == AUDIO_OUTPUT for output in outputs)
 
     def _inputs(self, prompt: str, options: dict[str, Any]) -> list:
         unknown = set(options) - set(_API)

@@ -1,16 +1,22 @@
-"""Generated frames as an MP4 file (H.264), through the ffmpeg binary that
-the pinned imageio-ffmpeg wheel bundles (no system ffmpeg needed)."""
+"""Generated frames as an MP4 file (H.264, with the sound track in AAC when
+there is one) and sound as WAV, through the ffmpeg binary that the pinned
+imageio-ffmpeg wheel bundles (no system ffmpeg needed)."""
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
+import wave
 from pathlib import Path
 
 import numpy as np
 
 
-def write_mp4(frames: np.ndarray, path: Path, fps: int, quality: float = 9.0) -> None:
+def write_mp4(frames: np.ndarray, path: Path, fps: int, quality: float = 9.0, audio: np.ndarray | None = None,
+              sample_rate: int | None = None) -> None:
     """Write uint8 frames [F, H, W, 3] to ``path`` at ``fps`` frames per
-    second. ``quality`` is imageio-ffmpeg's 0-10 scale (10: best)."""
+    second, with ``audio`` float [channels, samples] at ``sample_rate`` as
+    its sound. ``quality`` is imageio-ffmpeg's 0-10 scale (10: best)."""
     import imageio_ffmpeg
 
     frames = np.asarray(frames)
@@ -20,17 +26,22 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int, quality: float = 9.0) ->
         raise ValueError(f"fps must be at least 1, not {fps}")
     height, width = frames.shape[1:3]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    # yuv420p (what players expect) needs even sizes; the models' sizes are multiples of 4 or more,
-    # so frames are never rescaled (macro_block_size 2).
-    writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=fps, codec="libx264", quality=quality,
-                                         pix_fmt_in="rgb24", pix_fmt_out="yuv420p", macro_block_size=2,
-                                         ffmpeg_log_level="error")
-    writer.send(None)  # starts ffmpeg
-    try:
-        for frame in frames:
-            writer.send(np.ascontiguousarray(frame))
-    finally:
-        writer.close()
+    with tempfile.TemporaryDirectory() as folder:
+        sound = {}
+        if audio is not None:
+            sound = {"audio_path": str(Path(folder) / "audio.wav"), "audio_codec": "aac"}
+            write_wav(audio, sound["audio_path"], sample_rate)
+        # yuv420p (what players expect) needs even sizes; the models' sizes are multiples of 4 or more,
+        # so frames are never rescaled (macro_block_size 2).
+        writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=fps, codec="libx264", quality=quality,
+                                             pix_fmt_in="rgb24", pix_fmt_out="yuv420p", macro_block_size=2,
+                                             ffmpeg_log_level="error", **sound)
+        writer.send(None)  # starts ffmpeg
+        try:
+            for frame in frames:
+                writer.send(np.ascontiguousarray(frame))
+        finally:
+            writer.close()
 
 
 def read_mp4(path: Path) -> tuple[np.ndarray, float]:
@@ -42,3 +53,35 @@ def read_mp4(path: Path) -> tuple[np.ndarray, float]:
     width, height = meta["size"]
     frames = [np.frombuffer(frame, np.uint8).reshape(height, width, 3) for frame in reader]
     return np.stack(frames), float(meta["fps"])
+
+
+def write_wav(audio: np.ndarray, path: Path, sample_rate: int | None) -> None:
+    """float samples [channels, samples] in [-1, 1] as 16-bit PCM WAV (clipped there)."""
+    audio = np.asarray(audio, dtype=np.float32)
+    if audio.ndim != 2 or not audio.size:
+        raise ValueError(f"expected audio [channels, samples], got {list(audio.shape)}")
+    if not sample_rate or sample_rate < 1:
+        raise ValueError(f"a sample rate is needed for audio, got {sample_rate}")
+    pcm = (np.clip(audio, -1.0, 1.0) * 32767).round().astype("<i2")
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(audio.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(int(sample_rate))
+        out.writeframes(np.ascontiguousarray(pcm.T).tobytes())
+
+
+def read_audio(path: Path) -> tuple[np.ndarray, int]:
+    """(float32 [channels, samples], sample rate) of a WAV file or a video's
+    sound track (decoded to 16-bit PCM by the bundled ffmpeg)."""
+    import imageio_ffmpeg
+
+    if Path(path).suffix.lower() != ".wav":
+        with tempfile.TemporaryDirectory() as folder:
+            decoded = Path(folder) / "audio.wav"
+            subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-i", str(path), "-vn",
+                            "-acodec", "pcm_s16le", str(decoded)], check=True)
+            return read_audio(decoded)
+    with wave.open(str(path), "rb") as source:
+        channels, rate = source.getnchannels(), source.getframerate()
+        pcm = np.frombuffer(source.readframes(source.getnframes()), dtype="<i2")
+    return (pcm.reshape(-1, channels).T.astype(np.float32) / 32767), rate

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -52,14 +52,53 @@ API_INPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("fps", "INT32", (1,), "video: frames per second the clip is meant to play at"),
     ApiTensor("reference_images", "UINT8", (-1, -1, -1, 3), "reference-to-video: pictures of what the video "
                                                             "shows, [count, height, width, RGB]"),
+    # Taken only by the models whose family lists them (Capabilities.guidance_inputs: LTX-2's guidance);
+    # the family validates them and fills in its defaults.
+    ApiTensor("stg_scale", "FP32", (1,), "spatio-temporal guidance: moves away from a pass whose self-attention "
+                                         "is skipped in stg_blocks (0: off)"),
+    ApiTensor("stg_blocks", "INT32", (-1,), "the transformer blocks (0-based) spatio-temporal guidance perturbs"),
+    ApiTensor("modality_scale", "FP32", (1,), "modality isolation guidance: moves away from a pass without the "
+                                              "audio-video cross-attention (1: off)"),
+    ApiTensor("guidance_rescale", "FP32", (1,), "rescales the guided prediction's spread toward the unguided "
+                                                "one's, 0-1 (0: off)"),
+    ApiTensor("audio_guidance_scale", "FP32", (1,), "the audio's classifier-free guidance scale "
+                                                    "(absent or 0: guidance_scale)"),
+    ApiTensor("audio_stg_scale", "FP32", (1,), "the audio's spatio-temporal guidance scale (absent or 0: "
+                                               "stg_scale)"),
+    ApiTensor("audio_modality_scale", "FP32", (1,), "the audio's modality isolation scale (absent or 0: "
+                                                    "modality_scale)"),
+    ApiTensor("audio_guidance_rescale", "FP32", (1,), "the audio's guidance rescale (absent or 0: "
+                                                      "guidance_rescale)"),
 )
+# Inputs only some families take (Capabilities.guidance_inputs); others refuse them by name.
+FAMILY_INPUTS = ("stg_scale", "stg_blocks", "modality_scale", "guidance_rescale", "audio_guidance_scale",
+                 "audio_stg_scale", "audio_modality_scale", "audio_guidance_rescale")
 API_OUTPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("images", "UINT8", (-1, -1, -1, 3), "the generated image, or every frame of the video, "
                                                    "[frames, height, width, RGB]"),
     ApiTensor("stats", "BYTES", (1,), "JSON: steps, cache_policy, cache_threshold, denoiser_head_calls, "
                                       "denoiser_tail_calls, denoiser_tail_passes, negative_rows_derived, "
-                                      "text_cache_hits/misses, frames, fps"),
+                                      "text_cache_hits/misses, frames, fps, sample_rate"),
+    # Only in the configs of models that make sound (Capabilities.audio).
+    ApiTensor("audio", "FP32", (-1, -1), "a video's sound track, [channels, samples] in [-1, 1] at stats' "
+                                         "sample_rate"),
 )
+AUDIO_OUTPUT = "audio"
+
+
+def public_outputs(audio: bool) -> tuple[ApiTensor, ...]:
+    """The outputs a served model declares: ``audio`` only where it makes sound."""
+    return tuple(t for t in API_OUTPUTS if audio or t.name != AUDIO_OUTPUT)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What one request gave back: uint8 frames [N, H, W, 3], the sound
+    track float32 [channels, samples] (None for a silent model) and stats."""
+
+    images: np.ndarray
+    audio: np.ndarray | None
+    stats: dict[str, Any]
 
 _NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}
 _MAX_GUIDANCE = 100.0
@@ -106,6 +145,8 @@ class GenerationRequest:
     fps: int | None = None  # video only
     reference_images: np.ndarray | None = None  # reference-to-video: uint8 [count, height, width, 3]
     guidance_scale_2: float | None = None  # two-expert models: the low-noise expert's CFG scale
+    # A family's own guidance inputs (FAMILY_INPUTS it takes), validated and defaulted by the family.
+    guidance: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def denoising_steps(self) -> int:
@@ -148,6 +189,28 @@ def _real(field: str, value: np.ndarray, low: float, high: float) -> float:
     if not math.isfinite(number) or not low <= number <= high:
         raise InvalidArgument(field, f"{number} is outside [{low:g}, {high:g}]")
     return number
+
+
+def guidance_scale_input(field: str, value: np.ndarray) -> float:
+    """A guidance scale: finite, in [0, 100]."""
+    return _real(field, value, 0.0, _MAX_GUIDANCE)
+
+
+def fraction_input(field: str, value: np.ndarray) -> float:
+    return _real(field, value, 0.0, 1.0)
+
+
+def indices_input(field: str, value: np.ndarray, count: int) -> tuple[int, ...]:
+    """Distinct integers in [0, count), as sent (a 1-D INT32 array; empty is allowed)."""
+    if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+        raise InvalidArgument(field, f"expected a 1-D integer array, got {value.dtype} {list(value.shape)}")
+    indices = tuple(int(i) for i in value)
+    outside = [i for i in indices if not 0 <= i < count]
+    if outside:
+        raise InvalidArgument(field, f"{outside} outside [0, {count - 1}]")
+    if len(set(indices)) != len(indices):
+        raise InvalidArgument(field, f"{list(indices)} repeats an index")
+    return indices
 
 
 def _size(field: str, value: np.ndarray, multiple: int, maximum: int) -> int:
@@ -210,9 +273,9 @@ def _video_fields(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
     """num_frames, fps and reference_images of a request: refused by an image
     model, checked against a video model's frame rule and limits."""
     if not any(task.endswith("-to-video") for task in tasks):
-        for field in ("num_frames", "fps", "reference_images"):
-            if get_input(field) is not None:
-                raise InvalidArgument(field, f"this model makes images, not video (it does {', '.join(tasks)})")
+        for name in ("num_frames", "fps", "reference_images"):
+            if get_input(name) is not None:
+                raise InvalidArgument(name, f"this model makes images, not video (it does {', '.join(tasks)})")
         return {}
     fields: dict[str, Any] = {
         "num_frames": int(defaults["num_frames"]), "fps": int(defaults["fps"]), "reference_images": None}
@@ -235,7 +298,7 @@ def _guidance_fields(get_input: Callable[[str], np.ndarray | None], value: Calla
     """guidance_scale, true_cfg_scale and guidance_scale_2 as the model reads them."""
 
     def scale(field: str, default: Any) -> Any:
-        return value(field, lambda f, v: _real(f, v, 0.0, _MAX_GUIDANCE), default)
+        return value(field, guidance_scale_input, default)
 
     guidance = scale("guidance_scale", float(defaults["guidance_scale"]))
     if guidance_is_cfg:
@@ -255,7 +318,8 @@ def _guidance_fields(get_input: Callable[[str], np.ndarray | None], value: Calla
 def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mapping[str, Any],
                   size_multiple: int, cache_policies: tuple[str, ...] = ("none",),
                   tasks: tuple[str, ...] = ("text-to-image",), frame_multiple: int = 1,
-                  guidance_is_cfg: bool = False, experts: int = 1) -> GenerationRequest:
+                  guidance_is_cfg: bool = False, experts: int = 1,
+                  family_inputs: tuple[str, ...] = ()) -> GenerationRequest:
     """Validate one request's inputs and fill in the served defaults.
 
     ``get_input(name)`` returns the input's array or None when it is absent;
@@ -263,7 +327,9 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
     names this model serves; ``tasks`` what it can do; a video model's
     ``num_frames`` is ``frame_multiple`` k + 1; ``guidance_is_cfg``: the
     model's guidance_scale is its CFG scale (Capabilities); ``experts``: 2
-    for a model with a low-noise expert. Raises InvalidArgument.
+    for a model with a low-noise expert; ``family_inputs``: the FAMILY_INPUTS
+    it takes (the family parses them; the others are refused here). Raises
+    InvalidArgument.
     """
 
     def value(name: str, parse: Callable[[str, np.ndarray], Any], default: Any) -> Any:
@@ -273,6 +339,9 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Mappi
     prompt = get_input("prompt")
     if prompt is None:
         raise InvalidArgument("prompt", "missing; it is required")
+    for name in FAMILY_INPUTS:
+        if name not in family_inputs and get_input(name) is not None:
+            raise InvalidArgument(name, "this model does not take it")
     max_steps = int(defaults["max_inference_steps"])
     image = value("image", _picture, None)
     if image is not None and not {"image-to-image", "image-to-video"} & set(tasks):

@@ -45,7 +45,13 @@ class LocalPipeline:
         return self._sessions[component].run(inputs)
 
     def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:
-        """Images [1, H, W, 3] and stats; options are the API's optional inputs."""
+        """Images [1, H, W, 3] (every frame of a video) and stats; options are the API's optional inputs."""
+        images, _, stats = self.generate_with_audio(prompt, **options)
+        return images, stats
+
+    def generate_with_audio(self, prompt: str, **options: Any) -> tuple[np.ndarray, np.ndarray | None,
+                                                                         GenerationStats]:
+        """``generate`` plus the sound track [channels, samples] (None for a silent model)."""
         unknown = set(options) - set(_API)
         if unknown:
             raise TypeError(f"unknown generation options: {sorted(unknown)}")
@@ -53,4 +59,4 @@ class LocalPipeline:
                   for name, value in {"prompt": prompt, **options}.items() if value is not None}
         request = self.sampler.parse_request(arrays.get, self.pipeline["defaults"])
         result = self.sampler.generate(request)
-        return self.sampler.decode(result.latents), result.stats
+        return self.sampler.decode(result.latents), self.sampler.decode_audio(result.latents), result.stats

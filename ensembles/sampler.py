@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -88,7 +88,23 @@ class Conditioning(Protocol):
     #   picture, a video's positions at its frame rate);
     # - ``reference_frames(request) -> int``: latent frames denoised in
     #   front of the video and dropped before the decode (Wan VACE's
-    #   reference images; latents [1, C, frames, h, w]).
+    #   reference images; latents [1, C, frames, h, w]);
+    # - ``parse_guidance(get_input, defaults, request) -> dict``: the
+    #   family's own guidance inputs (Capabilities.guidance_inputs),
+    #   validated, with ``defaults`` (ServedDefaults.family_guidance) for
+    #   the absent ones: ``request.guidance``;
+    # - ``uses_negative_prompt(request) -> bool``: whether the negative
+    #   prompt is encoded (default: request.uses_true_cfg);
+    # - ``guide(prediction, latents, step, scheduler, conditioning) -> noise``:
+    #   a guidance of its own over all the rows denoiser_inputs made (LTX-2:
+    #   CFG, spatio-temporal and modality guidance, rescaled), in place of
+    #   true CFG over (positive, negative) rows;
+    # - ``request_latents(request)`` and ``unpack(latents, request)``: the
+    #   initial noise and the decoder's latents of a family whose latents
+    #   follow more than the size (LTX-2: the sound's length, from the frame
+    #   rate), in place of initial_latents and decoder_latents;
+    # - ``decode_audio(latents) -> float32 [channels, samples]`` and
+    #   ``sample_rate: int``: a model that makes sound (Capabilities.audio).
 
 
 @dataclass
@@ -109,6 +125,8 @@ class GenerationStats:
     # What was made: frames (1 for an image) and, for a video, the frame rate it plays at.
     frames: int = 1
     fps: int | None = None
+    # Of the sound track, for a model that makes one.
+    sample_rate: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -178,10 +196,11 @@ class Sampler:
     def __init__(self, conditioning: Conditioning, run_component: RunComponent,
                  component_inputs: Mapping[str, Sequence[str]], cache_settings: CacheSettings = CacheSettings(),
                  prompt_cache_size: int = 256, tasks: Sequence[str] = ("text-to-image",),
-                 guidance_is_cfg: bool = False):
+                 guidance_is_cfg: bool = False, guidance_inputs: Sequence[str] = ()):
         self.conditioning = conditioning
         self.tasks = tuple(tasks)
         self.guidance_is_cfg = guidance_is_cfg
+        self.guidance_inputs = tuple(guidance_inputs)
         self.experts = getattr(conditioning, "experts", 1)
         self.run_component = run_component
         self.component_inputs = {name: tuple(inputs) for name, inputs in component_inputs.items()}
@@ -194,9 +213,14 @@ class Sampler:
                       defaults: Mapping[str, Any]) -> GenerationRequest:
         """One request's inputs validated against what this model serves (api.parse_request)."""
         # A video family's frames are frame_multiple k + 1; image families have no such rule.
-        return parse_request(get_input, defaults, self.conditioning.size_multiple, self.cache_settings.available(),
-                             self.tasks, getattr(self.conditioning, "frame_multiple", 1), self.guidance_is_cfg,
-                             self.experts)
+        request = parse_request(get_input, defaults, self.conditioning.size_multiple,
+                                self.cache_settings.available(), self.tasks,
+                                getattr(self.conditioning, "frame_multiple", 1), self.guidance_is_cfg, self.experts,
+                                self.guidance_inputs)
+        if hasattr(self.conditioning, "parse_guidance"):
+            guidance = self.conditioning.parse_guidance(get_input, defaults.get("family_guidance", {}), request)
+            request = replace(request, guidance=guidance)
+        return request
 
     def predict_noise(self, step: int, inputs: dict[str, np.ndarray], cache: StepCache,
                       stats: GenerationStats, denoiser: str = "denoiser") -> tuple[np.ndarray, bool]:
@@ -235,7 +259,9 @@ class Sampler:
         stats = GenerationStats(cache_policy=policy, cache_threshold=cache.threshold, frames=request.num_frames,
                                 fps=request.fps)
         prompts = [request.prompt]
-        if request.uses_true_cfg:
+        uses_negative = (cond.uses_negative_prompt(request) if hasattr(cond, "uses_negative_prompt")
+                         else request.uses_true_cfg)
+        if uses_negative:
             prompts.append(request.negative_prompt)
         conditioning = self.prompt_cache.encode(prompts, cond.encode_prompts, stats)
         scheduler = cond.scheduler(request.num_inference_steps, request.height, request.width, request.num_frames)
@@ -244,6 +270,8 @@ class Sampler:
         if request.image is not None and hasattr(cond, "image_latents"):
             latents, timesteps = cond.image_latents(request.image, first_step, request.seed, scheduler,
                                                     request.num_frames)
+        elif hasattr(cond, "request_latents"):
+            latents, timesteps = cond.request_latents(request), scheduler.timesteps
         else:
             latents = cond.initial_latents(request.seed, request.height, request.width,
                                            request.num_frames + reference_frames * getattr(cond, "frame_multiple", 1))
@@ -269,7 +297,9 @@ class Sampler:
             inputs = cond.denoiser_inputs(latents, timestep, conditioning, request.guidance_scale,
                                           request.height, request.width)
             noise, ran_tail = self.predict_noise(index, inputs, cache, stats, denoiser)
-            if request.uses_true_cfg:
+            if hasattr(cond, "guide"):
+                noise = cond.guide(noise, latents, index, scheduler, conditioning)
+            elif request.uses_true_cfg:
                 stats.negative_rows_derived += len(noise) == 1
                 positive, negative = cache.guidance_rows(index, noise, ran_tail)
                 noise = negative + cfg_scale * (positive - negative)
@@ -279,6 +309,9 @@ class Sampler:
                 on_step(index + 1, len(timesteps))
         if reference_frames:
             latents = latents[:, :, reference_frames:]
+        stats.sample_rate = getattr(cond, "sample_rate", None)
+        if hasattr(cond, "unpack"):
+            return Generation(cond.unpack(latents, request), stats)
         return Generation(cond.decoder_latents(latents, request.height, request.width), stats)
 
     def decode(self, latents) -> np.ndarray:
@@ -293,6 +326,14 @@ class Sampler:
         return as_numpy(value)
 
 
+    def decode_audio(self, latents) -> np.ndarray | None:
+        """The sound track float32 [channels, samples] of ``Generation.latents``
+        (host memory), or None for a model that makes none."""
+        if not hasattr(self.conditioning, "decode_audio"):
+            return None
+        return np.ascontiguousarray(as_numpy(self.conditioning.decode_audio(latents)), dtype=np.float32)
+
+
 def load_sampler(pipeline: Mapping[str, Any], assets_dir: str, run_component: RunComponent) -> Sampler:
     """The sampler a generated ``pipeline.json`` describes (Triton's and in-process)."""
     from machgen.builder.registry import get_family
@@ -304,4 +345,5 @@ def load_sampler(pipeline: Mapping[str, Any], assets_dir: str, run_component: Ru
                    cache_settings=CacheSettings.from_json(pipeline.get("cache")),
                    prompt_cache_size=int(pipeline.get("prompt_cache_size", 256)),
                    tasks=pipeline.get("tasks", ("text-to-image",)),
-                   guidance_is_cfg=family.capabilities.guidance_is_cfg)
+                   guidance_is_cfg=family.capabilities.guidance_is_cfg,
+                   guidance_inputs=family.capabilities.guidance_inputs)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from machgen.ensembles.api import InvalidArgument
+from machgen.ensembles.api import AUDIO_OUTPUT, InvalidArgument
 from machgen.ensembles.sampler import GenerationCancelled
 from machgen.ensembles.tensors import is_torch
 
@@ -190,10 +190,12 @@ class SamplerModel:
         if request.is_cancelled():
             raise GenerationCancelled(parsed.num_inference_steps, parsed.num_inference_steps)
         images = self.sampler.decode(result.latents)
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor("images", np.ascontiguousarray(images)),
-            pb_utils.Tensor("stats", np.array([result.stats.to_json().encode()], dtype=np.object_)),
-        ])
+        audio = self.sampler.decode_audio(result.latents)
+        outputs = [pb_utils.Tensor("images", np.ascontiguousarray(images)),
+                   pb_utils.Tensor("stats", np.array([result.stats.to_json().encode()], dtype=np.object_))]
+        if audio is not None:
+            outputs.append(pb_utils.Tensor(AUDIO_OUTPUT, audio))
+        return pb_utils.InferenceResponse(outputs)
 
     def finalize(self) -> None:
         # Triton stops the instances one after another, and tearing down an

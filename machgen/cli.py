@@ -58,8 +58,9 @@ TASKS = {"t2i": (False, False, False), "i2i": (True, False, False), "t2v": (Fals
 @app.command()
 def generate(
     prompt: str = typer.Option(..., "--prompt"),
-    out: Path = typer.Option(..., "--out", help="file to write: .mp4 for video (all frames), else an image "
-                                                "(PNG; an index is appended when there are several frames)"),
+    out: Path = typer.Option(..., "--out", help="file to write: .mp4 for video (all frames, with its sound), "
+                                                ".wav for the sound alone, else an image (PNG; an index is "
+                                                "appended when there are several frames)"),
     model: str = typer.Option(..., "--model", help="served model name"),
     url: str = typer.Option("127.0.0.1:8001", "--url", help="host:port of the chosen protocol"),
     protocol: str = typer.Option("grpc", "--protocol", help="grpc or http"),
@@ -86,8 +87,16 @@ def generate(
     fps: Optional[int] = typer.Option(None, "--fps", help="video: frames per second (default: the model's)"),
     reference_images: Optional[list[Path]] = typer.Option(None, "--reference-image", exists=True, dir_okay=False,
                                                           help="reference-to-video: a picture (repeatable)"),
+    stg_scale: Optional[float] = typer.Option(None, "--stg-scale", help="LTX-2: spatio-temporal guidance scale"),
+    stg_blocks: Optional[list[int]] = typer.Option(None, "--stg-block", help="LTX-2: a block spatio-temporal "
+                                                                             "guidance perturbs (repeatable)"),
+    modality_scale: Optional[float] = typer.Option(None, "--modality-scale",
+                                                   help="LTX-2: modality isolation guidance scale"),
+    guidance_rescale: Optional[float] = typer.Option(None, "--guidance-rescale", help="LTX-2: guidance rescale, 0-1"),
+    audio_guidance_scale: Optional[float] = typer.Option(None, "--audio-guidance-scale",
+                                                         help="LTX-2: the sound's guidance scale"),
 ) -> None:
-    """Generate an image or a video through a served pipeline and save it (PNG or MP4)."""
+    """Generate an image or a video through a served pipeline and save it (PNG, MP4; WAV: the sound alone)."""
     import time
 
     import numpy as np
@@ -104,7 +113,7 @@ def generate(
         if needs_references != bool(reference_images):
             raise typer.BadParameter(f"{task} {'needs' if needs_references else 'takes no'} --reference-image",
                                      param_hint="--task")
-        if video != (out.suffix.lower() == ".mp4"):
+        if video != (out.suffix.lower() in (".mp4", ".wav")):
             raise typer.BadParameter(f"{task} writes {'an .mp4' if video else 'an image'} file", param_hint="--out")
     picture = None if image is None else np.asarray(Image.open(image).convert("RGB"))
     references = (np.stack([np.asarray(Image.open(path).convert("RGB")) for path in reference_images])
@@ -113,24 +122,37 @@ def generate(
     try:
         with MachgenClient(url, protocol=protocol) as client:
             start = time.perf_counter()
-            images, stats = client.generate_with_stats(
+            generated = client.generate_all(
                 model, prompt, negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
                 guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, true_cfg_scale=true_cfg_scale,
                 height=height, width=width,
                 cache_policy=cache_policy, cache_threshold=cache_threshold, image=picture, strength=strength,
-                num_frames=num_frames, fps=fps, reference_images=references)
+                num_frames=num_frames, fps=fps, reference_images=references, stg_scale=stg_scale,
+                stg_blocks=stg_blocks or None, modality_scale=modality_scale, guidance_rescale=guidance_rescale,
+                audio_guidance_scale=audio_guidance_scale)
             seconds = time.perf_counter() - start
     except GenerationError as err:
         typer.secho(f"error ({err.status}): {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
+    images, audio, stats = generated.images, generated.audio, generated.stats
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix.lower() == ".mp4":
+    sound = f", sound {audio.shape[1] / stats['sample_rate']:.2f} s" if audio is not None else ""
+    if out.suffix.lower() == ".wav":
+        from machgen.client.video import write_wav
+
+        if audio is None:
+            typer.secho(f"error: {model} makes no sound to write to {out}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+        write_wav(audio, out, stats["sample_rate"])
+        paths = [out]
+        written = f"{audio.shape[0]} channels at {stats['sample_rate']} Hz{sound}"
+    elif out.suffix.lower() == ".mp4":
         from machgen.client.video import write_mp4
 
         rate = fps or stats.get("fps") or DEFAULT_FPS
-        write_mp4(images, out, fps=rate)
+        write_mp4(images, out, fps=rate, audio=audio, sample_rate=stats.get("sample_rate"))
         paths = [out]
-        written = f"{len(images)} frames at {rate} fps"
+        written = f"{len(images)} frames at {rate} fps{sound}"
     else:
         paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}")
                                                 for i in range(len(images))]

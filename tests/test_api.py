@@ -59,6 +59,8 @@ def test_true_cfg_needs_a_scale_above_one_and_a_negative_prompt():
     ({"prompt": "x", "cache_policy": "teacache"}, "cache_policy", "not one of none, fbcache"),
     ({"prompt": "x", "cache_threshold": -0.1}, "cache_threshold", "outside"),
     ({"prompt": "x", "cache_threshold": float("inf")}, "cache_threshold", "outside"),
+    ({"prompt": "x", "stg_scale": 1.0}, "stg_scale", "does not take it"),  # LTX-2's guidance, refused here
+    ({"prompt": "x", "audio_guidance_rescale": 0.5}, "audio_guidance_rescale", "does not take it"),
 ])
 def test_bad_inputs_are_named(inputs, field, words):
     with pytest.raises(InvalidArgument) as err:
@@ -180,3 +182,24 @@ def test_bad_guidance_inputs_are_named(guidance_is_cfg, experts, values, field, 
     with pytest.raises(InvalidArgument, match=re.escape(words)) as raised:
         parse_guidance(guidance_is_cfg, experts, **values)
     assert raised.value.field == field
+
+
+def test_family_guidance_helpers_name_the_field():
+    from machgen.ensembles.api import fraction_input, guidance_scale_input, indices_input
+
+    assert indices_input("stg_blocks", np.array([3, 0], dtype=np.int32), 4) == (3, 0)
+    assert indices_input("stg_blocks", np.array([], dtype=np.int32), 4) == ()
+    for call, words in [(lambda: indices_input("stg_blocks", np.array([4], dtype=np.int32), 4), "outside"),
+                        (lambda: indices_input("stg_blocks", np.array([1, 1], dtype=np.int32), 4), "repeats"),
+                        (lambda: indices_input("stg_blocks", np.array([0.5], dtype=np.float32), 4), "integer"),
+                        (lambda: fraction_input("guidance_rescale", np.array([1.5], dtype=np.float32)), "outside"),
+                        (lambda: guidance_scale_input("stg_scale", np.array([-1.0], dtype=np.float32)), "outside")]:
+        with pytest.raises(InvalidArgument, match=words):
+            call()
+
+
+def test_only_models_with_sound_declare_the_audio_output():
+    from machgen.ensembles.api import public_outputs
+
+    assert [t.name for t in public_outputs(audio=False)] == ["images", "stats"]
+    assert [t.name for t in public_outputs(audio=True)] == ["images", "stats", "audio"]

@@ -1,0 +1,189 @@
+"""Text-to-video with sound on the tiny LTX-2 (LTX-2.3's layout): the served
+pipeline against diffusers' LTX2Pipeline on the same model, seed and
+settings, every frame and the whole sound track, with each guidance the
+pipeline has (classifier-free, spatio-temporal, modality isolation,
+rescale; the sound's own scales); cache reuse and batching across requests."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from conftest import build_tiny_repository, free_port, levels, load_diffusers, write_tiny
+
+MAX_PIXEL_DIFF = 2  # of 255, over all frames
+MAX_AUDIO_DIFF = 1e-4  # of samples in [-1, 1] (the tiny model's sound peaks near 0.1)
+NAME = "ltx2"
+PROMPT = "a robot dancing"
+# Every guidance off: one row per step.
+UNGUIDED = {"guidance_scale": 1.0, "stg_scale": 0.0, "modality_scale": 1.0, "audio_guidance_scale": 1.0,
+            "audio_stg_scale": 0.0, "audio_modality_scale": 1.0}
+
+
+@pytest.fixture(scope="module")
+def tiny_ltx2_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory, "ltx2")
+
+
+@pytest.fixture(scope="module")
+def ltx2_pipeline(tiny_ltx2_dir):
+    return load_diffusers(tiny_ltx2_dir)
+
+
+@pytest.fixture(scope="module")
+def ltx2_repository(tiny_ltx2_dir, tmp_path_factory):
+    return build_tiny_repository(tmp_path_factory, tiny_ltx2_dir, NAME, sampler_instances=3)
+
+
+@pytest.fixture(scope="module")
+def local_ltx2(ltx2_repository):
+    from machgen.ensembles.local import LocalPipeline
+
+    return LocalPipeline(ltx2_repository, NAME)
+
+
+def diffusers_clip(pipe, defaults, seed: int, **call) -> tuple[np.ndarray, np.ndarray]:
+    """LTX2Pipeline's frames as uint8 levels (int16) [frames, H, W, 3] and its
+    sound [channels, samples], for the API's names of the settings."""
+    import torch
+
+    settings = {key: defaults[key] for key in ("height", "width", "num_frames", "num_inference_steps",
+                                               "guidance_scale", "max_sequence_length", "negative_prompt")}
+    settings.update(defaults["family_guidance"])
+    settings.update(call)
+    settings["frame_rate"] = settings.pop("fps", defaults["fps"])
+    settings["spatio_temporal_guidance_blocks"] = settings.pop("stg_blocks")
+    out = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np", **settings)
+    return levels(out.frames[0]), out.audio[0].float().numpy()
+
+
+def assert_same_clip(frames, audio, expected) -> None:
+    want_frames, want_audio = expected
+    assert frames.shape == want_frames.shape and audio.shape == want_audio.shape
+    assert np.abs(frames.astype(np.int16) - want_frames).max() <= MAX_PIXEL_DIFF
+    assert np.abs(audio - want_audio).max() <= MAX_AUDIO_DIFF
+
+
+@pytest.mark.parametrize("call, rows", [
+    ({}, 4),  # the served defaults: 5 frames at 25 fps, 4 steps, CFG + STG (last block) + modality, rescaled
+    ({"num_frames": 9, "height": 64, "width": 32, "num_inference_steps": 5, "guidance_scale": 4.0, "fps": 12,
+      "negative_prompt": "a blue square", "stg_scale": 3.0, "stg_blocks": [0, 1], "audio_guidance_scale": 2.0,
+      "modality_scale": 1.0, "audio_modality_scale": 1.0, "guidance_rescale": 0.0}, 3),
+    ({**UNGUIDED, "num_inference_steps": 3, "num_frames": 1}, 1),
+], ids=["defaults", "9-frames-12-fps-stg-two-blocks", "one-frame-unguided"])
+def test_in_process_video_and_sound_equal_diffusers(local_ltx2, ltx2_pipeline, call, rows):
+    defaults = local_ltx2.pipeline["defaults"]
+    frames, audio, stats = local_ltx2.generate_with_audio(PROMPT, seed=5, cache_policy="none", **call)
+    assert_same_clip(frames, audio, diffusers_clip(ltx2_pipeline, defaults, 5, **call))
+    steps = call.get("num_inference_steps", defaults["num_inference_steps"])
+    assert (stats.frames, stats.fps, stats.sample_rate) == (len(frames), call.get("fps", 25), 16000)
+    assert stats.denoiser_tail_passes == rows * steps  # every guidance pass is a row of the step's one call
+
+
+@pytest.mark.parametrize("off", [
+    {"guidance_scale": 1.0, "audio_guidance_scale": 1.0},
+    {"stg_scale": 0.0, "audio_stg_scale": 0.0},
+    {"modality_scale": 1.0, "audio_modality_scale": 1.0},
+    {"guidance_rescale": 0.0, "audio_guidance_rescale": 0.0},
+    {"audio_guidance_scale": 2.0},
+], ids=["cfg", "stg", "modality", "rescale", "sound-scale"])
+def test_each_guidance_changes_the_clip_beyond_the_tolerances(local_ltx2, off):
+    """So that the parity above checks every pass: each one, left out, moves
+    the frames or the sound by more than the parity tolerance."""
+    strong = {"stg_scale": 3.0}  # the tiny model's spatio-temporal guidance is weak at the default 1
+    frames, audio, _ = local_ltx2.generate_with_audio(PROMPT, seed=6, cache_policy="none", **strong)
+    other_frames, other_audio, _ = local_ltx2.generate_with_audio(PROMPT, seed=6, cache_policy="none",
+                                                                  **{**strong, **off})
+    assert (np.abs(frames.astype(np.int16) - other_frames).max() > 2 * MAX_PIXEL_DIFF
+            or np.abs(audio - other_audio).max() > 10 * MAX_AUDIO_DIFF)
+
+
+def test_the_frame_rate_sets_the_sound_length_and_moves_the_video(local_ltx2):
+    at_25, audio_25, _ = local_ltx2.generate_with_audio(PROMPT, seed=7, fps=25, num_frames=9, cache_policy="none")
+    at_12, audio_12, _ = local_ltx2.generate_with_audio(PROMPT, seed=7, fps=12, num_frames=9, cache_policy="none")
+    assert np.abs(at_25.astype(np.int16) - at_12).max() > 2
+    # 9 frames: 0.36 s at 25 fps, 0.75 s at 12 fps
+    assert audio_12.shape[1] > 1.8 * audio_25.shape[1]
+
+
+def test_first_block_cache_skips_steps_of_video_and_sound(local_ltx2):
+    uncached, sound, plain = local_ltx2.generate_with_audio(PROMPT, seed=8, num_inference_steps=12,
+                                                           cache_policy="none")
+    cached, cached_sound, stats = local_ltx2.generate_with_audio(PROMPT, seed=8, num_inference_steps=12,
+                                                                cache_policy="fbcache", cache_threshold=0.5)
+    assert stats.denoiser_tail_passes < plain.denoiser_tail_passes
+    psnr = 10 * np.log10(255.0 ** 2 / max(np.mean((cached.astype(float) - uncached.astype(float)) ** 2), 1e-12))
+    assert psnr > 25, f"cached video {psnr:.1f} dB from the uncached one"
+    assert np.abs(cached_sound - sound).max() < 0.2 * np.abs(sound).max()
+
+
+def test_requests_are_validated_against_the_model(local_ltx2):
+    from machgen.ensembles.api import InvalidArgument
+
+    for options, field in [({"stg_blocks": [2]}, "stg_blocks"), ({"stg_blocks": [1, 1]}, "stg_blocks"),
+                           ({"guidance_rescale": 1.5}, "guidance_rescale"), ({"audio_stg_scale": -1.0},
+                                                                             "audio_stg_scale"),
+                           ({"num_frames": 4}, "num_frames"), ({"height": 48}, "height"),
+                           ({"true_cfg_scale": 2.0}, "true_cfg_scale")]:
+        with pytest.raises(InvalidArgument) as error:
+            local_ltx2.generate(PROMPT, **options)
+        assert error.value.field == field
+
+
+def test_only_a_model_with_sound_declares_the_audio_output(ltx2_repository):
+    from machgen.builder.repository import ServingOptions, render_public_config
+
+    assert 'name: "audio"' in (ltx2_repository / NAME / "config.pbtxt").read_text()
+    assert 'name: "audio"' not in render_public_config("silent", ServingOptions(), audio=False)
+
+
+@pytest.mark.integration
+def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_forwards(ltx2_repository,
+                                                                                       local_ltx2, ltx2_pipeline,
+                                                                                       tmp_path):
+    from machgen.client import MachgenClient
+    from machgen.client.video import read_audio, read_mp4
+    from machgen.server import Ports, TritonServer
+
+    defaults = local_ltx2.pipeline["defaults"]
+    requests = [dict(seed=10 + i, num_frames=(5, 9, 5)[i], num_inference_steps=(4, 3, 5)[i],
+                     **({"stg_blocks": [0]} if i == 1 else {})) for i in range(3)]
+
+    def generate(settings, url):
+        with MachgenClient(url) as client:
+            return client.generate_all(NAME, PROMPT, cache_policy="none", **settings)
+
+    with TritonServer(ltx2_repository, Ports(free_port(), free_port(), free_port())) as server:
+        solo = [generate(settings, server.grpc_url) for settings in requests]
+        with MachgenClient(server.grpc_url) as client:
+            before = client.rows_and_forwards(f"{NAME}_denoiser_tail")
+            with ThreadPoolExecutor(len(requests)) as pool:
+                together = list(pool.map(lambda settings: generate(settings, server.grpc_url), requests))
+            after = client.rows_and_forwards(f"{NAME}_denoiser_tail")
+        from typer.testing import CliRunner
+
+        from machgen.cli import app
+
+        clip = tmp_path / "clip.mp4"
+        done = CliRunner().invoke(app, ["generate", "--url", server.grpc_url, "--model", NAME, "--task", "t2v",
+                                        "--prompt", PROMPT, "--seed", "3", "--num-frames", "9", "--out", str(clip)])
+        assert done.exit_code == 0, done.output
+    for settings, generated in zip(requests, solo):
+        expected = diffusers_clip(ltx2_pipeline, defaults, settings["seed"],
+                                  **{k: v for k, v in settings.items() if k != "seed"})
+        assert_same_clip(generated.images, generated.audio, expected)
+        assert (generated.stats["frames"], generated.stats["sample_rate"]) == (settings["num_frames"], 16000)
+    for alone, batched in zip(solo, together):
+        assert np.abs(batched.images.astype(np.int16) - alone.images).max() <= MAX_PIXEL_DIFF
+        assert np.abs(batched.audio - alone.audio).max() <= MAX_AUDIO_DIFF
+    rows, forwards = after[0] - before[0], after[1] - before[1]
+    assert rows == 4 * sum(settings["num_inference_steps"] for settings in requests)
+    assert rows / forwards > 4.5, f"{rows} denoiser rows in {forwards} forwards"  # 4 per request and call
+    frames, fps = read_mp4(clip)
+    sound, rate = read_audio(clip)
+    _, generated, _ = local_ltx2.generate_with_audio(PROMPT, seed=3, num_frames=9)
+    assert (len(frames), fps, rate, sound.shape[0]) == (9, 25.0, 16000, 2)
+    # AAC codes whole frames of 1024 samples (the tiny vocoder makes far fewer samples than its rate says)
+    assert generated.shape[1] <= sound.shape[1] <= generated.shape[1] + 2048
