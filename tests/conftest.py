@@ -52,14 +52,17 @@ def load_diffusers(model_dir: Path):
     return pipe
 
 
-def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, sampler_instances: int = 2) -> Path:
-    """A model repository of ``model_dir`` served as ``name`` (one instance per component)."""
+def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, sampler_instances: int = 2,
+                          **options) -> Path:
+    """A model repository of ``model_dir`` served as ``name`` (one instance per
+    component; ``options``: other ServingOptions)."""
     from machgen.builder.build import build_repository
     from machgen.builder.repository import ServingOptions
 
     out = tmp_path_factory.mktemp(f"{name}-repository")
     build_repository(model_dir, name, out, options=ServingOptions(sampler_instances=sampler_instances,
-                                                                  component_instances=1), log=lambda line: None)
+                                                                  component_instances=1, **options),
+                     log=lambda line: None)
     return out
 
 

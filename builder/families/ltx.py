@@ -542,6 +542,7 @@ class _KeepFirstFrame:
         self.scheduler = scheduler
         self.frame_tokens = frame_tokens
         self.timesteps = scheduler.timesteps
+        self.sigmas = scheduler.sigmas
 
     def step(self, model_output, timestep, sample, return_dict: bool = False):
         stepped = self.scheduler.step(model_output, timestep, sample, return_dict=False)[0]

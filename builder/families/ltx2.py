@@ -69,7 +69,8 @@ _ROPE_FIELDS = ("dim", "patch_size", "patch_size_t", "base_num_frames", "base_he
 
 def _ltx2_specs(*, video_text_dim: int, audio_text_dim: int, inner_dim: int, audio_inner_dim: int,
                 in_channels: int, audio_channels: int, layers: int, latent_channels: int,
-                audio_latent_channels: int, sound_channels: int) -> dict[str, ComponentSpec]:
+                audio_latent_channels: int, sound_channels: int,
+                image_to_video: bool) -> dict[str, ComponentSpec]:
     latents = TensorSpec("hidden_states", "float32", ("batch", "video_tokens", in_channels))
     audio_latents = TensorSpec("audio_hidden_states", "float32", ("batch", "audio_tokens", audio_channels))
     text = TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", video_text_dim))
@@ -87,6 +88,12 @@ def _ltx2_specs(*, video_text_dim: int, audio_text_dim: int, inner_dim: int, aud
     residual = ("batch", "packed_hidden")
     noise_pred = TensorSpec("noise_pred", "float32", ("batch", "packed_latents"))
     step_inputs = (text, audio_text, mask, timestep, video_coords, audio_coords, perturbation, cross_modal)
+    timesteps = (timestep,)
+    if image_to_video:
+        # A timestep per video token (0 on the first frame's, which hold the picture); the sound's, the
+        # prompt modulation's and the cross-modal ones stay the step's.
+        video_timestep = TensorSpec("video_timestep", "float32", ("batch", "video_tokens"))
+        step_inputs, timesteps = step_inputs + (video_timestep,), timesteps + (video_timestep,)
     frames = ("batch", 3, "frames", "height", "width")
     specs = [
         ComponentSpec(
@@ -112,7 +119,7 @@ def _ltx2_specs(*, video_text_dim: int, audio_text_dim: int, inner_dim: int, aud
         ),
         ComponentSpec(
             "denoiser_reuse",
-            inputs=(latents, audio_latents, timestep, TensorSpec("blocks_residual", "float32", residual)),
+            inputs=(latents, audio_latents, *timesteps, TensorSpec("blocks_residual", "float32", residual)),
             outputs=(noise_pred,),
             tolerance=1e-4,
             per_step=True,
@@ -139,6 +146,14 @@ def _ltx2_specs(*, video_text_dim: int, audio_text_dim: int, inner_dim: int, aud
             in_sampler=True,
         ),
     ]
+    if image_to_video:
+        latent = ("batch", latent_channels, 1, "latent_height", "latent_width")
+        specs.append(ComponentSpec(
+            "vae_encoder",
+            inputs=(TensorSpec("frames", "float32", ("batch", 3, 1, "height", "width")),),
+            outputs=(TensorSpec("latents", "float32", latent),),
+            tolerance=1e-3,
+        ))
     return {s.name: s for s in specs}
 
 
@@ -171,15 +186,24 @@ def _modules():
         params, embedded = embed(values, batch_size=batch, hidden_dtype=dtype)
         return params.reshape(batch, 1, params.size(-1)), embedded.reshape(batch, 1, embedded.size(-1))
 
+    def video_modulation(tr, timestep, video_timestep, batch: int, dtype):
+        """The video's time embedding: from its timestep per token when it has
+        one (image-to-video), else from the step's [batch, 1 or tokens, features]."""
+        if video_timestep is None:
+            return modulation(tr.time_embed, timestep.reshape(-1), batch, dtype)
+        params, embedded = tr.time_embed(video_timestep.reshape(-1), batch_size=batch, hidden_dtype=dtype)
+        tokens = video_timestep.shape[1]
+        return params.reshape(batch, tokens, params.size(-1)), embedded.reshape(batch, tokens, embedded.size(-1))
+
     def step_streams(tr, batch: int, encoder_hidden_states, audio_encoder_hidden_states, encoder_attention_mask,
-                     timestep, video_coords, audio_coords, dtype) -> tuple[dict, Any, Any]:
-        """LTX2VideoTransformer3DModel.forward before its blocks, for text-to-video
-        (one timestep per row; sigma, the sound's timestep and the cross-modal one
-        are that timestep too): the blocks' keyword arguments and both output
-        layers' embedded timesteps."""
+                     timestep, video_coords, audio_coords, dtype, video_timestep=None) -> tuple[dict, Any, Any]:
+        """LTX2VideoTransformer3DModel.forward before its blocks (one timestep per
+        row: sigma, the sound's and the cross-modal ones; the video's too unless
+        ``video_timestep`` gives one per token): the blocks' keyword arguments
+        and both output layers' embedded timesteps."""
         bias = ((1 - encoder_attention_mask.to(dtype)) * -10000.0).unsqueeze(1)
         t = timestep.reshape(-1)
-        temb, embedded = modulation(tr.time_embed, t, batch, dtype)
+        temb, embedded = video_modulation(tr, timestep, video_timestep, batch, dtype)
         temb_audio, audio_embedded = modulation(tr.audio_time_embed, t, batch, dtype)
         temb_prompt = temb_prompt_audio = None
         if tr.prompt_modulation and tr.config.use_prompt_adaln_single:
@@ -249,11 +273,12 @@ def _modules():
 
         def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
                     encoder_attention_mask, timestep, video_coords, audio_coords, perturbation_mask,
-                    cross_modal_mask):
+                    cross_modal_mask, video_timestep=None):
             tr = self.transformer
             video, audio = tr.proj_in(hidden_states), tr.audio_proj_in(audio_hidden_states)
             streams, _, _ = step_streams(tr, hidden_states.size(0), encoder_hidden_states, audio_encoder_hidden_states,
-                                         encoder_attention_mask, timestep, video_coords, audio_coords, video.dtype)
+                                         encoder_attention_mask, timestep, video_coords, audio_coords, video.dtype,
+                                         video_timestep)
             video_out, audio_out = run_blocks(tr, range(1), video, audio, streams, perturbation_mask,
                                               cross_modal_mask)
             return video_out, audio_out, pack(video_out - video, audio_out - audio)
@@ -268,11 +293,11 @@ def _modules():
 
         def forward(self, video_hidden, audio_hidden, encoder_hidden_states, audio_encoder_hidden_states,
                     encoder_attention_mask, timestep, video_coords, audio_coords, perturbation_mask,
-                    cross_modal_mask):
+                    cross_modal_mask, video_timestep=None):
             tr = self.transformer
             streams, embedded, audio_embedded = step_streams(
                 tr, video_hidden.size(0), encoder_hidden_states, audio_encoder_hidden_states, encoder_attention_mask,
-                timestep, video_coords, audio_coords, video_hidden.dtype)
+                timestep, video_coords, audio_coords, video_hidden.dtype, video_timestep)
             video, audio = run_blocks(tr, range(1, len(tr.transformer_blocks)), video_hidden, audio_hidden, streams,
                                       perturbation_mask, cross_modal_mask)
             return (outputs(tr, video, audio, embedded, audio_embedded),
@@ -285,13 +310,12 @@ def _modules():
             super().__init__()
             self.transformer = transformer
 
-        def forward(self, hidden_states, audio_hidden_states, timestep, blocks_residual):
+        def forward(self, hidden_states, audio_hidden_states, timestep, blocks_residual, video_timestep=None):
             tr = self.transformer
             batch = hidden_states.size(0)
             video, audio = tr.proj_in(hidden_states), tr.audio_proj_in(audio_hidden_states)
-            t = timestep.reshape(-1)
-            embedded = modulation(tr.time_embed, t, batch, video.dtype)[1]
-            audio_embedded = modulation(tr.audio_time_embed, t, batch, video.dtype)[1]
+            embedded = video_modulation(tr, timestep, video_timestep, batch, video.dtype)[1]
+            audio_embedded = modulation(tr.audio_time_embed, timestep.reshape(-1), batch, video.dtype)[1]
             split = video.shape[1] * video.shape[2]
             video = video + blocks_residual[:, :split].reshape(video.shape)
             audio = audio + blocks_residual[:, split:].reshape(audio.shape)
@@ -328,7 +352,19 @@ def _modules():
             latents = latents.unflatten(2, (-1, self.latent_mel_bins)).transpose(1, 2)
             return self.vocoder(self.audio_vae.decode(latents, return_dict=False)[0])
 
-    return TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoder, AudioDecoder, postprocess
+    class VaeEncoder(torch.nn.Module):
+        """LTX2ImageToVideoPipeline's picture latents: the mode of
+        AutoencoderKLLTX2Video.encode, normalised (without the scaling factor, as the pipeline)."""
+
+        def __init__(self, vae):
+            super().__init__()
+            self.vae = vae
+
+        def forward(self, frames):
+            mode = self.vae.encode(frames).latent_dist.mode()
+            return (mode - self.vae.latents_mean.view(1, -1, 1, 1, 1)) / self.vae.latents_std.view(1, -1, 1, 1, 1)
+
+    return TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoder, AudioDecoder, postprocess, VaeEncoder
 
 
 @register_family
@@ -351,7 +387,11 @@ class Ltx2(Family):
                            audio_channels=tr.audio_in_channels, layers=tr.num_layers,
                            latent_channels=pipe.vae.config.latent_channels,
                            audio_latent_channels=self._audio_packed_channels(pipe),
-                           sound_channels=pipe.vocoder.config.out_channels)
+                           sound_channels=pipe.vocoder.config.out_channels, image_to_video=self.image_to_video)
+
+    @property
+    def image_to_video(self) -> bool:
+        return "image-to-video" in self.capabilities.tasks
 
     @staticmethod
     def _audio_packed_channels(pipe) -> int:
@@ -361,7 +401,7 @@ class Ltx2(Family):
     def components(self, pipe) -> list[ExportableComponent]:
         import torch
 
-        text_encoder, head, tail, reuse, vae_decoder, audio_decoder, postprocess = _modules()
+        text_encoder, head, tail, reuse, vae_decoder, audio_decoder, postprocess, vae_encoder = _modules()
         specs = self.specs(pipe)
         tr = pipe.transformer.config
         # Batch 2 (batch 1 would be specialised), sizes unlike any fixed size in the model.
@@ -389,6 +429,10 @@ class Ltx2(Family):
                 "video_coords": video_rope.prepare_video_coords(batch, frames, lat_h, lat_w, "cpu", fps=25.0),
                 "audio_coords": audio_rope.prepare_audio_coords(batch, audio_frames, "cpu"),
                 "perturbation_mask": perturbation, "cross_modal_mask": torch.tensor([[1.0], [0.0]])}
+        if self.image_to_video:  # the first frame's tokens at 0
+            step["video_timestep"] = step["timestep"].repeat(1, tokens)
+            step["video_timestep"][:, :lat_h * lat_w] = 0
+        timesteps = {name: step[name] for name in ("timestep", "video_timestep") if name in step}
         latents = {"hidden_states": randn(batch, tokens, tr.in_channels),
                    "audio_hidden_states": randn(batch, audio_frames, tr.audio_in_channels)}
         head_module = head(pipe.transformer).eval()
@@ -397,13 +441,16 @@ class Ltx2(Family):
                 **{name: value.to(device, dtype) for name, value in {**latents, **step}.items()}))
         vae_spatial = pipe.vae_spatial_compression_ratio
         latent_mel = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-        return [
+        encoder_component = [ExportableComponent(
+            specs["vae_encoder"], vae_encoder(pipe.vae).eval(),
+            {"frames": randn(batch, 3, 1, lat_h * vae_spatial, lat_w * vae_spatial)})] if self.image_to_video else []
+        return encoder_component + [
             ExportableComponent(specs["text_encoder"], encoder, {"input_ids": ids, "attention_mask": text_mask}),
             ExportableComponent(specs["denoiser_head"], head_module, {**latents, **step}),
             ExportableComponent(specs["denoiser_tail"], tail(pipe.transformer).eval(),
                                 {"video_hidden": video_hidden, "audio_hidden": audio_hidden, **step}),
             ExportableComponent(specs["denoiser_reuse"], reuse(pipe.transformer).eval(),
-                                {**latents, "timestep": step["timestep"], "blocks_residual": randn(*residual.shape)}),
+                                {**latents, **timesteps, "blocks_residual": randn(*residual.shape)}),
             ExportableComponent(specs["vae_decoder"], vae_decoder(pipe.vae).eval(),
                                 {"latents": randn(batch, pipe.vae.config.latent_channels, frames, lat_h, lat_w)}),
             ExportableComponent(specs["audio_decoder"],
@@ -475,11 +522,14 @@ class Ltx2(Family):
                               leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
         for module in (text_encoder, transformer, connectors, vae, audio_vae, vocoder):
             module.eval()
-        return diffusers.LTX2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
-                                      audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                                      connectors=connectors, transformer=transformer, vocoder=vocoder)
+        return getattr(diffusers, self.diffusers_pipeline)(
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae,
+            text_encoder=text_encoder, tokenizer=tokenizer, connectors=connectors, transformer=transformer,
+            vocoder=vocoder)
 
     def sampler_settings(self, pipe, defaults: ServedDefaults) -> dict[str, Any]:
+        from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
+
         spatial, temporal = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
         patch, patch_t = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
         audio_vae = pipe.audio_vae.config
@@ -502,6 +552,8 @@ class Ltx2(Family):
             "audio_rope": {name: _plain(getattr(tr.audio_rope, name)) for name in _ROPE_FIELDS},
             "tokenizer_class": type(pipe.tokenizer).__name__,
             "max_sequence_length": defaults.max_sequence_length,
+            # Image-to-video: the H.264 quality the picture is re-compressed at first (the model's training).
+            "image_crf": resolve_default_image_crf(pipe.text_encoder),
         }
 
     def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
@@ -806,3 +858,72 @@ class Ltx2Conditioning:
         """The sound track [channels, samples] (audio VAE, then the vocoder)."""
         _, audio = latents
         return self.run_component("audio_decoder", {"audio_latents": audio})["waveform"][0]
+
+
+@register_family
+class Ltx2ImageToVideo(Ltx2):
+    """LTX-2 image-to-video (LTX2ImageToVideoPipeline): the picture, re-compressed
+    as H.264 at the model's quality and encoded, is the first latent frame,
+    kept as it is through the loop (its tokens at timestep 0); the sound is
+    made as for text-to-video."""
+
+    name = "ltx2-i2v"
+    diffusers_pipeline = "LTX2ImageToVideoPipeline"
+    capabilities = Capabilities(tasks=("image-to-video",), true_cfg=True, guidance_is_cfg=True, audio=True,
+                                guidance_inputs=tuple(PIPELINE_GUIDANCE))
+
+    def make_sampler(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
+        return Ltx2ImageToVideoConditioning(settings, assets_dir, run_component)
+
+
+class Ltx2ImageToVideoConditioning(Ltx2Conditioning):
+    """LTX2ImageToVideoPipeline.prepare_latents and its per-token video timesteps."""
+
+    def frame_elements(self, height: int, width: int) -> int:
+        """The first latent frame's share of the packed row (its tokens x channels)."""
+        spatial, patch = self.settings["vae_spatial_ratio"], self.settings["patch_size"]
+        return (height // spatial // patch) * (width // spatial // patch) * self.settings["latent_channels"]
+
+    def scheduler(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1):
+        from machgen.builder.families.ltx import _KeepFirstFrame
+
+        return _KeepFirstFrame(super().scheduler(num_inference_steps, height, width, num_frames),
+                               self.frame_elements(height, width))
+
+    def request_latents(self, request):
+        """The picture's latents on the first frame and noise after it (the
+        encoder's mode draws nothing), then the sound's noise, from one
+        generator in the pipeline's order; packed."""
+        import numpy as np
+        import torch
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
+        from diffusers.utils.torch_utils import randn_tensor
+
+        from machgen.ensembles.tensors import as_torch
+
+        picture = apply_image_conditioning_crf(request.image, self.settings["image_crf"])
+        pixels = (picture.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None]
+        encoded = as_torch(self.run_component("vae_encoder", {"frames": np.ascontiguousarray(pixels)})["latents"])
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        frames, lat_h, lat_w = self.latent_shape(request.height, request.width, request.num_frames)
+        noise = randn_tensor((1, self.settings["latent_channels"], frames, lat_h, lat_w), generator=generator,
+                             dtype=torch.float32)
+        video = torch.cat([encoded.to(noise.device), noise[:, :, 1:]], dim=2)
+        audio = randn_tensor((1, self.settings["audio_latent_channels"],
+                              self.audio_frames(request.num_frames, request.fps),
+                              self.settings["audio_latent_mel_bins"]), generator=generator, dtype=torch.float32)
+        return torch.cat([self.pack_video(video).flatten(1), audio.transpose(1, 2).flatten(2, 3).flatten(1)], dim=1)
+
+    def request_conditioning(self, request) -> dict[str, Any]:
+        conditioning = super().request_conditioning(request)
+        spatial, patch = self.settings["vae_spatial_ratio"], self.settings["patch_size"]
+        conditioning["picture_tokens"] = (request.height // spatial // patch) * (request.width // spatial // patch)
+        return conditioning
+
+    def denoiser_inputs(self, latents, timestep, conditioning: dict[str, Any], guidance_scale: float,
+                        height: int, width: int) -> dict[str, Any]:
+        inputs = super().denoiser_inputs(latents, timestep, conditioning, guidance_scale, height, width)
+        # t on every video token but the first frame's, which stay at 0 (the picture is clean).
+        video_timestep = inputs["timestep"].expand(-1, inputs["hidden_states"].shape[1]).clone()
+        video_timestep[:, :conditioning["picture_tokens"]] = 0
+        return {**inputs, "video_timestep": video_timestep}
