@@ -233,3 +233,62 @@ def test_image_to_video_needs_its_picture_at_the_video_size(local_ltx2_i2v):
         with pytest.raises(InvalidArgument) as error:
             local_ltx2_i2v.generate(PROMPT, **options)
         assert error.value.field == field
+
+
+@pytest.mark.parametrize("layout", ["2.0", "2.3"])
+def test_head_and_tail_equal_the_transformer_for_every_pass(layout):
+    """The split transformer, with a row per guidance pass (plain; STG on the
+    last block and modality isolation), against LTX2VideoTransformer3DModel
+    called as the pipeline calls it for each pass; for LTX-2.0's layout
+    (caption projections, no prompt modulation) as for LTX-2.3's (the
+    served tiny model's). In torch, within 1e-5."""
+    import diffusers
+    import torch
+
+    from machgen.builder.families import ltx2
+
+    torch.manual_seed(0)
+    later = layout != "2.0"
+    transformer = diffusers.LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+        audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+        audio_cross_attention_dim=8, num_layers=2, caption_channels=16, rope_type="split", perturbed_attn=True,
+        gated_attn=later, audio_gated_attn=later, cross_attn_mod=later, audio_cross_attn_mod=later,
+        use_prompt_embeddings=not later).eval()
+    _, head, tail, *_ = ltx2._modules()
+    text_dims = (16, 8) if later else (16, 16)
+    gen = torch.Generator().manual_seed(1)
+    frames, height, width, audio_frames, rows = 2, 4, 3, 5, 2
+    inputs = {
+        "hidden_states": torch.randn(rows, frames * height * width, 4, generator=gen),
+        "audio_hidden_states": torch.randn(rows, audio_frames, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(rows, 6, text_dims[0], generator=gen),
+        "audio_encoder_hidden_states": torch.randn(rows, 6, text_dims[1], generator=gen),
+        "encoder_attention_mask": torch.tensor([[1.0] * 6, [0.0, 0.0] + [1.0] * 4]),
+        "timestep": torch.tensor([[600.0], [600.0]]),
+        "video_coords": transformer.rope.prepare_video_coords(rows, frames, height, width, "cpu", fps=24.0),
+        "audio_coords": transformer.audio_rope.prepare_audio_coords(rows, audio_frames, "cpu"),
+        "perturbation_mask": torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+        "cross_modal_mask": torch.tensor([[1.0], [0.0]]),
+    }
+    with torch.no_grad():
+        video_hidden, audio_hidden, _ = head(transformer)(**inputs)
+        noise, _ = tail(transformer)(video_hidden, audio_hidden, **{k: v for k, v in inputs.items() if k not in (
+            "hidden_states", "audio_hidden_states")})
+
+        def whole(row: int, **passes):
+            one = {name: value[row:row + 1] for name, value in inputs.items()}
+            video, audio = transformer(
+                hidden_states=one["hidden_states"], audio_hidden_states=one["audio_hidden_states"],
+                encoder_hidden_states=one["encoder_hidden_states"],
+                audio_encoder_hidden_states=one["audio_encoder_hidden_states"], timestep=one["timestep"][:, 0],
+                sigma=one["timestep"][:, 0], encoder_attention_mask=one["encoder_attention_mask"],
+                audio_encoder_attention_mask=one["encoder_attention_mask"], video_coords=one["video_coords"],
+                audio_coords=one["audio_coords"], use_cross_timestep=True, return_dict=False, **passes)
+            return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+        torch.testing.assert_close(noise[:1], whole(0), rtol=0, atol=1e-5)
+        perturbed = whole(1, spatio_temporal_guidance_blocks=[1], isolate_modalities=True)
+        torch.testing.assert_close(noise[1:], perturbed, rtol=0, atol=1e-5)
+        # the masks are not no-ops: the same row as a plain pass is another prediction
+        assert (whole(1) - perturbed).abs().max() > 1e-2
