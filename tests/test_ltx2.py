@@ -292,3 +292,19 @@ def test_head_and_tail_equal_the_transformer_for_every_pass(layout):
         torch.testing.assert_close(noise[1:], perturbed, rtol=0, atol=1e-5)
         # the masks are not no-ops: the same row as a plain pass is another prediction
         assert (whole(1) - perturbed).abs().max() > 1e-2
+
+
+def test_every_input_axis_has_a_tensorrt_profile(ltx2_pipeline, tiny_ltx2_dir):
+    from machgen.builder.build import served_defaults
+    from machgen.builder.registry import get_family
+    from machgen.builder.tensorrt_engine import shape_profile
+
+    for name in ("ltx2", "ltx2-i2v"):
+        family = get_family(name)
+        defaults = served_defaults(tiny_ltx2_dir, family, ltx2_pipeline)
+        ranges = family.axis_ranges(defaults, family.sampler_settings(ltx2_pipeline, defaults))
+        for spec in family.specs(ltx2_pipeline).values():
+            for smallest, best, largest in shape_profile(spec, ranges, max_batch_size=16).values():
+                assert all(1 <= a <= b <= c for a, b, c in zip(smallest, best, largest)), spec.name
+        # the defaults' packed row: 3 latent frames of 16 x 16 tokens (4 channels), 5 sound tokens (0.2 s; 4 channels)
+        assert ranges["packed_latents"].opt == 3 * 16 * 16 * 4 + 5 * 4
