@@ -308,3 +308,16 @@ def test_every_input_axis_has_a_tensorrt_profile(ltx2_pipeline, tiny_ltx2_dir):
                 assert all(1 <= a <= b <= c for a, b, c in zip(smallest, best, largest)), spec.name
         # the defaults' packed row: 3 latent frames of 16 x 16 tokens (4 channels), 5 sound tokens (0.2 s; 4 channels)
         assert ranges["packed_latents"].opt == 3 * 16 * 16 * 4 + 5 * 4
+
+
+def test_a_prompt_length_past_the_text_encoders_sliding_window_is_refused(ltx2_pipeline):
+    from dataclasses import replace
+
+    from machgen.builder.registry import get_family
+
+    family = get_family("ltx2")
+    defaults = family.tiny_defaults()
+    window = ltx2_pipeline.text_encoder.config.get_text_config().sliding_window
+    assert family.sampler_settings(ltx2_pipeline, replace(defaults, max_sequence_length=window))
+    with pytest.raises(ValueError, match="sliding window"):
+        family.sampler_settings(ltx2_pipeline, replace(defaults, max_sequence_length=window + 1))

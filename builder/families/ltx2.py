@@ -530,6 +530,12 @@ class Ltx2(Family):
     def sampler_settings(self, pipe, defaults: ServedDefaults) -> dict[str, Any]:
         from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 
+        window = getattr(pipe.text_encoder.config.get_text_config(), "sliding_window", None)
+        if window is not None and defaults.max_sequence_length > window:
+            # Gemma's mask code branches on the length against its window, and the export follows the
+            # branch of the traced length: past the window the exported encoder would differ.
+            raise ValueError(f"max_sequence_length {defaults.max_sequence_length} is over the text encoder's "
+                             f"sliding window of {window} tokens, past which its export is not exact")
         spatial, temporal = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
         patch, patch_t = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
         audio_vae = pipe.audio_vae.config
