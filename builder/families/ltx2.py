@@ -39,11 +39,10 @@ output times 0).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 from typing import Any, Callable
 
+from machgen.builder.families.ltx import LtxConditioning
 from machgen.builder.registry import (
     AxisRange,
     Capabilities,
@@ -163,7 +162,9 @@ def _modules():
 
     from machgen.builder.families.ltx import _modules as ltx_modules
 
-    postprocess = ltx_modules()[5]
+    # LTX-Video's: the same latent denormalisation and decode call (LTX2Pipeline's, at decode_timestep 0),
+    # and the same frames to uint8.
+    _, _, _, _, vae_decoder, postprocess, _ = ltx_modules()
 
     class TextEncoder(torch.nn.Module):
         """LTX2Pipeline._get_gemma_prompt_embeds then its connectors: every
@@ -321,22 +322,6 @@ def _modules():
             audio = audio + blocks_residual[:, split:].reshape(audio.shape)
             return outputs(tr, video, audio, embedded, audio_embedded)
 
-    class VaeDecoder(torch.nn.Module):
-        """LTX2Pipeline's latent denormalisation, then AutoencoderKLLTX2Video.decode
-        (at decode_timestep 0, the pipeline's default, when the VAE is timestep-conditioned)."""
-
-        def __init__(self, vae):
-            super().__init__()
-            self.vae = vae
-            self.scaling_factor = float(vae.config.scaling_factor)
-
-        def forward(self, latents):
-            mean = self.vae.latents_mean.view(1, -1, 1, 1, 1)
-            std = self.vae.latents_std.view(1, -1, 1, 1, 1)
-            latents = latents * std / self.scaling_factor + mean
-            timestep = latents.new_zeros(latents.shape[0]) if self.vae.config.timestep_conditioning else None
-            return self.vae.decode(latents, timestep, return_dict=False)[0]
-
     class AudioDecoder(torch.nn.Module):
         """LTX2Pipeline's sound from packed latents [batch, tokens, channels x mel
         bins]: denormalised, unpacked, AutoencoderKLLTX2Audio.decode, the vocoder."""
@@ -364,7 +349,7 @@ def _modules():
             mode = self.vae.encode(frames).latent_dist.mode()
             return (mode - self.vae.latents_mean.view(1, -1, 1, 1, 1)) / self.vae.latents_std.view(1, -1, 1, 1, 1)
 
-    return TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, VaeDecoder, AudioDecoder, postprocess, VaeEncoder
+    return TextEncoder, DenoiserHead, DenoiserTail, DenoiserReuse, vae_decoder, AudioDecoder, postprocess, VaeEncoder
 
 
 @register_family
@@ -420,8 +405,7 @@ class Ltx2(Family):
         encoder = text_encoder(pipe.text_encoder, pipe.connectors, padding_side="left").eval()
         with torch.no_grad():
             video_text, audio_text, connector_mask = encoder(ids, text_mask)
-        settings = self.sampler_settings(pipe, self.pipeline_defaults(pipe))
-        video_rope, audio_rope = _ropes(settings)
+        video_rope, audio_rope = pipe.transformer.rope, pipe.transformer.audio_rope
         perturbation = torch.ones(batch, tr.num_layers)
         perturbation[1, -1] = 0
         step = {"encoder_hidden_states": video_text, "audio_encoder_hidden_states": audio_text,
@@ -622,11 +606,13 @@ def _ropes(settings: dict[str, Any]):
         settings[key]["scale_factors"])}) for key in ("video_rope", "audio_rope"))
 
 
-class Ltx2Conditioning:
+class Ltx2Conditioning(LtxConditioning):
     """The LTX-2-specific half of the sampler: prompts, both streams' noise
     and positions, timesteps, the guidance rows and their combination, and
     the decode of picture and sound.
 
+    LTX-Video's conditioning lends it the tokenizer and scheduler loading
+    and the latent packing (LTX2Pipeline's _pack_latents is LTXPipeline's).
     Mirrors LTX2Pipeline step for step (_get_gemma_prompt_embeds with left
     padding, prepare_latents then prepare_audio_latents from one generator,
     calculate_shift on the video's token count, prepare_video_coords at the
@@ -635,40 +621,20 @@ class Ltx2Conditioning:
     """
 
     def __init__(self, settings: dict[str, Any], assets_dir: str, run_component: Callable):
-        import transformers
-        from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
 
+        super().__init__(settings, assets_dir, run_component)  # its tokenizer, scheduler; LTX's packing
         self._calculate_shift = calculate_shift
         self._rescale = rescale_noise_cfg
-        self.settings = settings
-        self.run_component = run_component
-        self.tokenizer = getattr(transformers, settings["tokenizer_class"]).from_pretrained(
-            os.path.join(assets_dir, "tokenizer"))
         # Gemma's prompts are padded on the left, with its end token when it has no pad token (the pipeline).
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        with open(os.path.join(assets_dir, "scheduler", "scheduler_config.json")) as f:
-            self.scheduler_config = json.load(f)
-        self._scheduler_class = FlowMatchEulerDiscreteScheduler
         self.video_rope, self.audio_rope = _ropes(settings)
-
-    @property
-    def size_multiple(self) -> int:
-        return self.settings["size_multiple"]
-
-    @property
-    def frame_multiple(self) -> int:
-        return self.settings["temporal_factor"]
 
     @property
     def sample_rate(self) -> int:
         return self.settings["sample_rate"]
-
-    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, int, int]:
-        spatial = self.settings["vae_spatial_ratio"]
-        return (num_frames - 1) // self.frame_multiple + 1, height // spatial, width // spatial
 
     def audio_frames(self, num_frames: int, fps: int) -> int:
         """The sound's latent length for a clip of ``num_frames`` at ``fps``."""
@@ -736,15 +702,7 @@ class Ltx2Conditioning:
         audio = randn_tensor((1, self.settings["audio_latent_channels"],
                               self.audio_frames(request.num_frames, request.fps),
                               self.settings["audio_latent_mel_bins"]), generator=generator, dtype=torch.float32)
-        return torch.cat([self.pack_video(video).flatten(1), audio.transpose(1, 2).flatten(2, 3).flatten(1)], dim=1)
-
-    def pack_video(self, latents):
-        """LTX2Pipeline._pack_latents: [1, C, F, h, w] -> [1, tokens, C x patches]."""
-        patch, patch_t = self.settings["patch_size"], self.settings["patch_size_t"]
-        _, channels, frames, lat_h, lat_w = latents.shape
-        latents = latents.reshape(1, channels, frames // patch_t, patch_t, lat_h // patch, patch, lat_w // patch,
-                                  patch)
-        return latents.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
+        return torch.cat([self.pack(video).flatten(1), audio.transpose(1, 2).flatten(2, 3).flatten(1)], dim=1)
 
     def scheduler(self, num_inference_steps: int, height: int, width: int, num_frames: int = 1):
         """A fresh scheduler with the pipeline's sigmas and shift for the video's token count."""
@@ -918,7 +876,7 @@ class Ltx2ImageToVideoConditioning(Ltx2Conditioning):
         audio = randn_tensor((1, self.settings["audio_latent_channels"],
                               self.audio_frames(request.num_frames, request.fps),
                               self.settings["audio_latent_mel_bins"]), generator=generator, dtype=torch.float32)
-        return torch.cat([self.pack_video(video).flatten(1), audio.transpose(1, 2).flatten(2, 3).flatten(1)], dim=1)
+        return torch.cat([self.pack(video).flatten(1), audio.transpose(1, 2).flatten(2, 3).flatten(1)], dim=1)
 
     def request_conditioning(self, request) -> dict[str, Any]:
         conditioning = super().request_conditioning(request)
