@@ -41,6 +41,27 @@ from machgen.builder.registry import (
 _SCALAR = ("batch", 1)
 
 
+def whole_video_decoder_specs(latent_channels: int) -> list[ComponentSpec]:
+    """``vae_decoder`` (latents -> every frame in [-1, 1], one call) and ``postprocess`` (-> uint8)."""
+    frames = ("batch", 3, "frames", "height", "width")
+    return [
+        ComponentSpec(
+            "vae_decoder",
+            inputs=(TensorSpec("latents", "float32",
+                               ("batch", latent_channels, "latent_frames", "latent_height", "latent_width")),),
+            outputs=(TensorSpec("frames", "float32", frames),),
+            tolerance=1e-3,
+        ),
+        ComponentSpec(
+            "postprocess",
+            inputs=(TensorSpec("frames", "float32", frames),),
+            outputs=(TensorSpec("images", "uint8", ("batch", "frames", "height", "width", 3)),),
+            tolerance=1.0,  # one step of 255 where rounding lands on the other side of .5
+            in_sampler=True,
+        ),
+    ]
+
+
 def _ltx_specs(*, text_dim: int, inner_dim: int, in_channels: int, out_channels: int, latent_channels: int,
                image_to_video: bool) -> dict[str, ComponentSpec]:
     latents = TensorSpec("hidden_states", "float32", ("batch", "video_tokens", in_channels))
@@ -56,7 +77,6 @@ def _ltx_specs(*, text_dim: int, inner_dim: int, in_channels: int, out_channels:
     embedded_timestep = TensorSpec("embedded_timestep", "float32", ("batch", timesteps, inner_dim))
     noise_pred = TensorSpec("noise_pred", "float32", ("batch", "video_tokens", out_channels))
     residual = ("batch", "video_tokens", inner_dim)
-    frames = ("batch", 3, "frames", "height", "width")
     specs = [
         ComponentSpec(
             "text_encoder",
@@ -88,20 +108,7 @@ def _ltx_specs(*, text_dim: int, inner_dim: int, in_channels: int, out_channels:
             per_step=True,
             in_sampler=True,
         ),
-        ComponentSpec(
-            "vae_decoder",
-            inputs=(TensorSpec("latents", "float32",
-                               ("batch", latent_channels, "latent_frames", "latent_height", "latent_width")),),
-            outputs=(TensorSpec("frames", "float32", frames),),
-            tolerance=1e-3,
-        ),
-        ComponentSpec(
-            "postprocess",
-            inputs=(TensorSpec("frames", "float32", frames),),
-            outputs=(TensorSpec("images", "uint8", ("batch", "frames", "height", "width", 3)),),
-            tolerance=1.0,  # one step of 255 where rounding lands on the other side of .5
-            in_sampler=True,
-        ),
+        *whole_video_decoder_specs(latent_channels),
     ]
     if image_to_video:
         latent = ("batch", latent_channels, 1, "latent_height", "latent_width")

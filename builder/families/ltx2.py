@@ -42,7 +42,7 @@ import contextlib
 import math
 from typing import Any, Callable
 
-from machgen.builder.families.ltx import LtxConditioning
+from machgen.builder.families.ltx import LtxConditioning, whole_video_decoder_specs
 from machgen.builder.registry import (
     AxisRange,
     Capabilities,
@@ -93,7 +93,6 @@ def _ltx2_specs(*, video_text_dim: int, audio_text_dim: int, inner_dim: int, aud
         # prompt modulation's and the cross-modal ones stay the step's.
         video_timestep = TensorSpec("video_timestep", "float32", ("batch", "video_tokens"))
         step_inputs, timesteps = step_inputs + (video_timestep,), timesteps + (video_timestep,)
-    frames = ("batch", 3, "frames", "height", "width")
     specs = [
         ComponentSpec(
             "text_encoder",
@@ -125,25 +124,12 @@ def _ltx2_specs(*, video_text_dim: int, audio_text_dim: int, inner_dim: int, aud
             in_sampler=True,
         ),
         ComponentSpec(
-            "vae_decoder",
-            inputs=(TensorSpec("latents", "float32",
-                               ("batch", latent_channels, "latent_frames", "latent_height", "latent_width")),),
-            outputs=(TensorSpec("frames", "float32", frames),),
-            tolerance=1e-3,
-        ),
-        ComponentSpec(
             "audio_decoder",
             inputs=(TensorSpec("audio_latents", "float32", ("batch", "audio_tokens", audio_latent_channels)),),
             outputs=(TensorSpec("waveform", "float32", ("batch", sound_channels, "samples")),),
             tolerance=1e-4,
         ),
-        ComponentSpec(
-            "postprocess",
-            inputs=(TensorSpec("frames", "float32", frames),),
-            outputs=(TensorSpec("images", "uint8", ("batch", "frames", "height", "width", 3)),),
-            tolerance=1.0,  # one step of 255 where rounding lands on the other side of .5
-            in_sampler=True,
-        ),
+        *whole_video_decoder_specs(latent_channels),
     ]
     if image_to_video:
         latent = ("batch", latent_channels, 1, "latent_height", "latent_width")
