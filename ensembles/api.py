@@ -100,6 +100,7 @@ class Generated:
     audio: np.ndarray | None
     stats: dict[str, Any]
 
+
 _NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}
 _MAX_GUIDANCE = 100.0
 _MAX_CACHE_THRESHOLD = 10.0

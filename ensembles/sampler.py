@@ -325,7 +325,6 @@ class Sampler:
             (value,) = self.run_component(stage, {input_name: value}).values()
         return as_numpy(value)
 
-
     def decode_audio(self, latents) -> np.ndarray | None:
         """The sound track float32 [channels, samples] of ``Generation.latents``
         (host memory), or None for a model that makes none."""

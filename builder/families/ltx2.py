@@ -1,4 +1,6 @@
-"""LTX-2: diffusers' LTX2Pipeline, text-to-video with its sound track.
+"""LTX-2: diffusers' LTX2Pipeline (text-to-video with its sound track) and
+LTX2ImageToVideoPipeline (``ltx2-i2v``: image-to-video, which adds
+``vae_encoder`` and takes a timestep per video token).
 
 One transformer denoises two streams together, the video's latent tokens
 and the sound's (a latent mel spectrogram), which attend to each other in
