@@ -169,6 +169,8 @@ def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_fo
             with ThreadPoolExecutor(len(requests)) as pool:
                 together = list(pool.map(lambda settings: generate(settings, server.grpc_url), requests))
             after = client.rows_and_forwards(f"{NAME}_denoiser_tail")
+        with MachgenClient(server.http_url, protocol="http") as client:
+            over_http = client.generate_all(NAME, PROMPT, cache_policy="none", **requests[0])
         from typer.testing import CliRunner
 
         from machgen.cli import app
@@ -182,6 +184,7 @@ def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_fo
                                   **{k: v for k, v in settings.items() if k != "seed"})
         assert_same_clip(generated.images, generated.audio, expected)
         assert (generated.stats["frames"], generated.stats["sample_rate"]) == (settings["num_frames"], 16000)
+    assert np.array_equal(over_http.images, solo[0].images) and np.array_equal(over_http.audio, solo[0].audio)
     for alone, batched in zip(solo, together):
         assert np.abs(batched.images.astype(np.int16) - alone.images).max() <= MAX_PIXEL_DIFF
         assert np.abs(batched.audio - alone.audio).max() <= MAX_AUDIO_DIFF
