@@ -80,7 +80,7 @@ def _block_quantize(
 def _block_sparse_attention(
     Q, K, VT, QScale, KScale, VScale, KeptBlocks, KeptCount, heads, tokens, kv_tokens, max_kept, Out,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_LOG2: tl.constexpr,
+    SCALE_LOG2: tl.constexpr, EVEN_KV: tl.constexpr,
 ):
     query_block = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -104,9 +104,14 @@ def _block_sparse_attention(
     for index in range(0, count):
         key_block = tl.load(kept + index)
         cols = key_block * BLOCK_K + tl.arange(0, BLOCK_K)
-        k = tl.load(k_base + cols[:, None] * (heads * HEAD_DIM) + dims[None, :],
-                    mask=cols[:, None] < kv_tokens, other=0.0)
-        vt = tl.load(vt_base + dims[:, None] * kv_tokens + cols[None, :], mask=cols[None, :] < kv_tokens, other=0.0)
+        k_pointers = k_base + cols[:, None] * (heads * HEAD_DIM) + dims[None, :]
+        vt_pointers = vt_base + dims[:, None] * kv_tokens + cols[None, :]
+        if EVEN_KV:  # every key block is whole: plain loads, no masking of the scores
+            k = tl.load(k_pointers)
+            vt = tl.load(vt_pointers)
+        else:
+            k = tl.load(k_pointers, mask=cols[:, None] < kv_tokens, other=0.0)
+            vt = tl.load(vt_pointers, mask=cols[None, :] < kv_tokens, other=0.0)
         k_scale = tl.load(KScale + batch_head * k_blocks + key_block)
         v_scale = tl.load(VScale + batch_head * k_blocks + key_block)
         if PRECISION == 2:
@@ -114,7 +119,8 @@ def _block_sparse_attention(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * (q_scale * k_scale * SCALE_LOG2)  # log2 domain: exp2 below
-        s = tl.where(cols[None, :] < kv_tokens, s, float("-inf"))
+        if not EVEN_KV:
+            s = tl.where(cols[None, :] < kv_tokens, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -151,10 +157,13 @@ def quantize_constants(block: int, head_dim: int, precision: str, transpose: boo
             "TRANSPOSE": int(transpose)}
 
 
-def attention_constants(config: SparseAttentionConfig, head_dim: int) -> dict:
+def attention_constants(config: SparseAttentionConfig, head_dim: int, kv_tokens: int | None = None) -> dict:
+    """The kernel's constants; ``kv_tokens`` when known at compile time (not
+    for TensorRT, whose lengths are dynamic) lets whole key blocks skip masking."""
     # The softmax scale is a constant of the program: TensorRT passes kernels integer scalars only.
     return {"BLOCK_Q": config.block_q, "BLOCK_K": config.block_k, "HEAD_DIM": head_dim,
-            "PRECISION": PRECISION_CODES[config.precision], "SCALE_LOG2": config.scale_for(head_dim) * _LOG2_E}
+            "PRECISION": PRECISION_CODES[config.precision], "SCALE_LOG2": config.scale_for(head_dim) * _LOG2_E,
+            "EVEN_KV": int(kv_tokens is not None and kv_tokens % config.block_k == 0)}
 
 
 def quantize(x: torch.Tensor, block: int, precision: str, transpose: bool = False,
@@ -196,7 +205,8 @@ def attend(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: tor
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     _block_sparse_attention[attention_grid(tokens, batch * heads, config.block_q)](
         q, k, vt, q_scale, k_scale, v_scale, kept.contiguous(), counts.contiguous(), heads, tokens, k.shape[1],
-        kept.shape[-1], out, **attention_constants(config, head_dim), num_warps=num_warps, num_stages=num_stages)
+        kept.shape[-1], out, **attention_constants(config, head_dim, k.shape[1]), num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 

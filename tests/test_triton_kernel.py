@@ -65,3 +65,16 @@ def test_kernel_reads_only_the_kept_blocks():
     got = triton_kernel.sparse_attention(q, k_poisoned, v_poisoned, config, mask=mask)
     assert torch.isfinite(got).all()
     assert reference.relative_l2(got, reference.sparse_attention(q, k, v, config, mask=mask)) < 1e-5
+
+
+def test_whole_key_blocks_take_the_unmasked_path_and_agree():
+    """64 keys in blocks of 16 compile the kernel without masking (EVEN_KV); 60 with it."""
+    q, k, v = _inputs(tokens=(1, 8, 8))  # 64 tokens
+    config = SparseAttentionConfig(block_q=16, block_k=16, topk_ratio=0.5, precision="fp32")
+    assert triton_kernel.attention_constants(config, 32, 64)["EVEN_KV"] == 1
+    assert triton_kernel.attention_constants(config, 32, 60)["EVEN_KV"] == 0
+    assert triton_kernel.attention_constants(config, 32)["EVEN_KV"] == 0  # TensorRT: lengths unknown
+    for tokens in (64, 60):
+        got = triton_kernel.sparse_attention(q[:, :tokens], k[:, :tokens], v[:, :tokens], config)
+        want = reference.sparse_attention(q[:, :tokens], k[:, :tokens], v[:, :tokens], config)
+        assert reference.relative_l2(got, want) < 1e-5
