@@ -95,7 +95,8 @@ def export_onnx(component: ExportableComponent, path: Path,
             output_names=[t.name for t in spec.outputs],
             dynamo=True,
             verbose=False,
-            custom_translation_table={**_squeeze_translations(), **(ops.onnx_translation() if attention is not None else {})},
+            custom_translation_table={**_squeeze_translations(),
+                                      **(ops.onnx_translation() if attention is not None else {})},
         )
     size = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
     model = program.model_proto

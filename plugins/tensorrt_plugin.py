@@ -16,7 +16,7 @@ each plugin node marked for TensorRT's ONNX parser (``plugin_namespace``,
 ``aot``). ``PLUGINS`` says, per plugin, how its inputs, its int32 scalars
 (symbolic shape expressions) and its outputs map onto the kernel's
 parameters, and what it outputs; ``register`` hands that to TensorRT (an
-``aot_impl`` compiling PTX for the build GPU, and a ``impl`` launching the
+``aot_impl`` compiling PTX for the build GPU, and an ``impl`` launching the
 same kernel from Python for JIT use). ``launch_plan`` is the part that
 needs no TensorRT: the CPU tests run the lowered graph with it, the
 kernels under Triton's interpreter launched exactly as the plan says.
@@ -35,7 +35,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from machgen.plugins.schema import ATTRIBUTES, DOMAIN, OP_TYPE, SparseAttentionConfig
+from machgen.plugins.schema import ATTRIBUTES, DOMAIN, OP_TYPE, Attribute, SparseAttentionConfig
 
 PLUGIN_NAMESPACE = DOMAIN
 _PYTHON_TYPES = {"int": int, "float": float, "string": str}
@@ -48,19 +48,11 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class Field:
-    name: str
-    kind: str  # "int", "float" or "string"
-    doc: str
+def _schema_field(name: str) -> Attribute:
+    return next(a for a in ATTRIBUTES if a.name == name)
 
 
-def _schema_field(name: str) -> Field:
-    attribute = next(a for a in ATTRIBUTES if a.name == name)
-    return Field(attribute.name, attribute.kind, attribute.doc)
-
-
-_HEAD_DIM = Field("head_dim", "int", "last axis of q, k and v (a constant of the compiled kernel)")
+_HEAD_DIM = Attribute("head_dim", "int", "last axis of q, k and v (a constant of the compiled kernel)")
 
 
 @dataclass(frozen=True)
@@ -86,7 +78,7 @@ class Plugin:
     inputs: tuple[str, ...]
     scalars: tuple[str, ...]
     outputs: tuple[str, ...]
-    fields: tuple[Field, ...]
+    fields: tuple[Attribute, ...]
     # (input shapes, input types, field values, cdiv) -> [(shape, type)] of the outputs
     output_shapes: Callable
     # (input shapes, input types, output types, field values, cdiv) -> Launch
@@ -131,15 +123,15 @@ def _attention_launch(shapes, types, out_types, fields, cdiv) -> Launch:
 
 PLUGINS = {plugin.name: plugin for plugin in (
     Plugin("BlockQuantize", "block_quantize", inputs=("X",), scalars=("tokens", "heads"), outputs=("Out", "Scale"),
-           fields=(Field("block", "int", "tokens per block (block_q for q, block_k for k and v)"), _HEAD_DIM,
-                   _schema_field("precision"), Field("transpose", "int", "1: write [B, H, D, N] (for v)")),
+           fields=(Attribute("block", "int", "tokens per block (block_q for q, block_k for k and v)"), _HEAD_DIM,
+                   _schema_field("precision"), Attribute("transpose", "int", "1: write [B, H, D, N] (for v)")),
            output_shapes=_quantize_outputs, launch=_quantize_launch),
     Plugin("BlockSparseAttention", "block_sparse_attention",
            inputs=("Q", "K", "VT", "QScale", "KScale", "VScale", "KeptBlocks", "KeptCount"),
            scalars=("heads", "tokens", "kv_tokens", "max_kept"), outputs=("Out",),
            fields=(_schema_field("block_q"), _schema_field("block_k"), _HEAD_DIM, _schema_field("precision"),
-                   Field("qk_scale", "float", "scale of q . k: the operator's softmax_scale, resolved (never 0)"),
-                   Field("out_type", "string", "element type of the output (Triton's name: fp32, fp16, bf16)")),
+                   Attribute("qk_scale", "float", "scale of q . k: the operator's softmax_scale, resolved (never 0)"),
+                   Attribute("out_type", "string", "element type of the output (Triton's name: fp32, fp16, bf16)")),
            output_shapes=_attention_outputs, launch=_attention_launch),
 )}
 

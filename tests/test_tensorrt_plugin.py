@@ -25,7 +25,8 @@ HEAD_DIM = 32
 
 
 def _single_node_model(config: SparseAttentionConfig):
-    """One SparseAttention node on [batch, tokens, heads, 32] inputs, with its ONNX function, as the exporter writes it."""
+    """One SparseAttention node on [batch, tokens, heads, 32] inputs, with its ONNX
+    function, as the exporter writes it."""
     schema.register_onnx_schema()
     values = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "tokens", "heads", HEAD_DIM])
               for name in ("q", "k", "v", "out")]

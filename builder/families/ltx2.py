@@ -535,7 +535,8 @@ class Ltx2(Family):
         }
 
     def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
-        spatial, multiple, temporal = settings["vae_spatial_ratio"], settings["size_multiple"], settings["temporal_factor"]
+        spatial, multiple = settings["vae_spatial_ratio"], settings["size_multiple"]
+        temporal = settings["temporal_factor"]
 
         def scaled(size: AxisRange, factor: float) -> AxisRange:
             return AxisRange(int(size.min // factor), int(size.opt // factor), int(size.max // factor))
@@ -543,7 +544,8 @@ class Ltx2(Family):
         height = AxisRange(multiple, defaults.height, defaults.max_height)
         width = AxisRange(multiple, defaults.width, defaults.max_width)
         frames = AxisRange(1, defaults.num_frames, defaults.max_frames)
-        latent_frames = AxisRange(1, (defaults.num_frames - 1) // temporal + 1, (defaults.max_frames - 1) // temporal + 1)
+        latent_frames = AxisRange(1, (defaults.num_frames - 1) // temporal + 1,
+                                  (defaults.max_frames - 1) // temporal + 1)
         lat_h, lat_w = scaled(height, spatial), scaled(width, spatial)
         patch = settings["patch_size"]
         video_tokens = AxisRange(*(f * h * w for f, h, w in zip(
