@@ -745,18 +745,31 @@ class Ltx2Conditioning(LtxConditioning):
         rows = len(conditioning["passes"])
         device = latents.device
         video, audio = self.split(latents, conditioning)
-        prompt_rows = torch.tensor(conditioning["prompt_rows"])
         return {
             "hidden_states": video.expand(rows, -1, -1).contiguous(),
             "audio_hidden_states": audio.expand(rows, -1, -1).contiguous(),
-            **{name: conditioning[name][prompt_rows.to(conditioning[name].device)] for name in
-               ("encoder_hidden_states", "audio_encoder_hidden_states", "encoder_attention_mask")},
             "timestep": torch.full((rows, 1), float(timestep), device=device),
-            "video_coords": conditioning["video_coords"].to(device).expand(rows, -1, -1, -1).contiguous(),
-            "audio_coords": conditioning["audio_coords"].to(device).expand(rows, -1, -1, -1).contiguous(),
-            "perturbation_mask": conditioning["perturbation_mask"].to(device),
-            "cross_modal_mask": conditioning["cross_modal_mask"].to(device),
+            **self._rows(conditioning, device),
         }
+
+    @staticmethod
+    def _rows(conditioning: dict[str, Any], device) -> dict[str, Any]:
+        """What every step's rows share: each row's prompt embeddings, the
+        positions, the masks; made at the first step and kept in the
+        conditioning (a request's own dict), not rebuilt per step."""
+        import torch
+
+        if "step_rows" not in conditioning:
+            rows = len(conditioning["passes"])
+            prompt_rows = torch.tensor(conditioning["prompt_rows"])
+            conditioning["step_rows"] = {
+                **{name: conditioning[name][prompt_rows.to(conditioning[name].device)].to(device) for name in
+                   ("encoder_hidden_states", "audio_encoder_hidden_states", "encoder_attention_mask")},
+                **{name: conditioning[name].to(device).expand(rows, -1, -1, -1).contiguous()
+                   for name in ("video_coords", "audio_coords")},
+                **{name: conditioning[name].to(device) for name in ("perturbation_mask", "cross_modal_mask")},
+            }
+        return conditioning["step_rows"]
 
     def guide(self, prediction, latents, step: int, scheduler, conditioning: dict[str, Any]):
         """LTX2Pipeline's guidance of one step, per stream: every pass's
