@@ -46,6 +46,7 @@ class MachgenClient:
             self._client = module.InferenceServerClient(url, network_timeout=timeout_s or 600.0,
                                                         connection_timeout=timeout_s or 600.0)
         self._module = module
+        self._makes_audio: dict[str, bool] = {}
 
     def close(self) -> None:
         self._client.close()
@@ -113,12 +114,14 @@ class MachgenClient:
         return Generated(result["images"], result.get(AUDIO_OUTPUT), _stats(result["stats"]))
 
     def makes_audio(self, model: str) -> bool:
-        """Whether the served model declares the ``audio`` output."""
-        if self.protocol == "grpc":
-            outputs = self._client.get_model_metadata(model, as_json=True).get("outputs", [])
-        else:
-            outputs = self._client.get_model_metadata(model).get("outputs", [])
-        return any(output["name"] == AUDIO_OUTPUT for output in outputs)
+        """Whether the served model declares the ``audio`` output (asked once per model)."""
+        if model not in self._makes_audio:
+            if self.protocol == "grpc":
+                outputs = self._client.get_model_metadata(model, as_json=True).get("outputs", [])
+            else:
+                outputs = self._client.get_model_metadata(model).get("outputs", [])
+            self._makes_audio[model] = any(output["name"] == AUDIO_OUTPUT for output in outputs)
+        return self._makes_audio[model]
 
     def _inputs(self, prompt: str, options: dict[str, Any]) -> list:
         unknown = set(options) - set(_API)
