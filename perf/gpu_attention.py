@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -84,7 +85,8 @@ def ahead_of_time_checks() -> list[str]:
     from machgen.plugins.schema import SparseAttentionConfig
 
     failures = []
-    lines = ["| kernel | PTX | launched by the driver vs by Triton |", "| --- | --- | --- |"]
+    lines = ["| kernel | PTX | launched by the driver vs by Triton | ms, driver vs Triton |",
+             "| --- | --- | --- | --- |"]
     capability = torch.cuda.get_device_capability()
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(1, 4096, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -97,11 +99,12 @@ def ahead_of_time_checks() -> list[str]:
         operands = []
         for x, block, transpose in ((q, config.block_q, 0), (k, config.block_k, 0), (v, config.block_k, 1)):
             fields = {"block": block, "head_dim": HEAD_DIM, "precision": config.precision, "transpose": transpose}
-            outputs = _driver_launch(quantize, [x], fields, capability, lines)
+            outputs, relaunch = _driver_launch(quantize, [x], fields, capability, lines)
             want = triton_kernel.quantize(x, block, config.precision, transpose=bool(transpose))
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn
                        else torch.equal(a, b) for a, b in zip(outputs, want))
-            lines[-1] += f" {'identical' if same else 'DIFFERENT'} |"
+            triton_ms = median_ms(lambda: triton_kernel.quantize(x, block, config.precision, bool(transpose)))
+            lines[-1] += f" {'identical' if same else 'DIFFERENT'} | {median_ms(relaunch):.3f} vs {triton_ms:.3f} |"
             if not same:
                 failures.append(lines[-1])
             operands.append(outputs)
@@ -109,23 +112,28 @@ def ahead_of_time_checks() -> list[str]:
         fields = {"block_q": 64, "block_k": 64, "head_dim": HEAD_DIM, "precision": config.precision,
                   "qk_scale": config.scale_for(HEAD_DIM), "out_type": "bf16"}
         inputs = [q8, k8, vt8, q_scale, k_scale, v_scale, kept.to(torch.int32).contiguous(), counts]
-        (out,) = _driver_launch(attention, inputs, fields, capability, lines)
-        want = triton_kernel.attend(q8, q_scale, k8, k_scale, vt8, v_scale, inputs[6], counts, config,
-                                    out_dtype=torch.bfloat16)
-        error = reference.relative_l2(out, want)
-        lines[-1] += f" rel. L2 {error:.1e} |"
+        (out,), relaunch = _driver_launch(attention, inputs, fields, capability, lines)
+
+        def triton_launch():
+            return triton_kernel.attend(q8, q_scale, k8, k_scale, vt8, v_scale, inputs[6], counts, config,
+                                        out_dtype=torch.bfloat16)
+
+        error = reference.relative_l2(out, triton_launch())
+        lines[-1] += f" rel. L2 {error:.1e} | {median_ms(relaunch):.3f} vs {median_ms(triton_launch):.3f} |"
         if not error < 1e-3:
             failures.append(lines[-1])
     except Exception as err:  # a failed compile or launch is a failed check, not the end of the script
-        lines.append(f"| - | {type(err).__name__}: {str(err)[:300]} | - |")
+        lines.append(f"| - | {type(err).__name__}: {str(err)[:300]} | - | - |")
         failures.append(lines[-1])
     print("\n".join(lines), flush=True)
     return failures
 
 
-def _driver_launch(plugin, inputs: list, fields: dict, capability, lines: list[str]) -> list:
+def _driver_launch(plugin, inputs: list, fields: dict, capability, lines: list[str]) -> tuple[list, Callable]:
     """``plugin``'s kernel as TensorRT runs an ahead-of-time plugin: its PTX
-    loaded by the CUDA driver, launched with inputs, scalars and outputs."""
+    loaded by the CUDA driver, launched with inputs, scalars and outputs;
+    returns the outputs and the launch (to time it: the PTX is compiled
+    without knowing the lengths, as TensorRT's is)."""
     import ctypes
 
     from machgen.plugins import tensorrt_plugin, triton_kernel
@@ -154,11 +162,15 @@ def _driver_launch(plugin, inputs: list, fields: dict, capability, lines: list[s
     parameters = (ctypes.c_void_p * len(values))(*[ctypes.addressof(x) for x in values])
     grid_x, grid_y = (int(n) for n in launch.grid)
     cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    check(cuda.cuLaunchKernel(function, grid_x, grid_y, 1, compiled.threads, 1, 1, compiled.shared_bytes,
-                              torch.cuda.current_stream().cuda_stream, ctypes.cast(parameters, ctypes.c_void_p), None),
-          "cuLaunchKernel")
+
+    def launch_once() -> None:
+        check(cuda.cuLaunchKernel(function, grid_x, grid_y, 1, compiled.threads, 1, 1, compiled.shared_bytes,
+                                  torch.cuda.current_stream().cuda_stream, ctypes.cast(parameters, ctypes.c_void_p),
+                                  None), "cuLaunchKernel")
+
+    launch_once()
     torch.cuda.synchronize()
-    return results
+    return results, launch_once
 
 
 def timings() -> str:

@@ -5,8 +5,13 @@ block-sparse flash attention with FP8 e4m3 QK and PV products on Hopper.
 (block of tokens, batch x head): for ``fp8_e4m3`` the block's absolute
 maximum maps to 448 (one float32 scale per block and head, as
 plugins/reference.py rounds them); for ``bf16``/``fp32`` it only casts
-(scale 1). It writes v transposed ([B, H, D, N]) so that the PV product's
-second operand is K-major, as Hopper's FP8 tensor-core instructions want it.
+(scale 1). It writes v transposed ([B, H, D, N] padded to whole blocks with
+zeros) so that the PV product's second operand is K-major, as Hopper's FP8
+tensor-core instructions want it, and so that the attention kernel reads
+it with unmasked 16-byte copies whatever the length (the padded row length
+is a multiple of the block, which the compiler sees; a row of the true
+length, unknown when TensorRT compiles ahead of time, forced one-byte
+loads outside the pipeline).
 
 ``_block_sparse_attention``: one program per (query block, batch x head)
 walks only the key blocks its mask keeps (a list of indices per query
@@ -70,9 +75,12 @@ def _block_quantize(
     else:
         scale = 1.0
         rounded = x.to(Out.dtype.element_ty)
-    if TRANSPOSE:  # [B, H, D, N]
-        offsets = (batch_head.to(tl.int64) * HEAD_DIM + dims[None, :]) * tokens + rows[:, None]
-    tl.store(Out + offsets, rounded, mask=real)
+    if TRANSPOSE:  # [B, H, D, whole blocks], the padding zeros (x loads them as 0)
+        padded = tl.cdiv(tokens, BLOCK) * BLOCK
+        offsets = (batch_head.to(tl.int64) * HEAD_DIM + dims[None, :]) * padded + rows[:, None]
+        tl.store(Out + offsets, rounded)
+    else:
+        tl.store(Out + offsets, rounded, mask=real)
     tl.store(Scale + batch_head * tl.cdiv(tokens, BLOCK) + block, scale)
 
 
@@ -94,7 +102,8 @@ def _block_sparse_attention(
     q = tl.load(Q + q_offsets, mask=rows[:, None] < tokens, other=0.0)
     q_scale = tl.load(QScale + batch_head * q_blocks + query_block)
     k_base = K + (b.to(tl.int64) * kv_tokens * heads + h) * HEAD_DIM
-    vt_base = VT + batch_head.to(tl.int64) * HEAD_DIM * kv_tokens
+    kv_padded = k_blocks * BLOCK_K
+    vt_base = VT + batch_head.to(tl.int64) * HEAD_DIM * kv_padded
 
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
@@ -105,13 +114,11 @@ def _block_sparse_attention(
         key_block = tl.load(kept + index)
         cols = key_block * BLOCK_K + tl.arange(0, BLOCK_K)
         k_pointers = k_base + cols[:, None] * (heads * HEAD_DIM) + dims[None, :]
-        vt_pointers = vt_base + dims[:, None] * kv_tokens + cols[None, :]
+        vt = tl.load(vt_base + dims[:, None] * kv_padded + cols[None, :])  # padded: always whole
         if EVEN_KV:  # every key block is whole: plain loads, no masking of the scores
             k = tl.load(k_pointers)
-            vt = tl.load(vt_pointers)
         else:
             k = tl.load(k_pointers, mask=cols[:, None] < kv_tokens, other=0.0)
-            vt = tl.load(vt_pointers, mask=cols[None, :] < kv_tokens, other=0.0)
         k_scale = tl.load(KScale + batch_head * k_blocks + key_block)
         v_scale = tl.load(VScale + batch_head * k_blocks + key_block)
         if PRECISION == 2:
@@ -139,6 +146,11 @@ def _block_sparse_attention(
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+def padded_tokens(tokens, block: int, cdiv: Callable = _cdiv):
+    """Length of the transposed v operand's rows: whole blocks (same conventions as quantize_grid)."""
+    return cdiv(tokens, block) * block
 
 
 def quantize_grid(tokens, batch_heads, block: int, cdiv: Callable = _cdiv) -> tuple:
@@ -169,11 +181,11 @@ def attention_constants(config: SparseAttentionConfig, head_dim: int, kv_tokens:
 def quantize(x: torch.Tensor, block: int, precision: str, transpose: bool = False,
              num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, N, H, D] rounded as ``precision`` says, in the kernel's operand
-    type ([B, H, D, N] when ``transpose``), and its per-(batch, head, block)
-    float32 scales [B, H, blocks] (ones unless fp8)."""
+    type ([B, H, D, N padded to whole blocks] when ``transpose``), and its
+    per-(batch, head, block) float32 scales [B, H, blocks] (ones unless fp8)."""
     x = x.contiguous()
     batch, tokens, heads, head_dim = x.shape
-    shape = (batch, heads, head_dim, tokens) if transpose else x.shape
+    shape = (batch, heads, head_dim, padded_tokens(tokens, block)) if transpose else x.shape
     out = torch.empty(shape, dtype=OPERAND_DTYPES[precision], device=x.device)
     scale = torch.empty(batch, heads, _cdiv(tokens, block), dtype=torch.float32, device=x.device)
     _block_quantize[quantize_grid(tokens, batch * heads, block)](
@@ -200,7 +212,7 @@ def attend(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: tor
            v_scale: torch.Tensor, kept: torch.Tensor, counts: torch.Tensor, config: SparseAttentionConfig,
            out_dtype: torch.dtype, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> torch.Tensor:
     """The attention kernel on operands already rounded by ``quantize`` (v
-    transposed) and the kept block lists [B, H, q_blocks, most kept] int32."""
+    transposed and padded) and the kept block lists [B, H, q_blocks, most kept] int32."""
     batch, tokens, heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     _block_sparse_attention[attention_grid(tokens, batch * heads, config.block_q)](
@@ -271,7 +283,11 @@ def _compile(kernel: str, pointer_types: Mapping[str, str], constants: Mapping[s
         raise ValueError(f"{kernel}: no value for the constants {missing}")
     signature = {name: "constexpr" if name not in parameters else
                  f"*{pointer_types[name]}" if name in pointer_types else "i32" for name in function.arg_names}
-    source = triton.compiler.ASTSource(fn=function, signature=signature, constexprs=dict(constants))
+    # Every pointer is taken as 16-byte aligned, as Triton's own launches specialise it for torch's allocations;
+    # without that the compiler proves no alignment and loads byte by byte, outside the software pipeline.
+    # TensorRT's activations are allocated aligned (assumed, as TensorRT-LLM's Triton plugin generator assumes).
+    aligned = {(function.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointer_types}
+    source = triton.compiler.ASTSource(fn=function, signature=signature, constexprs=dict(constants), attrs=aligned)
     major, minor = capability
     compiled = triton.compile(source, target=GPUTarget("cuda", major * 10 + minor, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})

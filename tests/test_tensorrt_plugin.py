@@ -6,6 +6,7 @@ compiles for Hopper. Registering the plugins needs TensorRT (skipped here)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import replace
 
@@ -112,10 +113,10 @@ def test_launch_plans_follow_the_shapes():
     quantize, attention = tensorrt_plugin.PLUGINS["BlockQuantize"], tensorrt_plugin.PLUGINS["BlockSparseAttention"]
     fields = {"block": 64, "head_dim": 128, "precision": "fp8_e4m3", "transpose": 1}
     outputs, launch = tensorrt_plugin.launch_plan(quantize, [(2, 1000, 24, 128)], ["bf16"], fields)
-    assert outputs == [((2, 24, 128, 1000), "fp8e4nv"), ((2, 24, 16), "fp32")]
+    assert outputs == [((2, 24, 128, 1024), "fp8e4nv"), ((2, 24, 16), "fp32")]  # v's rows in whole blocks
     assert launch.grid == (16, 48) and launch.scalars == (1000, 24)
     assert launch.pointer_types == {"X": "bf16", "Out": "fp8e4nv", "Scale": "fp32"}
-    shapes = [(2, 1000, 24, 128), (2, 900, 24, 128), (2, 24, 128, 900), (2, 24, 16), (2, 24, 15), (2, 24, 15),
+    shapes = [(2, 1000, 24, 128), (2, 900, 24, 128), (2, 24, 128, 960), (2, 24, 16), (2, 24, 15), (2, 24, 15),
               (2, 24, 16, 15), (2, 24, 16)]
     types = ["fp8e4nv"] * 3 + ["fp32"] * 3 + ["i32"] * 2
     fields = {"block_q": 64, "block_k": 64, "head_dim": 128, "precision": "fp8_e4m3", "qk_scale": 0.1,
@@ -128,21 +129,26 @@ def test_launch_plans_follow_the_shapes():
     assert launch.constants["SCALE_LOG2"] == pytest.approx(0.1 / np.log(2))
 
 
-@pytest.mark.parametrize("plugin_name", ["BlockQuantize", "BlockSparseAttention"])
-def test_kernels_compile_ahead_of_time_for_hopper(plugin_name):
-    """What aot_impl hands TensorRT for a bf16 model on an H100/H200: PTX whose entry
-    takes exactly the plugin's parameters, and which ptxas assembles for sm_90a."""
+@functools.lru_cache(maxsize=None)
+def _compiled_for_hopper(plugin_name: str):
+    """What aot_impl hands TensorRT for a bf16 model on an H100/H200 (lengths not whole blocks)."""
     plugin = tensorrt_plugin.PLUGINS[plugin_name]
     if plugin_name == "BlockQuantize":
         shapes, types = [(2, 1000, 24, 128)], ["bf16"]
         fields = {"block": 64, "head_dim": 128, "precision": "fp8_e4m3", "transpose": 1}
     else:
-        shapes = [(2, 1000, 24, 128)] * 2 + [(2, 24, 128, 1000)] + [(2, 24, 16)] * 3 + [(2, 24, 16, 16), (2, 24, 16)]
+        shapes = [(2, 1000, 24, 128)] * 2 + [(2, 24, 128, 1024)] + [(2, 24, 16)] * 3 + [(2, 24, 16, 16), (2, 24, 16)]
         types = ["fp8e4nv"] * 3 + ["fp32"] * 3 + ["i32"] * 2
         fields = {"block_q": 64, "block_k": 64, "head_dim": 128, "precision": "fp8_e4m3", "qk_scale": 0.09,
                   "out_type": "bf16"}
     _, launch = tensorrt_plugin.launch_plan(plugin, shapes, types, fields)
-    compiled = triton_kernel.compile_ahead(plugin.kernel, launch.pointer_types, launch.constants, (9, 0))
+    return triton_kernel.compile_ahead(plugin.kernel, launch.pointer_types, launch.constants, (9, 0))
+
+
+@pytest.mark.parametrize("plugin_name", ["BlockQuantize", "BlockSparseAttention"])
+def test_kernels_compile_ahead_of_time_for_hopper(plugin_name):
+    """PTX whose entry takes exactly the plugin's parameters, and which ptxas assembles for sm_90a."""
+    plugin, compiled = tensorrt_plugin.PLUGINS[plugin_name], _compiled_for_hopper(plugin_name)
     entry = re.search(rf"\.entry\s+{compiled.name}\s*\(([^)]*)\)", compiled.ptx).group(1)
     declared = [p.split()[1] for p in entry.split(",")]
     expected = ["u64"] * len(plugin.inputs) + ["u32"] * len(plugin.scalars) + ["u64"] * len(plugin.outputs)
@@ -150,7 +156,25 @@ def test_kernels_compile_ahead_of_time_for_hopper(plugin_name):
     assert ".target sm_90a" in compiled.ptx and compiled.threads == 32 * triton_kernel.NUM_WARPS
     if plugin_name == "BlockSparseAttention":
         assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.ptx  # FP8 probabilities
+        assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in compiled.ptx  # Hopper's FP8 QK product
     assert len(triton_kernel.assemble(compiled, (9, 0))) > 0
+
+
+@pytest.mark.parametrize("plugin_name", ["BlockQuantize", "BlockSparseAttention"])
+def test_ahead_of_time_kernels_move_memory_in_16_byte_vectors(plugin_name):
+    """TensorRT's lengths are unknown when the PTX is made: the kernels must still read and write whole
+    16-byte vectors, and the attention kernel must stream its key and value blocks through asynchronous
+    copies (the software pipeline). One-byte loads here are what a row of the true length gave."""
+    ptx = _compiled_for_hopper(plugin_name).ptx
+    accesses = re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*", ptx)
+    narrow = [a for a in accesses if re.search(r"\.[bsu](8|16)$", a)]
+    assert not narrow, sorted(set(narrow))
+    assert any(a.endswith(".v4.b32") for a in accesses if a.startswith("ld"))
+    assert any(a.endswith(".v4.b32") for a in accesses if a.startswith("st"))
+    if plugin_name == "BlockSparseAttention":
+        copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (0x10|16)", ptx)
+        blocks_per_step = 2 * 64 * 128 // 16 // (32 * triton_kernel.NUM_WARPS)  # one k and one v block, fp8
+        assert len(copies) >= blocks_per_step
 
 
 def test_a_kernel_using_scratch_memory_is_refused():
