@@ -223,7 +223,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])
             else:
                 # Swapped for the parity check too: torch then runs the operator's CPU reference.
-                with attention_swapped(family.attention_modules, sparse) if sparse else contextlib.nullcontext():
+                with (attention_swapped(family.attention_modules, sparse, family.sparse_attention_layers(pipe))
+                      if sparse else contextlib.nullcontext()):
                     if target == "torch":
                         nodes = export_torch(component, folder, dtype, device,
                                              cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)

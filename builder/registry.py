@@ -163,6 +163,13 @@ class Family:
     def components(self, pipe: Any) -> list[ExportableComponent]:
         raise NotImplementedError
 
+    def sparse_attention_layers(self, pipe: Any) -> list | None:
+        """The attention modules whose calls ``--attention sparse-fp8`` swaps,
+        where the rule of plugins/ops.attention_swapped (unmasked, keys as
+        long as the queries) would also take a cross-attention; None: every
+        call in ``attention_modules`` that the rule takes."""
+        return None
+
     def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
         """Leading tokens of the denoiser's attention whose blocks stay dense
         under sparse attention (the text tokens of a joint-attention model)."""

@@ -184,29 +184,46 @@ def _as_float32(attributes: dict) -> dict:
 
 
 @contextlib.contextmanager
-def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig) -> Iterator[None]:
+def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig,
+                      layers: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
     """Inside the block, every unmasked, non-causal self-attention call of
     ``dispatch_attention_fn`` in ``modules`` (diffusers model modules,
     [B, N, H, D] layout) runs the op. Cross-attention (keys of another
-    length: a video model's text) stays dense: its few key blocks are all needed."""
-    patched = []
+    length: a video model's text) stays dense: its few key blocks are all needed.
+    ``layers``: only the calls made inside these attention modules, for a
+    model whose cross-attention can have keys as long as its queries (LTX-2's
+    audio-video attention), which the lengths cannot tell apart."""
+    patched, hooks = [], []
+    inside = [0]  # the calls in progress of one of ``layers``
 
     def make(original):
         def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *args,
                      **kwargs):
-            if attn_mask is not None or is_causal or dropout_p or key.shape[1] != query.shape[1]:
+            if (attn_mask is not None or is_causal or dropout_p or key.shape[1] != query.shape[1]
+                    or (layers is not None and not inside[0])):
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
             chosen = config if scale is None else SparseAttentionConfig(
                 **{**config.onnx_attributes(), "softmax_scale": scale})
             return sparse_attention(query, key, value, chosen)
         return dispatch
 
+    def enter(module, args):
+        inside[0] += 1
+
+    def leave(module, args, output):
+        inside[0] -= 1
+
     try:
         for name in modules:
             module = importlib.import_module(name)
             patched.append((module, module.dispatch_attention_fn))
             module.dispatch_attention_fn = make(module.dispatch_attention_fn)
+        for layer in layers or ():
+            hooks.append(layer.register_forward_pre_hook(enter))
+            hooks.append(layer.register_forward_hook(leave, always_call=True))
         yield
     finally:
+        for hook in hooks:
+            hook.remove()
         for module, original in patched:
             module.dispatch_attention_fn = original

@@ -347,8 +347,14 @@ class Ltx2(Family):
     capabilities = Capabilities(tasks=("text-to-video",), true_cfg=True, guidance_is_cfg=True, audio=True,
                                 guidance_inputs=tuple(PIPELINE_GUIDANCE))
     sampler_assets = ("tokenizer", "scheduler")
+    attention_modules = ("diffusers.models.transformers.transformer_ltx2",)
 
     # ------------------------------------------------------------------ build
+    def sparse_attention_layers(self, pipe) -> list:
+        # The video self-attention only, the long one: the audio-video attention can have keys as long as its
+        # queries, and the sound's own self-attention is short.
+        return [block.attn1 for block in pipe.transformer.transformer_blocks]
+
     def specs(self, pipe) -> dict[str, ComponentSpec]:
         tr = pipe.transformer.config
         inner, audio_inner = tr.num_attention_heads * tr.attention_head_dim, \
