@@ -5,6 +5,9 @@
 #      14B transformers (random weights made on the GPU) through the torch
 #      target, eager / CUDA graphs / torch.compile, against diffusers' module;
 #   2. perf/gpu_attention.py: the SparseAttention kernel's checks and timings.
+# GPU_CHECKS picks and orders them (default "step attention"; "tune" adds the
+# attention kernel's launch settings at 32k tokens, about 2 minutes), so that a
+# second call can rerun one part alone.
 # Needs torch with CUDA and OpenAI Triton (the host's own); machgen is imported
 # from this checkout, not installed. diffusers (pure Python) is installed from
 # wheels fetched beforehand by `perf/gpu_check.sh --prepare` (on a machine with
@@ -49,6 +52,14 @@ print(f"host {platform.node()}, torch {torch.__version__}, triton {triton_versio
       f"cuda {torch.cuda.is_available() and torch.cuda.get_device_name()}")
 PY
 status=0
-timeout 330 python perf/gpu_step.py --out "$OUT/gpu_step.md" ${GPU_STEP_ARGS:-} 2>&1 | tee "$OUT/gpu_step.log" || status=1
-timeout 140 python perf/gpu_attention.py --out "$OUT/gpu_attention.md" 2>&1 | tee "$OUT/gpu_attention.log" || status=1
+for check in ${GPU_CHECKS:-step attention}; do
+    case "$check" in
+        step) timeout 330 python perf/gpu_step.py --out "$OUT/gpu_step.md" ${GPU_STEP_ARGS:-} 2>&1 \
+                  | tee "$OUT/gpu_step.log" || status=1 ;;
+        attention) timeout 140 python perf/gpu_attention.py --out "$OUT/gpu_attention.md" 2>&1 \
+                       | tee "$OUT/gpu_attention.log" || status=1 ;;
+        tune) timeout 150 python perf/gpu_attention.py --tune 2>&1 | tee "$OUT/gpu_attention_tune.md" || status=1 ;;
+        *) echo "unknown check '$check' (step, attention, tune)"; status=1 ;;
+    esac
+done
 exit $status
