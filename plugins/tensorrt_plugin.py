@@ -127,7 +127,8 @@ def _attention_launch(shapes, types, out_types, fields, cdiv) -> Launch:
 PLUGINS = {plugin.name: plugin for plugin in (
     Plugin("BlockQuantize", "block_quantize", inputs=("X",), scalars=("tokens", "heads"), outputs=("Out", "Scale"),
            fields=(Attribute("block", "int", "tokens per block (block_q for q, block_k for k and v)"), _HEAD_DIM,
-                   _schema_field("precision"), Attribute("transpose", "int", "1: write [B, H, D, N in whole blocks] (for v)")),
+                   _schema_field("precision"),
+                   Attribute("transpose", "int", "1: write [B, H, D, N in whole blocks] (for v)")),
            output_shapes=_quantize_outputs, launch=_quantize_launch),
     Plugin("BlockSparseAttention", "block_sparse_attention",
            inputs=("Q", "K", "VT", "QScale", "KScale", "VScale", "KeptBlocks", "KeptCount"),
