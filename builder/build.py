@@ -153,6 +153,11 @@ def _quiet_exporter() -> None:
     logging.getLogger("onnxscript.optimizer._constant_folding").setLevel(logging.ERROR)
 
 
+def _holds_module_of(component, module_names) -> bool:
+    """Whether one of ``component``'s submodules is a class defined in one of ``module_names``."""
+    return any(type(sub).__module__ in module_names for sub in component.module.modules())
+
+
 def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
                      options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
                      target_options: TargetOptions = TargetOptions(), export_cache: Path | None = None,
@@ -203,8 +208,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     root = cache_root(export_cache)
     cache = ExportCache(root) if root is not None else None
     # What decides an export besides the component (the tensorrt target exports the ONNX file onnxruntime runs).
-    export_options = {"format": "torch" if target == "torch" else "onnx", "dtype": dtype, "device": device,
-                      "attention": asdict(sparse) if sparse else None}
+    export_options = {"format": "torch" if target == "torch" else "onnx", "dtype": dtype, "device": device}
     if target == "torch":
         export_options.update(cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)
     results: list[ComponentResult] = []
@@ -217,7 +221,11 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             log(f"[{index}/{len(components)}] {spec.name}: exporting ({target})")
             folder = Path(scratch) / spec.name
             path = serving.model_file(folder) if target == "torch" else folder / "model.onnx"
-            key = component_key(component, **export_options) if cache is not None else None
+            # The swap changes only components holding a module where the swapped calls are: the text encoders
+            # and VAEs of a sparse build are those of the dense one.
+            swapped = sparse is not None and _holds_module_of(component, family.attention_modules)
+            key = (component_key(component, **export_options, attention=asdict(sparse) if swapped else None)
+                   if cache is not None else None)
             cached = cache.load(key, folder) if cache is not None else None
             if cached is not None:
                 nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])

@@ -19,12 +19,30 @@ NAME = "flux_sparse"
 
 
 @pytest.fixture(scope="module")
-def sparse_repository(tiny_flux_dir, tmp_path_factory):
+def sparse_build(built_repository, tiny_flux_dir, tmp_path_factory):
+    """(repository, build log) of the tiny Flux with sparse attention, built after the dense one
+    (built_repository), which filled the session's export cache."""
     from machgen.builder.build import build_repository
 
     out = tmp_path_factory.mktemp("sparse-repository")
-    build_repository(tiny_flux_dir, NAME, out, attention=SPARSE, log=lambda line: None)
-    return out
+    logs = []
+    build_repository(tiny_flux_dir, NAME, out, attention=SPARSE, log=logs.append)
+    return out, logs
+
+
+@pytest.fixture(scope="module")
+def sparse_repository(sparse_build):
+    return sparse_build[0]
+
+
+def test_a_sparse_build_takes_the_components_without_attention_from_the_dense_build(sparse_build):
+    """The swap cannot change the text encoders or the VAE: their exports come from the export cache."""
+    _, logs = sparse_build
+    progress = {line.split(":")[0].split("] ")[1]: line for line in logs if "max |" in line}
+    cached = {name for name, line in progress.items() if line.endswith("(export cache)")}
+    # The denoiser's (the reuse path holds the transformer's output layers: keyed as swapped, to be safe).
+    assert set(progress) - cached == {"denoiser_head", "denoiser_tail", "denoiser_reuse"}
+    assert {"text_encoder", "text_encoder_2", "vae_decoder"} <= cached
 
 
 def test_denoiser_graphs_carry_the_operator(sparse_repository, tiny_flux_pipeline):
