@@ -17,6 +17,11 @@ Three tables:
 
     python perf/bench_attention.py
     python perf/bench_attention.py --record perf/RESULTS.md
+
+``--save-captured FILE`` measures nothing: it writes the trained model's
+q, k, v of every call of three steps (first, middle, last) at its largest
+size, in bfloat16, for the kernel's check on a GPU (perf/gpu_check.sh
+--prepare; perf/gpu_attention.py reads it).
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def synthetic_table(heads: int, head_dim: int, sharpness: float, block: int) -> 
     ])
 
 
-def captured_activations(model_dir: Path, prompts, size: int):
+def captured_activations(model_dir: Path, prompts, size: int, **call):
     """q, k, v of every attention call of the diffusers pipeline at ``size`` px."""
     import diffusers.models.transformers.transformer_flux as flux_module
 
@@ -130,10 +135,25 @@ def captured_activations(model_dir: Path, prompts, size: int):
 
     flux_module.dispatch_attention_fn = recording
     try:
-        generate_with_diffusers(model_dir, prompts, height=size, width=size)
+        generate_with_diffusers(model_dir, prompts, height=size, width=size, **call)
     finally:
         flux_module.dispatch_attention_fn = original
     return calls
+
+
+def save_captured(model_dir: Path, text_tokens: int, path: Path, steps: int = 20, size: int = 128) -> None:
+    import torch
+
+    from machgen.builder import shapes
+
+    calls = captured_activations(model_dir, shapes.evaluation_prompts(1, seed=5), size, num_inference_steps=steps)
+    per_step = len(calls) // steps
+    kept = [call for step in (0, steps // 2, steps - 1) for call in calls[step * per_step:(step + 1) * per_step]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model_dir.name, "text_tokens": text_tokens,
+                "calls": [tuple(x.to(torch.bfloat16) for x in call) for call in kept]}, path)
+    print(f"wrote {len(kept)} attention calls of {model_dir.name} at {size}x{size} to {path} "
+          f"({path.stat().st_size / 2**20:.1f} MiB)")
 
 
 def captured_table(model_dir: Path, prompts, block: int, text_tokens: int) -> str:
@@ -209,6 +229,8 @@ def main() -> int:
     parser.add_argument("--block", type=int, default=8, help="trained model: tokens per block (it has 48-96)")
     parser.add_argument("--parts", default="synthetic,captured,end-to-end", help="which tables to measure")
     parser.add_argument("--record", type=Path, help="write the tables into this markdown file")
+    parser.add_argument("--save-captured", type=Path, metavar="FILE",
+                        help="only write the trained model's q, k, v for perf/gpu_attention.py")
     args = parser.parse_args()
     parts = args.parts.split(",")
 
@@ -222,6 +244,9 @@ def main() -> int:
     family = detect_family(args.model_dir)
     text_tokens = family.dense_attention_tokens(
         served_defaults(args.model_dir, family, load_pipeline(args.model_dir, family)))
+    if args.save_captured:
+        save_captured(args.model_dir, text_tokens, args.save_captured)
+        return 0
     measurements = {
         "synthetic": lambda: synthetic_table(args.heads, args.head_dim, args.sharpness, block=64),
         "captured": lambda: captured_table(args.model_dir, shapes.evaluation_prompts(4, seed=5), args.block,

@@ -4,15 +4,16 @@ OpenAI Triton, nothing else of machgen's dependencies.
 
 Checks (printed, and the script exits non-zero when one fails): the kernel
 in fp8_e4m3, bf16 and fp32 against the operator's float32 reference
-(plugins/reference.py, the same mask) on random and on video-like inputs:
-no NaN, and an error at most 1.25x that of the reference rounding the same
-way.
+(plugins/reference.py, the same mask) on random and on video-like inputs,
+and on the trained model's captured ones where `perf/gpu_check.sh --prepare`
+wrote them: no NaN, and an error at most 1.25x that of the reference
+rounding the same way, on every call.
 
 Ahead of time (what TensorRT's plugins run): both kernels compiled to PTX
 for this GPU by plugins/triton_kernel.py's compile_ahead, loaded and
 launched through the CUDA driver with exactly the parameters TensorRT
 passes (inputs, int32 scalars from the launch plan, outputs), against the
-same kernels launched by Triton from torch.
+same kernels launched by Triton from torch, both timed.
 
 Timing: CUDA events after warm-up, median of the repeats; batch 1, 24
 heads, head_dim 128, bf16 inputs; dense is torch's
@@ -41,42 +42,81 @@ SPARSITIES = (0.0, 0.5, 0.75, 0.9)
 HEADS, HEAD_DIM = 24, 128
 
 
+CHECK_HEADER = ["| inputs | precision | kernel vs float32 (rel. L2) | reference in that precision vs float32 | "
+                "kernel vs that reference | NaN |", "| --- | --- | --- | --- | --- | --- |"]
+PRECISIONS = ("fp8_e4m3", "bf16", "fp32")
+# Where `perf/gpu_check.sh --prepare` puts the trained model's activations (perf/bench_attention.py --save-captured).
+CAPTURED = Path(__file__).resolve().parent.parent / "build" / "gpu-captured" / "shapes-flux.pt"
+
+
 def checks() -> list[str]:
-    from machgen.plugins import reference, triton_kernel
     from machgen.plugins.schema import SparseAttentionConfig
     from machgen.plugins.synthetic import video_like_qkv
 
-    failures = []
-    lines = ["| inputs | precision | kernel vs float32 (rel. L2) | reference in that precision vs float32 | "
-             "kernel vs that reference | NaN |", "| --- | --- | --- | --- | --- | --- |"]
+    failures, lines = [], list(CHECK_HEADER)
     gen = torch.Generator(device="cuda").manual_seed(0)
     random_inputs = tuple(torch.randn(1, 4096, HEADS, HEAD_DIM, device="cuda", generator=gen) for _ in range(3))
     video_inputs = tuple(x.cuda() for x in video_like_qkv(16, 16, 16, heads=HEADS, head_dim=HEAD_DIM, sharpness=12))
-    # The kernel must be as accurate as the operator's definition (the reference rounding the same way): its
-    # error against float32 at most 1.25x the reference's, plus 1e-4. They round the probabilities against
-    # different maxima (the running one, the final one), so they do not agree bit for bit.
-    precisions = ("fp8_e4m3", "bf16", "fp32")
-    for name, (q, k, v) in (("random 4k", random_inputs), ("video-like 4k", video_inputs)):
-        base = SparseAttentionConfig(block_q=64, block_k=64, topk_ratio=0.5)
-        mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), base)
-        want = reference.sparse_attention(q, k, v, replace(base, precision="fp32"), mask=mask)
-        for precision in precisions:
-            config = replace(base, precision=precision)
-            try:
-                got = triton_kernel.sparse_attention(q, k, v, config, mask=mask)
-            except Exception as err:  # a kernel that does not compile here is a failed check, not the end
-                lines.append(f"| {name} | {precision} | {type(err).__name__}: {str(err)[:200]} | - | - | - |")
-                failures.append(lines[-1])
-                continue
-            same_rounding = reference.sparse_attention(q, k, v, config, mask=mask)
-            error, allowed = reference.relative_l2(got, want), 1.25 * reference.relative_l2(same_rounding, want) + 1e-4
-            nan = bool(torch.isnan(got).any())
-            lines.append(f"| {name} | {precision} | {error:.2e} | {allowed - 1e-4:.2e} | "
-                         f"{reference.relative_l2(got, same_rounding):.2e} | {'yes' if nan else 'no'} |")
-            if nan or not error <= allowed:
-                failures.append(lines[-1])
+    base = SparseAttentionConfig(block_q=64, block_k=64, topk_ratio=0.5)
+    for name, inputs in (("random 4k", random_inputs), ("video-like 4k", video_inputs)):
+        _check(name, [inputs], base, PRECISIONS, lines, failures)
     print("\n".join(lines), flush=True)
     return failures
+
+
+def captured_checks(path: Path = CAPTURED, device: str = "cuda", precisions=PRECISIONS,
+                    limit: int | None = None) -> list[str]:
+    """The kernel on the trained model's q, k, v (every call of a few steps), at the operator's settings
+    for that model: blocks of 16 tokens (the kernel's smallest), the text dense, a cdf mask."""
+    from machgen.plugins.schema import SparseAttentionConfig
+
+    if not path.is_file():
+        print(f"no captured activations at {path} (perf/gpu_check.sh --prepare writes them): not checked")
+        return []
+    captured = torch.load(path)
+    calls = [tuple(x.to(device=device, dtype=torch.float32) for x in call) for call in captured["calls"][:limit]]
+    base = SparseAttentionConfig(block_q=16, block_k=16, mask_method="cdf", cdf_threshold=0.9,
+                                 dense_prefix_tokens=captured["text_tokens"])
+    failures, lines = [], list(CHECK_HEADER)
+    name = f"{captured['model']} {calls[0][0].shape[1]} tokens, {len(calls)} calls (mean, worst)"
+    _check(name, calls, base, precisions, lines, failures)
+    print("\n".join(lines), flush=True)
+    return failures
+
+
+def _check(name: str, calls: list, base, precisions, lines: list[str], failures: list[str]) -> None:
+    """One row per precision: the kernel on each call's q, k, v [B, N, H, D] against float32 attention
+    with the same mask. The kernel must be as accurate as the operator's definition (the reference
+    rounding the same way): its error at most 1.25x the reference's, plus 1e-4, on every call. They round
+    the probabilities against different maxima (the running one, the final one), so they do not agree
+    bit for bit."""
+    from machgen.plugins import reference, triton_kernel
+
+    for precision in precisions:
+        config = replace(base, precision=precision)
+        errors, allowed, apart, nan = [], [], [], False
+        try:
+            for q, k, v in calls:
+                mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), base)
+                want = reference.sparse_attention(q, k, v, replace(base, precision="fp32"), mask=mask)
+                got = triton_kernel.sparse_attention(q, k, v, config, mask=mask)
+                same_rounding = reference.sparse_attention(q, k, v, config, mask=mask)
+                errors.append(reference.relative_l2(got, want))
+                allowed.append(reference.relative_l2(same_rounding, want))
+                apart.append(reference.relative_l2(got, same_rounding))
+                nan = nan or bool(torch.isnan(got).any())
+        except Exception as err:  # a kernel that does not compile here is a failed check, not the end
+            lines.append(f"| {name} | {precision} | {type(err).__name__}: {str(err)[:200]} | - | - | - |")
+            failures.append(lines[-1])
+            continue
+
+        def summary(values: list[float]) -> str:
+            return f"{values[0]:.2e}" if len(values) == 1 else f"{sum(values) / len(values):.2e} ({max(values):.2e})"
+
+        lines.append(f"| {name} | {precision} | {summary(errors)} | {summary(allowed)} | {summary(apart)} | "
+                     f"{'yes' if nan else 'no'} |")
+        if nan or any(not error <= 1.25 * limit + 1e-4 for error, limit in zip(errors, allowed)):
+            failures.append(lines[-1])
 
 
 def ahead_of_time_checks() -> list[str]:
@@ -244,7 +284,7 @@ def main() -> int:
     header = (f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}, CUDA {torch.version.cuda}, "
               f"measured {time.strftime('%Y-%m-%d %H:%M')}")
     print(header, flush=True)
-    failures = checks() + ahead_of_time_checks()
+    failures = checks() + captured_checks() + ahead_of_time_checks()
     table = timings()
     if args.out:
         with open(args.out, "w") as out:

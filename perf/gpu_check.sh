@@ -11,9 +11,11 @@
 # Needs torch with CUDA and OpenAI Triton (the host's own); machgen is imported
 # from this checkout, not installed. diffusers (pure Python) is installed from
 # wheels fetched beforehand by `perf/gpu_check.sh --prepare` (on a machine with
-# a package index) into build/gpu-wheels, when the host lacks it. Tables go to
-# $OUT (default build/gpu-check): record them in perf/RESULTS.md with the date
-# and card.
+# a package index and `make install` done) into build/gpu-wheels, when the host
+# lacks it; --prepare also writes the trained model's attention inputs for the
+# kernel's check into build/gpu-captured (carry both folders to the host).
+# Tables go to $OUT (default build/gpu-check): record them in perf/RESULTS.md
+# with the date and card.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheels=build/gpu-wheels
@@ -21,6 +23,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     diffusers=$(grep -o '"diffusers==[^"]*"' pyproject.toml | tr -d '"')
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$wheels" "$diffusers" importlib_metadata==10.2.0
     ls "$wheels"
+    .venv/bin/python perf/bench_attention.py --save-captured build/gpu-captured/shapes-flux.pt
     exit 0
 fi
 OUT="${OUT:-build/gpu-check}"
