@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU-side, in one call on a CUDA host (DEVELOPERS.md: one prepared
-# script per device lease), within 8 minutes:
+# script per device lease), within 9 minutes:
 #   1. perf/gpu_step.py: one denoising step of full-size Flux.1-dev and Wan 2.1
 #      14B transformers (random weights made on the GPU) through the torch
 #      target, eager / CUDA graphs / torch.compile, against diffusers' module;
@@ -57,9 +57,9 @@ PY
 status=0
 for check in ${GPU_CHECKS:-step attention}; do
     case "$check" in
-        step) timeout 330 python perf/gpu_step.py --out "$OUT/gpu_step.md" ${GPU_STEP_ARGS:-} 2>&1 \
+        step) timeout 320 python perf/gpu_step.py --out "$OUT/gpu_step.md" ${GPU_STEP_ARGS:-} 2>&1 \
                   | tee "$OUT/gpu_step.log" || status=1 ;;
-        attention) timeout 140 python perf/gpu_attention.py --out "$OUT/gpu_attention.md" 2>&1 \
+        attention) timeout 190 python perf/gpu_attention.py --out "$OUT/gpu_attention.md" 2>&1 \
                        | tee "$OUT/gpu_attention.log" || status=1 ;;
         tune) timeout 150 python perf/gpu_attention.py --tune 2>&1 | tee "$OUT/gpu_attention_tune.md" || status=1 ;;
         *) echo "unknown check '$check' (step, attention, tune)"; status=1 ;;
