@@ -92,13 +92,14 @@ def _check(name: str, calls: list, base, precisions, lines: list[str], failures:
     bit for bit."""
     from machgen.plugins import reference, triton_kernel
 
+    masks = [reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), base) for q, k, _ in calls]
+    wanted = [reference.sparse_attention(q, k, v, replace(base, precision="fp32"), mask=mask)
+              for (q, k, v), mask in zip(calls, masks)]
     for precision in precisions:
         config = replace(base, precision=precision)
         errors, allowed, apart, nan = [], [], [], False
         try:
-            for q, k, v in calls:
-                mask = reference.block_mask(q.transpose(1, 2), k.transpose(1, 2), base)
-                want = reference.sparse_attention(q, k, v, replace(base, precision="fp32"), mask=mask)
+            for (q, k, v), mask, want in zip(calls, masks, wanted):
                 got = triton_kernel.sparse_attention(q, k, v, config, mask=mask)
                 same_rounding = reference.sparse_attention(q, k, v, config, mask=mask)
                 errors.append(reference.relative_l2(got, want))
