@@ -11,7 +11,7 @@ MODEL ?= models/shapes-flux
 NAME ?= shapes
 PROMPT ?= a red circle at the top left
 
-.PHONY: install test demo repository clean
+.PHONY: install test test-fast demo repository clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two workers (the CI machine's cores); a test module runs whole on one worker, so its repositories are built once.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
+
 test: install
-	$(BIN)/python -m pytest -ra --durations=15
+	$(BIN)/python -m pytest -ra --durations=15 $(PYTEST_PARALLEL)
+
+# The unit tier: no export, no server (what exports or serves is marked so, and refused here).
+test-fast: install
+	MACHGEN_TEST_TIER=fast $(BIN)/python -m pytest -ra --durations=10 -m "not export and not integration" \
+		-n $(PYTEST_WORKERS) --dist load
 
 repository: install
 	$(BIN)/machgen-build build $(MODEL) --name $(NAME) --target onnxruntime --out model_repository

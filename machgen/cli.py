@@ -55,8 +55,64 @@ TASKS = {"t2i": (False, False, False), "i2i": (True, False, False), "t2v": (Fals
          "i2v": (True, False, True), "r2v": (False, True, True)}
 
 
-@app.command()
+def _family_flags_help() -> str:
+    """The family inputs' options, from their declarations (shown by --help)."""
+    from machgen.families.registry import family_inputs
+
+    lines = ["Model families' own inputs (the model's family must take them; --input NAME=VALUE sends any input):"]
+    for declared, families in family_inputs().values():
+        repeat = " (repeatable)" if declared.repeatable else ""
+        lines.append(f"{declared.flag} {declared.tensor.triton_dtype}{repeat}: {declared.tensor.doc} "
+                     f"[{', '.join(families)}]")
+    return "\n\n".join(lines)
+
+
+def _family_options(extra: list[str], pairs: list[str]) -> dict[str, object]:
+    """The family inputs given as their own flags (``extra``: what typer did
+    not parse) or as ``--input NAME=VALUE``, typed as their families declare them."""
+    from machgen.families.registry import family_inputs
+
+    declared = {d.name: d for d, _ in family_inputs().values()}
+    by_flag = {d.flag: d for d in declared.values()}
+    values: dict[str, list[str]] = {}
+    words = list(extra)
+    while words:
+        flag = words.pop(0)
+        name, _, value = flag.partition("=")
+        if name not in by_flag:
+            raise typer.BadParameter(f"no such option: {name}", param_hint="OPTIONS")
+        if not value:
+            if not words:
+                raise typer.BadParameter(f"{name} needs a value", param_hint=name)
+            value = words.pop(0)
+        values.setdefault(by_flag[name].name, []).append(value)
+    for pair in pairs:
+        name, separator, value = pair.partition("=")
+        if not separator:
+            raise typer.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--input")
+        values.setdefault(name, []).extend(value.split(","))
+
+    def typed(text: str, triton_dtype: str):
+        try:
+            return {"FP32": float, "INT32": int, "INT64": int}.get(triton_dtype, str)(text)
+        except ValueError:
+            raise typer.BadParameter(f"{text!r} is not a {triton_dtype} value") from None
+
+    options: dict[str, object] = {}
+    for name, texts in values.items():
+        if name not in declared:  # not a family's: the server's metadata types it
+            options[name] = texts if len(texts) > 1 else texts[0]
+            continue
+        dtype = declared[name].tensor.triton_dtype
+        items = [typed(text, dtype) for text in texts]
+        options[name] = items if declared[name].repeatable else items[-1]
+    return options
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog=_family_flags_help())
 def generate(
+    ctx: typer.Context,
     prompt: str = typer.Option(..., "--prompt"),
     out: Path = typer.Option(..., "--out", help="file to write: .mp4 for video (all frames, with its sound), "
                                                 ".wav for the sound alone, else an image (PNG; an index is "
@@ -70,9 +126,6 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed"),
     steps: Optional[int] = typer.Option(None, "--steps"),
     guidance_scale: Optional[float] = typer.Option(None, "--guidance-scale"),
-    guidance_scale_2: Optional[float] = typer.Option(None, "--guidance-scale-2",
-                                                     help="two-expert models (Wan 2.2): the low-noise expert's "
-                                                          "guidance scale"),
     true_cfg_scale: Optional[float] = typer.Option(None, "--true-cfg-scale"),
     height: Optional[int] = typer.Option(None, "--height"),
     width: Optional[int] = typer.Option(None, "--width"),
@@ -87,14 +140,9 @@ def generate(
     fps: Optional[int] = typer.Option(None, "--fps", help="video: frames per second (default: the model's)"),
     reference_images: Optional[list[Path]] = typer.Option(None, "--reference-image", exists=True, dir_okay=False,
                                                           help="reference-to-video: a picture (repeatable)"),
-    stg_scale: Optional[float] = typer.Option(None, "--stg-scale", help="LTX-2: spatio-temporal guidance scale"),
-    stg_blocks: Optional[list[int]] = typer.Option(None, "--stg-block", help="LTX-2: a block spatio-temporal "
-                                                                             "guidance perturbs (repeatable)"),
-    modality_scale: Optional[float] = typer.Option(None, "--modality-scale",
-                                                   help="LTX-2: modality isolation guidance scale"),
-    guidance_rescale: Optional[float] = typer.Option(None, "--guidance-rescale", help="LTX-2: guidance rescale, 0-1"),
-    audio_guidance_scale: Optional[float] = typer.Option(None, "--audio-guidance-scale",
-                                                         help="LTX-2: the sound's guidance scale"),
+    inputs: Optional[list[str]] = typer.Option(None, "--input", help="NAME=VALUE: any input of the model, a "
+                                                                     "vector as comma-separated values "
+                                                                     "(repeatable)"),
 ) -> None:
     """Generate an image or a video through a served pipeline and save it (PNG, MP4; WAV: the sound alone)."""
     import time
@@ -115,6 +163,7 @@ def generate(
                                      param_hint="--task")
         if video != (out.suffix.lower() in (".mp4", ".wav")):
             raise typer.BadParameter(f"{task} writes {'an .mp4' if video else 'an image'} file", param_hint="--out")
+    family_options = _family_options(ctx.args, inputs or [])
     picture = None if image is None else np.asarray(Image.open(image).convert("RGB"))
     references = (np.stack([np.asarray(Image.open(path).convert("RGB")) for path in reference_images])
                   if reference_images else None)
@@ -124,16 +173,15 @@ def generate(
             start = time.perf_counter()
             generated = client.generate_all(
                 model, prompt, negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
-                guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, true_cfg_scale=true_cfg_scale,
-                height=height, width=width,
+                guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width,
                 cache_policy=cache_policy, cache_threshold=cache_threshold, image=picture, strength=strength,
-                num_frames=num_frames, fps=fps, reference_images=references, stg_scale=stg_scale,
-                stg_blocks=stg_blocks or None, modality_scale=modality_scale, guidance_rescale=guidance_rescale,
-                audio_guidance_scale=audio_guidance_scale)
+                num_frames=num_frames, fps=fps, reference_images=references, **family_options)
             seconds = time.perf_counter() - start
     except GenerationError as err:
         typer.secho(f"error ({err.status}): {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
+    except TypeError as err:  # an input the model does not declare
+        raise typer.BadParameter(str(err), param_hint="--input") from None
     images, audio, stats = generated.images, generated.audio, generated.stats
     out.parent.mkdir(parents=True, exist_ok=True)
     sound = f", sound {audio.shape[1] / stats['sample_rate']:.2f} s" if audio is not None else ""

@@ -188,7 +188,7 @@ def end_to_end_table(model_dir: Path, prompts, attention) -> str:
 
     from machgen.builder.build import build_repository
     from machgen.builder.evaluate import psnr, score
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     labels = [label for _, _, label in prompts]
     images, seconds = {}, {}
@@ -242,7 +242,7 @@ def main() -> int:
     header = (f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__} with "
               f"{torch.get_num_threads()} threads, measured {time.strftime('%Y-%m-%d %H:%M')}.")
     family = detect_family(args.model_dir)
-    text_tokens = family.dense_attention_tokens(
+    text_tokens = family.exporter().dense_attention_tokens(
         served_defaults(args.model_dir, family, load_pipeline(args.model_dir, family)))
     if args.save_captured:
         save_captured(args.model_dir, text_tokens, args.save_captured)

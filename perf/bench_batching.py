@@ -76,7 +76,7 @@ def perf_analyzer(cache: Path) -> tuple[Path, dict[str, str]]:
 
 def input_data(prompts: list[tuple[str, int]], extra: dict) -> dict:
     """perf_analyzer's --input-data JSON: one entry per prompt/seed, typed by the public API."""
-    from machgen.ensembles.api import API_INPUTS
+    from machgen.contract.api import API_INPUTS
 
     api = {t.name: t for t in API_INPUTS}
     unknown = set(extra) - set(api)
@@ -186,7 +186,7 @@ def main() -> int:
         f"in turn{', plus ' + ', '.join(args.input) if args.input else ''}), perf_analyzer 2.51 over gRPC, one "
         f"run per concurrency level, {args.measurement_ms / 1000:g} s windows until stable; "
         f"{os.cpu_count()} CPU cores ({platform.machine()}), measured {time.strftime('%Y-%m-%d %H:%M')}. "
-        f"Serving: {ServingOptions().sampler_instances} sampler instances; batching off = no dynamic batcher on "
+        f"Serving: {ServingOptions().in_flight} requests in flight; batching off = no dynamic batcher on "
         "the components (each call runs alone). Rows/forward: denoiser_tail rows per forward (Triton's "
         "statistics). CPU: cores the server's processes used.",
         "",

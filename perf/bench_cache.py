@@ -78,9 +78,9 @@ def served_rows(repository: Path, name: str, prompts):
 
 
 def in_process_rows(repository: Path, name: str, prompts):
-    """The same repository without Triton (ensembles/local.py): what the served
+    """The same repository without Triton (machgen/runtime/local.py): what the served
     path costs on top of the components' own work."""
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     pipeline = LocalPipeline(repository, name)
     pipeline.generate(prompts[0][0], seed=prompts[0][1])  # warm-up: sessions and first-call allocations
@@ -199,7 +199,7 @@ def main() -> int:
         f"{os.cpu_count()} CPU cores ({platform.machine()}), measured {time.strftime('%Y-%m-%d %H:%M')}. "
         "Quality is against the uncached output of the same stack; speed-ups are against that stack's uncached "
         "run. machgen: served through Triton, end to end; machgen in-process: the same repository run by "
-        "ensembles/local.py without Triton. diffusers: FluxPipeline with its cache hooks "
+        "machgen/runtime/local.py without Triton. diffusers: FluxPipeline with its cache hooks "
         "(MagCache ratios from diffusers' own calibration mode).",
         "",
         "| setting | tail passes / image | fewer | s / image | faster | PSNR mean (worst) dB | SSIM | "

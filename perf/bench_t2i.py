@@ -34,7 +34,7 @@ SECTION = "bench_t2i"
 
 def _prepare(args, scratch: Path) -> tuple[Path, Path]:
     from machgen.builder.build import build_repository, write_tiny_model
-    from machgen.builder.registry import get_family
+    from machgen.families.registry import get_family
 
     model_dir = args.model_dir
     if model_dir is None:
@@ -65,7 +65,7 @@ def main() -> int:
     import torch
 
     from machgen.builder.build import detect_family, load_pipeline
-    from machgen.builder.repository import pipeline_dir
+    from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 

@@ -86,8 +86,8 @@ def measure(mode: str, folder: Path, frames: int, height: int, width: int) -> di
             images = ((video / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1) * 255).round().to(torch.uint8)[0].numpy()
             del video
     else:
-        from machgen.builder.families.wan import decode_video
-        from machgen.ensembles.onnx_runner import OnnxSession
+        from machgen.families.wan.runtime import decode_video
+        from machgen.runtime.onnx_runner import OnnxSession
 
         sessions = {name: OnnxSession(folder / f"{name}.onnx") for name in ("vae_decoder_first", "vae_decoder_next")}
 
@@ -112,7 +112,7 @@ def prepare(folder: Path) -> None:
     import torch
 
     from machgen.builder.export import check_parity, export_onnx
-    from machgen.builder.families.wan import vae_chunk_components
+    from machgen.families.wan.export import vae_chunk_components
 
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKLWan(base_dim=96, z_dim=16).eval()  # Wan 2.1's VAE configuration

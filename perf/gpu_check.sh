@@ -29,15 +29,8 @@ fi
 OUT="${OUT:-build/gpu-check}"
 mkdir -p "$OUT"
 
-# pyproject maps machgen.builder to builder/ and so on; a folder of links gives the same import paths.
-shim=build/gpu-path
-rm -rf "$shim"
-mkdir -p "$shim/machgen"
-cp machgen/*.py "$shim/machgen/"
-for package in builder ensembles client plugins; do
-    ln -s "$PWD/$package" "$shim/machgen/$package"
-done
-export PYTHONPATH="$PWD/$shim${PYTHONPATH:+:$PYTHONPATH}"
+# machgen/ is the package: importable from the checkout's root.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 if ! python -c "import diffusers" 2>/dev/null; then
     python -m pip install -q --no-index --no-deps --no-compile --target build/gpu-site "$wheels"/*.whl

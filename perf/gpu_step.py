@@ -90,9 +90,9 @@ def flux_pipeline(transformer):
     import diffusers
     import transformers
 
-    from machgen.builder.registry import get_family
+    from machgen.families.registry import get_family
 
-    tiny = get_family("flux").tiny_pipeline()
+    tiny, _ = get_family("flux").tiny_model()
     clip_config = tiny.text_encoder.config
     clip_config.hidden_size = transformer.config.pooled_projection_dim
     tiny.text_encoder = transformers.CLIPTextModel(clip_config).eval()
@@ -107,8 +107,8 @@ def flux_rows(scale: str, device: torch.device, dtype_name: str, timer: Timer, c
     import diffusers
 
     from machgen.builder.export import trace_torch
-    from machgen.builder.registry import get_family
-    from machgen.ensembles.torch_runner import TorchProgram
+    from machgen.families.registry import get_family
+    from machgen.runtime.torch_runner import TorchProgram
 
     dtype = getattr(torch, dtype_name)
     log(f"flux: building the {scale} transformer on {device}")
@@ -144,7 +144,7 @@ def flux_rows(scale: str, device: torch.device, dtype_name: str, timer: Timer, c
         rows = [("diffusers FluxTransformer2DModel, eager", timer(diffusers_step), flops)]
     log(f"flux: {flops / 1e12:.1f} TFLOP a step; diffusers eager {rows[0][1]:.1f} ms")
 
-    components = {c.spec.name: c for c in get_family("flux").components(flux_pipeline(transformer))}
+    components = {c.spec.name: c for c in get_family("flux").exporter().components(flux_pipeline(transformer))}
     modes = [("eager", dict(cuda_graphs=False)), ("CUDA graphs", dict(cuda_graphs=True))]
     if compile_program:
         modes.append(("torch.compile", dict(cuda_graphs=False, compile=True)))
@@ -189,7 +189,7 @@ def wan_rows(scale: str, device: torch.device, dtype_name: str, timer: Timer, lo
 
     from machgen.plugins.ops import attention_swapped
     from machgen.plugins.schema import SparseAttentionConfig
-    from machgen.ensembles.torch_runner import CudaGraphs
+    from machgen.runtime.torch_runner import CudaGraphs
 
     dtype = getattr(torch, dtype_name)
     log(f"wan: building the {scale} transformer on {device}")

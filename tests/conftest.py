@@ -2,10 +2,15 @@
 
 The tiny model is written and loaded back through the same code a user's
 model takes (save_pretrained / from_pretrained, machgen-build build).
+
+Tiers: a test that exports components or builds a repository is marked
+``export`` (by its fixtures or its own mark), one that starts a server
+``integration``; ``make test-fast`` runs the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
@@ -26,21 +31,31 @@ PIPELINE_NAME = "flux"
 
 def component_onnx(repository: Path, component: str, pipeline: str = PIPELINE_NAME) -> Path:
     """A built component's ONNX file: in its Triton model, or under the sampler when it runs there."""
-    import json
+    from machgen.contract.manifest import PipelineManifest, pipeline_dir
 
-    from machgen.builder.repository import pipeline_dir
-
-    public_dir = pipeline_dir(repository, pipeline)
-    entry = json.loads((public_dir / "pipeline.json").read_text())["components"][component]
-    return public_dir / entry["file"] if "file" in entry else repository / entry["model"] / "1" / "model.onnx"
+    sampler_dir = pipeline_dir(repository, pipeline)
+    entry = PipelineManifest.read(sampler_dir).components[component]
+    return sampler_dir / entry.file if entry.file else repository / entry.model / "1" / "model.onnx"
 
 
 def write_tiny(tmp_path_factory, family: str) -> Path:
     """A tiny random-weight model folder of ``family``, as `machgen-build tiny` writes it."""
     from machgen.builder.build import write_tiny_model
-    from machgen.builder.registry import get_family
+    from machgen.families.registry import get_family
 
     return write_tiny_model(get_family(family), tmp_path_factory.mktemp("models") / f"tiny-{family}")
+
+
+def runtime_for(model_dir: Path, run_component):
+    """The family runtime of a tiny model folder over ``run_component`` (a
+    closed-form fake, say), with the settings its build would record: no export."""
+    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+    from machgen.contract.manifest import load_object
+
+    family = detect_family(model_dir)
+    pipe = load_pipeline(model_dir, family)
+    settings = family.exporter().sampler_settings(pipe, served_defaults(model_dir, family, pipe))
+    return load_object(family.runtime)(settings, str(model_dir), run_component)
 
 
 def load_diffusers(model_dir: Path):
@@ -52,16 +67,15 @@ def load_diffusers(model_dir: Path):
     return pipe
 
 
-def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, sampler_instances: int = 2,
-                          **options) -> Path:
+def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, in_flight: int = 2, **options) -> Path:
     """A model repository of ``model_dir`` served as ``name`` (one instance per
     component; ``options``: other ServingOptions)."""
     from machgen.builder.build import build_repository
     from machgen.builder.repository import ServingOptions
 
     out = tmp_path_factory.mktemp(f"{name}-repository")
-    build_repository(model_dir, name, out, options=ServingOptions(sampler_instances=sampler_instances,
-                                                                  component_instances=1, **options),
+    build_repository(model_dir, name, out, options=ServingOptions(in_flight=in_flight, component_instances=1,
+                                                                  **options),
                      log=lambda line: None)
     return out
 
@@ -128,14 +142,53 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def fast_tier_refuses_exports_and_servers():
+    """Under ``make test-fast`` (MACHGEN_TEST_TIER=fast) an export or a server start fails the test that
+    asks for it: such a test belongs to the ``export`` or ``integration`` tier and must be marked so."""
+    if os.environ.get("MACHGEN_TEST_TIER") != "fast":
+        yield
+        return
+    from machgen.builder import export
+    from machgen.server import TritonServer
+
+    def refused(what):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{what} in the fast tier: mark the test export or integration")
+        return refuse
+
+    saved = export.export_onnx, export.export_torch, export.trace_torch, TritonServer.start
+    export.export_onnx, export.export_torch, export.trace_torch = (refused("an export"),) * 3
+    TritonServer.start = refused("a server")
+    yield
+    export.export_onnx, export.export_torch, export.trace_torch, TritonServer.start = saved
+
+
+def session_root(tmp_path_factory) -> Path:
+    """A folder of this test run that every xdist worker shares (the run's own folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def one_at_a_time(tmp_path_factory, name: str):
+    """Held by one xdist worker at a time: the second to build a repository the other builds too then copies
+    every component from the shared export cache instead of exporting it again."""
+    import fcntl
+
+    with open(session_root(tmp_path_factory) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def session_export_cache(tmp_path_factory):
-    """One export cache for every build of the session (builder/export_cache.py): the tiny Wan
-    models share their VAE and text encoder, the LoRA and sparse-attention builds of the tiny
-    Flux its text encoders and VAE. Never the developer's own cache."""
+    """One export cache for every build of the run, shared by its xdist workers
+    (machgen/builder/export_cache.py): the tiny Wan models share their VAE and text encoder, the LoRA and
+    sparse-attention builds of the tiny Flux its text encoders and VAE. Never the developer's own cache."""
     from machgen.builder.export_cache import CACHE_ENV
 
     previous = os.environ.get(CACHE_ENV)
-    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("export-cache"))
+    os.environ[CACHE_ENV] = str(session_root(tmp_path_factory) / "export-cache")
     yield
     if previous is None:
         del os.environ[CACHE_ENV]
@@ -145,10 +198,7 @@ def session_export_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_flux_dir(tmp_path_factory) -> Path:
-    from machgen.builder.build import write_tiny_model
-    from machgen.builder.registry import get_family
-
-    return write_tiny_model(get_family("flux"), tmp_path_factory.mktemp("models") / "tiny-flux")
+    return write_tiny(tmp_path_factory, "flux")
 
 
 @pytest.fixture(scope="session")
@@ -164,7 +214,8 @@ def built_repository(tiny_flux_dir, tmp_path_factory):
     from machgen.builder.build import build_repository
 
     out = tmp_path_factory.mktemp("repository")
-    results = build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lambda line: None)
+    with one_at_a_time(tmp_path_factory, "tiny-flux"):
+        results = build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lambda line: None)
     return out, results
 
 
@@ -179,15 +230,101 @@ def triton_server(built_repository):
     server.stop()
 
 
+# The tiny Flux served under other settings than the session server's, one pipeline each in one repository.
+VARIANTS = {
+    # Per-step calls wait up to 50 ms for the calls of other requests: those released by one forward arrive
+    # within a few ms of each other, so concurrent requests' steps share forwards by construction, not by chance.
+    "flux_batched": {"step_queue_delay_us": 50_000},
+    # One request in flight and one waiting.
+    "flux_queue": {"in_flight": 1, "max_queue_size": 1},
+    # Cache controls as a calibration writes them (MagCache ratios, a thinned-out negative row).
+    "flux_calibrated": {},
+}
+CALIBRATED_CONTROLS = {"warmup_steps": 2, "final_steps": 0, "max_consecutive_skips": 2, "negative_interval": 2}
+
+
 @pytest.fixture(scope="session")
-def conditioning_factory(built_repository):
-    """Flux's run-time conditioning over any run_component (a fake, for example)."""
-    import json
+def variant_repository(tiny_flux_dir, built_repository, tmp_path_factory) -> Path:
+    """VARIANTS in one repository, every component from the session's export cache."""
+    from dataclasses import replace
 
-    repository, _ = built_repository
-    from machgen.builder.registry import get_family
-    from machgen.builder.repository import pipeline_dir
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+    from machgen.contract.manifest import PipelineManifest, pipeline_dir
 
-    public_dir = pipeline_dir(repository, PIPELINE_NAME)
-    settings = json.loads((public_dir / "pipeline.json").read_text())["family_settings"]
-    return lambda run: get_family("flux").make_sampler(settings, str(public_dir), run)
+    out = tmp_path_factory.mktemp("variants")
+    for name, options in VARIANTS.items():
+        build_repository(tiny_flux_dir, name, out, options=ServingOptions(**{"component_instances": 1, **options}),
+                         log=lambda line: None)
+    folder = pipeline_dir(out, "flux_calibrated")
+    manifest = PipelineManifest.read(folder)
+    cache = {**manifest.cache, "magnitude_ratios": [1.0] + [0.95] * 9,
+             "controls": {"fbcache": CALIBRATED_CONTROLS, "magcache": CALIBRATED_CONTROLS}}
+    replace(manifest, cache=cache).write(folder)
+    return out
+
+
+@pytest.fixture(scope="session")
+def variant_server(variant_repository):
+    from machgen.server import Ports, TritonServer
+
+    server = TritonServer(variant_repository, Ports(free_port(), free_port(), free_port()))
+    server.start()
+    yield server
+    server.stop()
+
+
+def metric(server, name: str, model: str) -> float:
+    """A Prometheus metric of ``model`` from the server's metrics endpoint."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.host}:{server.ports.metrics}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    found = re.search(rf'^{name}{{model="{model}",version="1"}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:
+    """Poll ``condition`` until it holds (no fixed sleeps: the tests wait for what they need)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def runtime_factory(tiny_flux_dir):
+    """Flux's runtime over any run_component (a closed-form fake, for example), built without an export."""
+    return lambda run: runtime_for(tiny_flux_dir, run)
+
+
+SESSION_REPOSITORIES = {"built_repository", "variant_repository"}
+
+
+# A fixture named *_repository builds one (and exports, or copies from the export cache), one named local* runs
+# one in-process: a test using either, directly or through another fixture, is in the ``export`` tier; one using
+# a *_server fixture is an integration test. Tests that export or serve by themselves carry the mark.
+def _builds(item) -> set[str]:
+    """The repositories a test's module builds for itself (the session's are built once anyway)."""
+    return {name for name in getattr(item, "fixturenames", ())
+            if (name.endswith("_repository") or name.startswith("local")) and name not in SESSION_REPOSITORIES}
+
+
+def pytest_collection_modifyitems(items):
+    # The modules that build the most repositories first, so that the xdist workers of `make test` (a module
+    # each at a time) finish together rather than one waiting on the other's last long module.
+    builds: dict = {}
+    for item in items:
+        builds.setdefault(item.path, set()).update(_builds(item))
+    items.sort(key=lambda item: -len(builds[item.path]))
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if any(name.endswith("_server") for name in fixtures):
+            item.add_marker(pytest.mark.integration)
+        if (any(name.endswith("_repository") or name.startswith("local") for name in fixtures)
+                or item.get_closest_marker("integration")):
+            item.add_marker(pytest.mark.export)

@@ -7,8 +7,10 @@ shifted sigma schedule, the last step (sigma = 0) lands exactly on mu.
 
 import numpy as np
 
-from machgen.ensembles.api import GenerationRequest
-from machgen.ensembles.tensors import as_numpy
+from machgen.contract.api import GenerationRequest
+from machgen.runtime.family import RequestState
+from machgen.runtime.sampler import Sampler
+from machgen.runtime.tensors import as_numpy
 
 COMPONENT_INPUTS = {
     "denoiser_tail": ("image_hidden", "text_hidden", "temb", "img_ids", "txt_ids"),
@@ -69,3 +71,14 @@ def request(**overrides):
                   true_cfg_scale=1.0, height=32, width=48)
     values.update(overrides)
     return GenerationRequest(**values)
+
+
+def sampler(runtime, fake, **options) -> Sampler:
+    """A Sampler of ``runtime`` calling ``fake`` for every component."""
+    return Sampler(runtime, fake, COMPONENT_INPUTS, **options)
+
+
+def state(runtime, req) -> RequestState:
+    """A request's state before its first step, as the sampler makes it."""
+    scheduler = runtime.scheduler(req)
+    return runtime.state_class(req, scheduler, scheduler.timesteps, 0, runtime.guidance(req))

@@ -1,13 +1,16 @@
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from machgen.ensembles.api import API_INPUTS, InvalidArgument, input_array, parse_request
+from machgen.contract.api import API_INPUTS, InvalidArgument, input_array, parse_request
+from machgen.contract.specs import Capabilities, ServedDefaults
 
-DEFAULTS = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 3.5, "true_cfg_scale": 1.0,
-            "negative_prompt": None, "max_sequence_length": 32, "max_height": 256, "max_width": 256,
-            "max_inference_steps": 1000}
+DEFAULTS = ServedDefaults(height=64, width=64, num_inference_steps=4, guidance_scale=3.5, true_cfg_scale=1.0,
+                          negative_prompt=None, max_sequence_length=32, max_height=256, max_width=256,
+                          max_inference_steps=1000)
+IMAGE_MODEL = Capabilities(tasks=("text-to-image",))
 TYPES = {t.name: t.triton_dtype for t in API_INPUTS}
 API = {t.name: t for t in API_INPUTS}
 
@@ -19,7 +22,8 @@ def parse(**inputs):
             arrays[name] = np.array([value if isinstance(value, bytes) else value.encode()], dtype=object)
         else:
             arrays[name] = np.array([value], dtype={"INT64": np.int64, "INT32": np.int32, "FP32": np.float32}[TYPES[name]])
-    return parse_request(arrays.get, DEFAULTS, size_multiple=16, cache_policies=("none", "fbcache"))
+    return parse_request(arrays.get, DEFAULTS, size_multiple=16, capabilities=IMAGE_MODEL,
+                         cache_policies=("none", "fbcache"))
 
 
 def test_defaults_fill_absent_inputs():
@@ -59,8 +63,6 @@ def test_true_cfg_needs_a_scale_above_one_and_a_negative_prompt():
     ({"prompt": "x", "cache_policy": "teacache"}, "cache_policy", "not one of none, fbcache"),
     ({"prompt": "x", "cache_threshold": -0.1}, "cache_threshold", "outside"),
     ({"prompt": "x", "cache_threshold": float("inf")}, "cache_threshold", "outside"),
-    ({"prompt": "x", "stg_scale": 1.0}, "stg_scale", "does not take it"),  # LTX-2's guidance, refused here
-    ({"prompt": "x", "audio_guidance_rescale": 0.5}, "audio_guidance_rescale", "does not take it"),
 ])
 def test_bad_inputs_are_named(inputs, field, words):
     with pytest.raises(InvalidArgument) as err:
@@ -69,10 +71,23 @@ def test_bad_inputs_are_named(inputs, field, words):
     assert f"'{field}'" in str(err.value) and words in str(err.value)
 
 
+@pytest.mark.parametrize("field", ["stg_scale", "audio_guidance_rescale"])  # LTX-2's guidance, refused elsewhere
+def test_another_familys_input_is_refused_by_name(field):
+    from machgen.contract.api import check_option_names
+    from machgen.families.registry import family_inputs
+
+    with pytest.raises(InvalidArgument) as err:
+        check_option_names([field], TYPES, family_inputs())
+    assert err.value.field == field
+    assert f"'{field}'" in str(err.value) and "does not take it" in str(err.value)
+    with pytest.raises(TypeError, match="nope"):
+        check_option_names(["nope"], TYPES, family_inputs())
+
+
 def test_more_than_one_element_is_refused():
     arrays = {"prompt": np.array([b"a", b"b"], dtype=object)}
     with pytest.raises(InvalidArgument, match="'prompt'.*one element"):
-        parse_request(arrays.get, DEFAULTS, size_multiple=16)
+        parse_request(arrays.get, DEFAULTS, size_multiple=16, capabilities=IMAGE_MODEL)
 
 
 IMAGE_TASKS = ("text-to-image", "image-to-image")
@@ -82,7 +97,7 @@ def parse_with_image(image, tasks=IMAGE_TASKS, **inputs):
     arrays = {"image": image} if image is not None else {}
     for name, value in {"prompt": "x", **inputs}.items():
         arrays[name] = input_array(API[name], value)
-    return parse_request(arrays.get, DEFAULTS, size_multiple=16, tasks=tasks)
+    return parse_request(arrays.get, DEFAULTS, size_multiple=16, capabilities=Capabilities(tasks=tasks))
 
 
 def test_image_sets_the_size_and_strength_defaults_as_diffusers():
@@ -115,13 +130,13 @@ def test_bad_image_inputs_are_named(image, tasks, inputs, field, words):
     assert f"'{field}'" in str(err.value) and words in str(err.value)
 
 
-VIDEO = dict(DEFAULTS, num_frames=17, max_frames=81, fps=16)
+VIDEO = replace(DEFAULTS, num_frames=17, max_frames=81, fps=16)
 VIDEO_TASKS = ("text-to-video", "image-to-video", "reference-to-video")
 
 
 def parse_video(tasks=VIDEO_TASKS, **arrays):
     inputs = {"prompt": np.array([b"a cat"], dtype=object), **arrays}
-    return parse_request(inputs.get, VIDEO, size_multiple=16, tasks=tasks, frame_multiple=4)
+    return parse_request(inputs.get, VIDEO, size_multiple=16, capabilities=Capabilities(tasks=tasks), frame_multiple=4)
 
 
 def test_video_fields_take_the_model_defaults_and_follow_its_frame_rule():
@@ -156,19 +171,23 @@ def test_bad_video_inputs_are_named(tasks, arrays, field, words):
 
 
 def parse_guidance(guidance_is_cfg: bool, experts: int, **values):
+    """A Wan-like video model's request: one denoiser, or two experts (Wan's guidance_scale_2 input)."""
+    from machgen.families.wan.spec import GUIDANCE_SCALE_2
+
     inputs = {"prompt": np.array([b"a cat"], dtype=object),
               **{name: np.array([value], np.float32) for name, value in values.items()}}
-    return parse_request(inputs.get, dict(VIDEO, negative_prompt=""), size_multiple=16, tasks=("text-to-video",),
-                         frame_multiple=4, guidance_is_cfg=guidance_is_cfg, experts=experts)
+    return parse_request(inputs.get, replace(VIDEO, negative_prompt=""), size_multiple=16,
+                         capabilities=Capabilities(tasks=("text-to-video",), guidance_is_cfg=guidance_is_cfg),
+                         frame_multiple=4, family_inputs=(GUIDANCE_SCALE_2,), settings={"experts": experts})
 
 
 def test_guidance_scale_is_the_cfg_scale_of_a_model_without_embedded_guidance():
     request = parse_guidance(True, 1, guidance_scale=5.0)
-    assert (request.true_cfg_scale, request.guidance_scale_2, request.uses_true_cfg) == (5.0, None, True)
+    assert (request.true_cfg_scale, request.inputs["guidance_scale_2"], request.uses_true_cfg) == (5.0, None, True)
     assert not parse_guidance(True, 1, guidance_scale=1.0).uses_true_cfg  # WanPipeline: CFG only above 1
     request = parse_guidance(True, 2, guidance_scale=4.0)
-    assert request.guidance_scale_2 == 4.0  # the low-noise expert's scale defaults to guidance_scale
-    assert parse_guidance(True, 2, guidance_scale=4.0, guidance_scale_2=3.0).guidance_scale_2 == 3.0
+    assert request.inputs["guidance_scale_2"] is None  # the low-noise expert's scale defaults to guidance_scale
+    assert parse_guidance(True, 2, guidance_scale=4.0, guidance_scale_2=3.0).inputs["guidance_scale_2"] == 3.0
     request = parse_guidance(False, 1, guidance_scale=3.5, true_cfg_scale=4.0)  # Flux: embedded guidance
     assert (request.guidance_scale, request.true_cfg_scale) == (3.5, 4.0)
 
@@ -185,7 +204,7 @@ def test_bad_guidance_inputs_are_named(guidance_is_cfg, experts, values, field, 
 
 
 def test_family_guidance_helpers_name_the_field():
-    from machgen.ensembles.api import fraction_input, guidance_scale_input, indices_input
+    from machgen.contract.api import fraction_input, guidance_scale_input, indices_input
 
     assert indices_input("stg_blocks", np.array([3, 0], dtype=np.int32), 4) == (3, 0)
     assert indices_input("stg_blocks", np.array([], dtype=np.int32), 4) == ()
@@ -199,7 +218,7 @@ def test_family_guidance_helpers_name_the_field():
 
 
 def test_only_models_with_sound_declare_the_audio_output():
-    from machgen.ensembles.api import public_outputs
+    from machgen.contract.api import public_outputs
 
     assert [t.name for t in public_outputs(audio=False)] == ["images", "stats"]
     assert [t.name for t in public_outputs(audio=True)] == ["images", "stats", "audio"]

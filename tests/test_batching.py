@@ -10,14 +10,17 @@ import pytest
 from machgen.builder.repository import ServingOptions
 from machgen.client import GenerationError, MachgenClient
 
-from conftest import PIPELINE_NAME, free_port
+from conftest import PIPELINE_NAME, metric, wait_until
 
 pytestmark = pytest.mark.integration
 
 MAX_PIXEL_DIFF = 2  # of 255
 
 
-def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(triton_server):
+BATCHED = "flux_batched"  # conftest.VARIANTS: per-step calls wait for each other
+
+
+def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(variant_server):
     # distinct seeds, mixed step counts, one or two rows per denoiser call (true CFG on every third)
     requests = [dict(prompt=("a red cat", "a green circle at the top left")[i % 2], seed=100 + i,
                      num_inference_steps=(2, 3, 5, 8)[i % 4],
@@ -25,12 +28,12 @@ def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(triton_serve
                 for i in range(32)]
 
     def generate(settings):
-        with MachgenClient(triton_server.grpc_url) as client:
-            return client.generate(PIPELINE_NAME, **settings)
+        with MachgenClient(variant_server.grpc_url) as client:
+            return client.generate(BATCHED, **settings)
 
     solo = [generate(settings) for settings in requests]
-    tail = f"{PIPELINE_NAME}_denoiser_tail"
-    with MachgenClient(triton_server.grpc_url) as client:
+    tail = f"{BATCHED}_denoiser_tail"
+    with MachgenClient(variant_server.grpc_url) as client:
         rows_before, forwards_before = client.rows_and_forwards(tail)
         with ThreadPoolExecutor(len(requests)) as pool:
             together = list(pool.map(generate, requests))
@@ -54,10 +57,10 @@ class _Calls:
         self.inputs = MachgenClient(url)
         self.outcomes: queue.Queue = queue.Queue()
 
-    def start(self, tag: str, steps: int, **kwargs):
+    def start(self, tag: str, steps: int, model: str = PIPELINE_NAME, **kwargs):
         inputs = [self.inputs.make_input("prompt", "a red cat"), self.inputs.make_input("seed", 1),
                   self.inputs.make_input("num_inference_steps", steps)]
-        return self.client.async_infer(PIPELINE_NAME, inputs,
+        return self.client.async_infer(model, inputs,
                                        callback=lambda result, error: self.outcomes.put((tag, error)), **kwargs)
 
     def wait(self, count: int, timeout: float = 120.0) -> dict:
@@ -70,15 +73,21 @@ class _Calls:
 
 
 def test_cancelled_and_timed_out_requests_free_their_slots_and_the_others_complete(triton_server):
-    slots = ServingOptions().sampler_instances
+    slots = ServingOptions().in_flight
     long_steps = 250  # seconds of work at this concurrency
     calls = _Calls(triton_server.grpc_url)
+    tail = f"{PIPELINE_NAME}_denoiser_tail"
+    with MachgenClient(triton_server.grpc_url) as client:
+        rows_before, _ = client.rows_and_forwards(tail)
     try:
         cancelled = calls.start("cancelled", long_steps)
         calls.start("deadline", long_steps, client_timeout=1.0)
         for index in range(slots - 2):
             calls.start(f"long{index}", long_steps)
-        time.sleep(1.0)
+        # Every slot's request is stepping once the tail has run a few steps' rows of them all.
+        with MachgenClient(triton_server.grpc_url) as client:
+            wait_until(lambda: client.rows_and_forwards(tail)[0] - rows_before >= 3 * slots,
+                       what="the long requests' first steps")
         cancelled.cancel()
         # Two short requests can only run if the cancelled and timed-out ones gave their slots back.
         for index in range(2):
@@ -89,37 +98,30 @@ def test_cancelled_and_timed_out_requests_free_their_slots_and_the_others_comple
         assert "cancel" in str(first["cancelled"]).lower()
         assert "deadline" in str(first["deadline"]).lower()
         rest = calls.wait(slots - 2)
-        assert rest == {f"long{index}": None for index in range(slots - 2)}
+        assert rest == {f"long{index}": None for index in range(slots - 2)}, {k: str(v) for k, v in rest.items()}
     finally:
         calls.close()
     log = triton_server.log_file.read_text(errors="replace")
     assert log.count("cancelled after") >= 2, "the server did not stop the withdrawn requests"
 
 
-def test_a_full_queue_answers_unavailable_and_keeps_serving(built_repository, tmp_path):
-    import shutil
-
-    from machgen.builder.repository import render_public_config
-    from machgen.server import Ports, TritonServer
-
-    source, _ = built_repository
-    repository = tmp_path / "repository"
-    shutil.copytree(source, repository)
-    (repository / PIPELINE_NAME / "config.pbtxt").write_text(
-        render_public_config(PIPELINE_NAME, ServingOptions(sampler_instances=1, max_queue_size=1)))
-    with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server:
-        calls = _Calls(server.grpc_url)
-        try:
-            calls.start("running", 300)
-            time.sleep(0.5)
-            calls.start("queued", 2)
-            time.sleep(0.2)
-            with MachgenClient(server.grpc_url) as client, pytest.raises(GenerationError) as refused:
-                client.generate(PIPELINE_NAME, "a red cat", num_inference_steps=2)
-            assert refused.value.status == "StatusCode.UNAVAILABLE"
-            assert "queue" in str(refused.value).lower()
-            assert calls.wait(2) == {"running": None, "queued": None}
-            with MachgenClient(server.grpc_url) as client:
-                assert client.generate(PIPELINE_NAME, "a red cat", num_inference_steps=2).shape[0] == 1
-        finally:
-            calls.close()
+def test_a_full_queue_answers_unavailable_and_keeps_serving(variant_server):
+    queue_model = "flux_queue"  # conftest.VARIANTS: one request in flight, one waiting
+    calls = _Calls(variant_server.grpc_url)
+    try:
+        with MachgenClient(variant_server.grpc_url) as client:
+            calls.start("running", 300, queue_model)
+            wait_until(lambda: client.rows_and_forwards(f"{queue_model}_denoiser_tail")[0] > 0,
+                       what="the first request's steps")
+            calls.start("queued", 2, queue_model)
+            wait_until(lambda: metric(variant_server, "nv_inference_pending_request_count", queue_model) == 1,
+                       what="the second request in the queue")
+            with pytest.raises(GenerationError) as refused:
+                client.generate(queue_model, "a red cat", num_inference_steps=2)
+        assert refused.value.status == "StatusCode.UNAVAILABLE"
+        assert "queue" in str(refused.value).lower()
+        assert calls.wait(2) == {"running": None, "queued": None}
+        with MachgenClient(variant_server.grpc_url) as client:
+            assert client.generate(queue_model, "a red cat", num_inference_steps=2).shape[0] == 1
+    finally:
+        calls.close()

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from machgen.ensembles.cache import (
+from machgen.runtime.cache import (
     BlocksResidualRecorder,
     CacheControls,
     CacheSettings,
@@ -21,8 +21,7 @@ from machgen.ensembles.cache import (
     magnitude_ratios,
     negative_row_due,
 )
-from machgen.ensembles.sampler import Sampler
-from point_mass import COMPONENT_INPUTS, PointMassDenoiser, request
+from point_mass import PointMassDenoiser, request, sampler
 
 CONTROLS = CacheControls(warmup_steps=3, final_steps=1, max_consecutive_skips=2)
 BOTH = {"fbcache": CONTROLS, "magcache": CONTROLS}
@@ -61,11 +60,10 @@ def test_magcache_ratios_resample_to_other_step_counts():
 
 
 @pytest.fixture
-def generate(conditioning_factory):
+def generate(runtime_factory):
     def run(settings, req, fake=None):
         fake = fake or PointMassDenoiser(channels=4)
-        return fake, Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS, cache_settings=settings,
-                             prompt_cache_size=0).generate(req)
+        return fake, sampler(runtime_factory(fake), fake, cache_settings=settings, prompt_cache_size=0).generate(req)
 
     return run
 
@@ -136,13 +134,14 @@ def cfg_request(**overrides):
 def test_a_derived_negative_is_the_positive_plus_the_kept_difference():
     cache = StepCache("magcache", None, CacheSettings(controls={"magcache": CacheControls(negative_interval=2)}))
     cache.start(10)
-    positive, negative = cache.guidance_rows(0, np.array([[1.0, 2.0], [4.0, 0.0]]), ran_tail=True)
-    np.testing.assert_array_equal(negative, [[4.0, 0.0]])
-    positive, negative = cache.guidance_rows(1, np.array([[2.0, 2.0]]), ran_tail=True)
-    np.testing.assert_array_equal(negative, [[5.0, 0.0]])
+    positive, negative = cache.guidance_rows(0, np.array([[1.0, 2.0], [4.0, 0.0]]), ran_tail=True, rows=2)
+    np.testing.assert_array_equal(negative, [4.0, 0.0])
+    positive, negative = cache.guidance_rows(1, np.array([[2.0, 2.0]]), ran_tail=True, rows=2)
+    np.testing.assert_array_equal(negative, [5.0, 0.0])
     # Two rows from reused residuals are used as they are, and do not replace the kept difference.
-    cache.guidance_rows(2, np.array([[0.0, 0.0], [9.0, 9.0]]), ran_tail=False)
-    np.testing.assert_array_equal(cache.guidance_rows(3, np.array([[0.0, 0.0]]), ran_tail=True)[1], [[3.0, -2.0]])
+    cache.guidance_rows(2, np.array([[0.0, 0.0], [9.0, 9.0]]), ran_tail=False, rows=2)
+    np.testing.assert_array_equal(cache.guidance_rows(3, np.array([[0.0, 0.0]]), ran_tail=True, rows=2)[1],
+                                  [3.0, -2.0])
 
 
 @pytest.mark.parametrize("policy", ["fbcache", "magcache"])
@@ -166,6 +165,30 @@ def test_negative_row_runs_every_interval(generate, policy):
     assert exact.stats.negative_rows_derived == 0
 
 
+def test_a_familys_own_guidance_formula_keeps_the_guidance_row_reuse(runtime_factory):
+    """Guidance is the family's strategy, and the cache thins out its rows whatever the formula: here a
+    norm-rescaled CFG (the guided prediction scaled back to the prompt row's norm)."""
+    from machgen.runtime.family import ClassifierFreeGuidance
+
+    class RescaledCfg(ClassifierFreeGuidance):
+        def combine(self, prediction, state, latents):
+            guided = super().combine(prediction, state, latents)
+            return guided * (np.linalg.norm(np.asarray(prediction[:1])) / np.linalg.norm(np.asarray(guided)))
+
+    fake = PointMassDenoiser(channels=4)
+    runtime = runtime_factory(fake)
+    runtime.guidance = lambda request: RescaledCfg(request.true_cfg_scale)
+    controls = CacheControls(warmup_steps=3, final_steps=0, max_consecutive_skips=0, negative_interval=3)
+    settings = CacheSettings(magnitude_ratios=(1.0,) * 10, controls={"fbcache": controls})
+    result = sampler(runtime, fake, cache_settings=settings, prompt_cache_size=0).generate(
+        cfg_request(cache_policy="fbcache", cache_threshold=0.0))
+    assert [rows for name, rows in fake.calls if name == "denoiser_tail"] == [2, 2, 2, 1, 1, 2, 1, 1, 2, 1]
+    assert (result.stats.denoiser_tail_passes, result.stats.negative_rows_derived) == (15, 5)
+    plain = sampler(runtime_factory(fake), fake, cache_settings=settings, prompt_cache_size=0).generate(
+        cfg_request(cache_policy="fbcache", cache_threshold=0.0))
+    assert np.abs(np.asarray(result.latents) - np.asarray(plain.latents)).max() > 1e-3  # the formula was used
+
+
 def test_skipped_steps_derive_the_negative_row(generate):
     settings = calibrated_settings(generate, 10)
     settings = CacheSettings(magnitude_ratios=settings.magnitude_ratios,
@@ -176,32 +199,32 @@ def test_skipped_steps_derive_the_negative_row(generate):
     assert cached.stats.negative_rows_derived >= len(reuse_rows)
 
 
-def test_prompt_embeddings_are_cached_by_prompt(conditioning_factory):
+def test_prompt_embeddings_are_cached_by_prompt(runtime_factory):
     fake = PointMassDenoiser(channels=4)
-    sampler = Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS, prompt_cache_size=2)
-    first = sampler.generate(request(negative_prompt="blurry", true_cfg_scale=2.0))
-    again = sampler.generate(request(negative_prompt="blurry", true_cfg_scale=2.0))
+    cached = sampler(runtime_factory(fake), fake, prompt_cache_size=2)
+    first = cached.generate(request(negative_prompt="blurry", true_cfg_scale=2.0))
+    again = cached.generate(request(negative_prompt="blurry", true_cfg_scale=2.0))
     np.testing.assert_array_equal(first.latents, again.latents)
     assert (first.stats.text_cache_hits, first.stats.text_cache_misses) == (0, 2)
     assert (again.stats.text_cache_hits, again.stats.text_cache_misses) == (2, 0)
     assert sum(name.startswith("text_encoder") for name, _ in fake.calls) == 2  # one batched call per encoder
-    sampler.generate(request(prompt="a green dog"))  # capacity 2: evicts the oldest, "a red cat"
-    assert sampler.generate(request()).stats.text_cache_misses == 1
+    cached.generate(request(prompt="a green dog"))  # capacity 2: evicts the oldest, "a red cat"
+    assert cached.generate(request()).stats.text_cache_misses == 1
 
 
-def test_concurrent_requests_keep_their_own_cache_state(generate, conditioning_factory):
+def test_concurrent_requests_keep_their_own_cache_state(generate, runtime_factory):
     settings = calibrated_settings(generate, 8)
     fake = PointMassDenoiser(channels=4)
-    sampler = Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS, cache_settings=settings)
+    shared = sampler(runtime_factory(fake), fake, cache_settings=settings)
     requests = [request(num_inference_steps=8, cache_policy=policy, cache_threshold=10.0, seed=seed)
                 for policy, seed in (("fbcache", 1), ("magcache", 2), ("none", 3), ("fbcache", 4))]
-    alone = [sampler.generate(r).latents for r in requests]
+    alone = [shared.generate(r).latents for r in requests]
     together: dict[int, np.ndarray] = {}
     barrier = threading.Barrier(len(requests))
 
     def run(index):
         barrier.wait()
-        together[index] = sampler.generate(requests[index]).latents
+        together[index] = shared.generate(requests[index]).latents
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
     for thread in threads:

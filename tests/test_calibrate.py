@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from machgen.builder.calibrate import Trial, choose
 from machgen.builder.cli import app
-from machgen.builder.repository import pipeline_dir
-from machgen.ensembles.local import LocalPipeline
+from machgen.contract.manifest import pipeline_dir
+from machgen.runtime.local import LocalPipeline
 
 from conftest import PIPELINE_NAME
 

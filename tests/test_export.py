@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from machgen.builder.registry import get_family
-from machgen.ensembles.onnx_runner import OnnxSession
+from machgen.families.registry import get_family
+from machgen.runtime.onnx_runner import OnnxSession
 
 from conftest import component_onnx
 
@@ -34,7 +34,7 @@ def _random_input(spec, generator):
                                        "denoiser_reuse", "vae_decoder", "vae_encoder", "postprocess"])
 def test_onnx_matches_torch_on_unseen_dynamic_sizes(component, built_repository, tiny_flux_pipeline):
     repository, _ = built_repository
-    exportable = {c.spec.name: c for c in get_family("flux").components(tiny_flux_pipeline)}[component]
+    exportable = {c.spec.name: c for c in get_family("flux").exporter().components(tiny_flux_pipeline)}[component]
     spec = exportable.spec
     generator = torch.Generator().manual_seed(7)
     inputs = {t.name: _random_input(t, generator) for t in spec.inputs}
@@ -55,8 +55,7 @@ def test_onnx_matches_torch_on_unseen_dynamic_sizes(component, built_repository,
 
 def test_split_denoiser_equals_the_whole_transformer(tiny_flux_pipeline):
     """head then tail is FluxTransformer2DModel.forward, bit for bit in torch."""
-    family = get_family("flux")
-    components = {c.spec.name: c for c in family.components(tiny_flux_pipeline)}
+    components = {c.spec.name: c for c in get_family("flux").exporter().components(tiny_flux_pipeline)}
     head, tail, reuse = components["denoiser_head"], components["denoiser_tail"], components["denoiser_reuse"]
     inputs = head.sample_inputs
     with torch.no_grad():
@@ -75,11 +74,13 @@ def test_split_denoiser_equals_the_whole_transformer(tiny_flux_pipeline):
     torch.testing.assert_close(reused, whole, rtol=0, atol=1e-5)
 
 
+@pytest.mark.export
 def test_a_squeeze_of_an_axis_that_is_not_one_exports_as_torch_means_it(tmp_path):
     """torch leaves x.squeeze(2) alone when axis 2 is not 1; the exported file must too
     (onnxscript writes a Squeeze that ONNX Runtime refuses: LTX-2's transformer)."""
     from machgen.builder.export import export_onnx
-    from machgen.builder.registry import ComponentSpec, ExportableComponent, TensorSpec
+    from machgen.builder.family_export import ExportableComponent
+    from machgen.contract.specs import ComponentSpec, TensorSpec
 
     class Gate(torch.nn.Module):
         def forward(self, x):

@@ -20,7 +20,7 @@ def _components(model_dir):
     from machgen.builder.build import detect_family, load_pipeline
 
     family = detect_family(model_dir)
-    return {c.spec.name: c for c in family.components(load_pipeline(model_dir, family))}
+    return {c.spec.name: c for c in family.exporter().components(load_pipeline(model_dir, family))}
 
 
 def test_the_key_follows_the_weights_the_spec_and_the_options_not_the_folder(tiny_flux_dir, tmp_path):
@@ -48,10 +48,39 @@ def test_the_key_follows_the_weights_the_spec_and_the_options_not_the_folder(tin
     assert len(keys) == 5
 
 
+def test_the_key_follows_the_family_export_code_not_its_run_time_code(tiny_flux_dir, monkeypatch):
+    """A family's runtime (how requests are served) and its docstrings there
+    are no part of what an export depends on; its export module is."""
+    from pathlib import Path
+
+    import machgen.families.flux.export as flux_export
+    import machgen.families.flux.runtime as flux_runtime
+    from machgen.builder import export_cache
+
+    components = _components(tiny_flux_dir)
+    options = {"format": "onnx", "dtype": "float32", "device": "cpu", "attention": None}
+    before = {name: export_cache.component_key(c, **options) for name, c in components.items()}
+    sources = {path for c in components.values() for path in export_cache.export_sources(c.module)}
+    assert Path(flux_export.__file__) in sources and Path(flux_runtime.__file__) not in sources
+
+    def edited(edited_file):
+        read = Path.read_bytes
+
+        def read_bytes(path):
+            return read(path) + b"\n# edited\n" if path == Path(edited_file) else read(path)
+        return read_bytes
+
+    monkeypatch.setattr(Path, "read_bytes", edited(flux_runtime.__file__))
+    assert {name: export_cache.component_key(c, **options) for name, c in components.items()} == before
+    monkeypatch.setattr(Path, "read_bytes", edited(flux_export.__file__))
+    after = {name: export_cache.component_key(c, **options) for name, c in components.items()}
+    assert all(after[name] != before[name] for name in before)
+
+
 def test_a_rebuild_copies_every_component_from_the_cache(built_repository, tiny_flux_dir, tmp_path):
     """built_repository filled the session's cache ($MACHGEN_EXPORT_CACHE, set by conftest)."""
     from machgen.builder.build import build_repository
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     from conftest import PIPELINE_NAME
 

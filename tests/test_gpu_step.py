@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.export
 def test_gpu_step_script_runs_on_tiny_configs(tmp_path):
     table = tmp_path / "step.md"
     done = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_step.py"), "--scale", "tiny", "--device", "cpu",

@@ -34,7 +34,7 @@ def hidream_repository(tiny_hidream_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_hidream(hidream_repository):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     return LocalPipeline(hidream_repository, NAME)
 
@@ -54,9 +54,8 @@ def test_dense_mixture_of_experts_equals_diffusers_routing():
     import torch
     from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
-    from machgen.builder.families.hidream import _modules
+    from machgen.families.hidream.export import DenseMixture as dense_mixture
 
-    *_, dense_mixture = _modules()
     torch.manual_seed(0)
     mixture = MOEFeedForwardSwiGLU(dim=32, hidden_dim=128, num_routed_experts=4, num_activated_experts=2).eval()
     x = torch.randn(2, 50, 32)
@@ -74,7 +73,7 @@ def test_dense_mixture_of_experts_equals_diffusers_routing():
     {"guidance_scale": 1.0, "num_inference_steps": 2},
 ], ids=["defaults", "non-square-negative-prompt", "no-cfg"])
 def test_in_process_text_to_image_equals_diffusers(local_hidream, hidream_pipeline, call):
-    defaults = local_hidream.pipeline["defaults"]
+    defaults = local_hidream.manifest.defaults.to_json()
     images, _ = local_hidream.generate(PROMPT, seed=5, cache_policy="none", **call)
     expected = diffusers_image(hidream_pipeline, defaults, 5, **call)
     assert images.shape == (1, *expected.shape)
@@ -92,7 +91,7 @@ def test_first_block_cache_skips_steps(local_hidream):
 
 @pytest.mark.integration
 def test_served_text_to_image_equals_diffusers(hidream_repository, hidream_pipeline):
-    from machgen.builder.repository import pipeline_dir
+    from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 

@@ -34,7 +34,7 @@ def _diffusers_img2img(pipeline, image: np.ndarray, seed: int, strength: float, 
 
 @pytest.fixture(scope="module")
 def local(built_repository):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     repository, _ = built_repository
     return LocalPipeline(repository, PIPELINE_NAME)
@@ -42,7 +42,7 @@ def local(built_repository):
 
 @pytest.mark.parametrize("strength, seed", [(0.6, 0), (1.0, 1), (0.3, 2)])
 def test_in_process_image_to_image_equals_diffusers(local, tiny_flux_pipeline, strength, seed):
-    defaults = local.pipeline["defaults"]
+    defaults = local.manifest.defaults.to_json()
     image = _image(defaults["height"], defaults["width"], seed)
     served, stats = local.generate(PROMPT, image=image, strength=strength, seed=seed, cache_policy="none")
     expected = _diffusers_img2img(tiny_flux_pipeline, image, seed, strength,
@@ -58,7 +58,7 @@ def test_in_process_image_to_image_equals_diffusers(local, tiny_flux_pipeline, s
 def test_served_image_to_image_equals_diffusers(triton_server, local, tiny_flux_pipeline):
     from machgen.client import MachgenClient
 
-    defaults = local.pipeline["defaults"]
+    defaults = local.manifest.defaults.to_json()
     image = _image(defaults["height"] * 2, defaults["width"], seed=5)  # not the default size: taken from the image
     with MachgenClient(triton_server.grpc_url) as client:
         served, stats = client.generate_with_stats(PIPELINE_NAME, PROMPT, image=image, strength=0.75, seed=5,

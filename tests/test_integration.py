@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from machgen.builder.repository import pipeline_dir
 from machgen.client import GenerationError, MachgenClient
+from machgen.contract.manifest import PipelineManifest, pipeline_dir
 
 from conftest import PIPELINE_NAME, free_port
 
@@ -41,10 +41,8 @@ def diffusers_image(pipe, defaults, prompt, seed, **options):
 
 @pytest.fixture(scope="module")
 def defaults(built_repository):
-    import json
-
     repository, _ = built_repository
-    return json.loads((pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json").read_text())["defaults"]
+    return PipelineManifest.read(pipeline_dir(repository, PIPELINE_NAME)).defaults.to_json()
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["defaults", "size-steps-guidance", "true-cfg"])
@@ -104,7 +102,7 @@ CACHED = dict(seed=4, num_inference_steps=12, cache_policy="fbcache")
 
 
 def test_cached_request_equals_the_same_policy_in_process(triton_server, built_repository):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     repository, _ = built_repository
     local = LocalPipeline(repository, PIPELINE_NAME)
@@ -119,29 +117,17 @@ def test_cached_request_equals_the_same_policy_in_process(triton_server, built_r
     assert stats["denoiser_tail_calls"] < 12, stats  # the loose threshold really skipped
 
 
-def test_calibrated_controls_served_equal_in_process(built_repository, tmp_path):
+def test_calibrated_controls_served_equal_in_process(variant_repository, variant_server):
     """MagCache and a thinned-out negative row (controls a calibration writes) through Triton."""
-    import json
-    import shutil
+    from machgen.runtime.local import LocalPipeline
 
-    from machgen.ensembles.local import LocalPipeline
-    from machgen.server import Ports, TritonServer
-
-    source, _ = built_repository
-    repository = tmp_path / "repository"
-    shutil.copytree(source, repository)
-    path = pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json"
-    pipeline = json.loads(path.read_text())
-    controls = {"warmup_steps": 2, "final_steps": 0, "max_consecutive_skips": 2, "negative_interval": 2}
-    pipeline["cache"].update(magnitude_ratios=[1.0] + [0.95] * 9, controls={"fbcache": controls, "magcache": controls})
-    path.write_text(json.dumps(pipeline))
-    local = LocalPipeline(repository, PIPELINE_NAME)
+    name = "flux_calibrated"  # conftest.VARIANTS
+    local = LocalPipeline(variant_repository, name)
     options = dict(seed=6, num_inference_steps=10, negative_prompt="a blue dog", true_cfg_scale=3.0)
     requests = [dict(cache_policy="fbcache", cache_threshold=0.3), dict(cache_policy="magcache", cache_threshold=0.3)]
     expected = [local.generate("a red cat", **options, **request) for request in requests]
-    with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server, \
-            MachgenClient(server.grpc_url) as client:
-        served = [client.generate_with_stats(PIPELINE_NAME, "a red cat", **options, **request) for request in requests]
+    with MachgenClient(variant_server.grpc_url) as client:
+        served = [client.generate_with_stats(name, "a red cat", **options, **request) for request in requests]
     for (images, stats), (expected_images, expected_stats) in zip(served, expected):
         assert np.abs(images.astype(int) - expected_images.astype(int)).max() <= 1
         assert stats["negative_rows_derived"] == expected_stats.negative_rows_derived > 0

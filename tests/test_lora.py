@@ -2,17 +2,19 @@
 `machgen-build build --lora` serves the fused weights."""
 
 import numpy as np
+import pytest
 import torch
 
 from machgen.builder.training import LoraSettings, concept_palette, train_lora
-from machgen.ensembles.onnx_runner import OnnxSession
+from machgen.runtime.onnx_runner import OnnxSession
 
 
+@pytest.mark.export
 def test_lora_trains_saves_and_fuses_into_the_exported_denoiser(tiny_flux_dir, tmp_path):
     from diffusers import FluxPipeline
 
     from machgen.builder.build import build_repository
-    from machgen.builder.registry import get_family
+    from machgen.families.registry import get_family
 
     adapter = tmp_path / "lora"
     record = train_lora(tiny_flux_dir, adapter, LoraSettings(concept_samples=16, replay_samples=16, steps=4, batch=4,
@@ -20,13 +22,13 @@ def test_lora_trains_saves_and_fuses_into_the_exported_denoiser(tiny_flux_dir, t
     assert record["steps"] == 4 and (adapter / "pytorch_lora_weights.safetensors").is_file()
 
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
-    base_head = get_family("flux").components(pipe)[2]
+    base_head = get_family("flux").exporter().components(pipe)[2]
     pipe.load_lora_weights(adapter)  # diffusers' own loader, unfused
     inputs = base_head.sample_inputs
     with torch.no_grad():
-        lora_output = get_family("flux").components(pipe)[2].module(**inputs)[0].numpy()
+        lora_output = get_family("flux").exporter().components(pipe)[2].module(**inputs)[0].numpy()
         pipe.disable_lora()
-        base_output = get_family("flux").components(pipe)[2].module(**inputs)[0].numpy()
+        base_output = get_family("flux").exporter().components(pipe)[2].module(**inputs)[0].numpy()
     assert np.abs(lora_output - base_output).max() > 1e-4  # the adapter changes the model
 
     repository = tmp_path / "repository"

@@ -33,7 +33,7 @@ def ltx_repository(tiny_ltx_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_ltx(ltx_repository):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     return LocalPipeline(ltx_repository, NAME)
 
@@ -56,7 +56,7 @@ def diffusers_video(pipe, defaults, seed: int, **call) -> np.ndarray:
     {"num_frames": 1, "guidance_scale": 1.0, "num_inference_steps": 3},
 ], ids=["defaults", "17-frames-12-fps", "one-frame-no-cfg"])
 def test_in_process_text_to_video_equals_diffusers(local_ltx, ltx_pipeline, call):
-    defaults = local_ltx.pipeline["defaults"]
+    defaults = local_ltx.manifest.defaults.to_json()
     frames, stats = local_ltx.generate(PROMPT, seed=5, cache_policy="none", **call)
     expected = diffusers_video(ltx_pipeline, defaults, 5, **call)
     assert frames.shape == expected.shape
@@ -81,7 +81,7 @@ def test_first_block_cache_skips_steps_of_a_video(local_ltx):
 
 @pytest.mark.integration
 def test_served_text_to_video_equals_diffusers(ltx_repository, ltx_pipeline):
-    from machgen.builder.repository import pipeline_dir
+    from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 
@@ -102,9 +102,9 @@ def tiny_ltx_i2v_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_ltx_i2v(tiny_ltx_i2v_dir, tmp_path_factory):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
-    return LocalPipeline(build_tiny_repository(tmp_path_factory, tiny_ltx_i2v_dir, NAME, sampler_instances=1), NAME)
+    return LocalPipeline(build_tiny_repository(tmp_path_factory, tiny_ltx_i2v_dir, NAME, in_flight=1), NAME)
 
 
 @pytest.mark.parametrize("size, call", [
@@ -117,20 +117,21 @@ def test_in_process_image_to_video_equals_diffusers(local_ltx_i2v, tiny_ltx_i2v_
     image = picture(*size, seed=4)
     frames, stats = local_ltx_i2v.generate(PROMPT, image=image, seed=9, cache_policy="none", **call)
     pipe = load_diffusers(tiny_ltx_i2v_dir)
-    expected = diffusers_video(pipe, local_ltx_i2v.pipeline["defaults"], 9, image=Image.fromarray(image),
+    expected = diffusers_video(pipe, local_ltx_i2v.manifest.defaults.to_json(), 9, image=Image.fromarray(image),
                                height=size[0], width=size[1], **call)
     assert frames.shape == expected.shape
     assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
 
 
+@pytest.mark.export
 def test_torch_target_serves_the_video_in_process(tiny_ltx_dir, ltx_pipeline, tmp_path):
     """The torch target (torch.export programs, CPU here) on a video family: 5-D latents in, every frame out."""
     from machgen.builder.build import TargetOptions, build_repository
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     build_repository(tiny_ltx_dir, NAME, tmp_path, target="torch", target_options=TargetOptions(device="cpu"),
                      log=lambda line: None)
     local = LocalPipeline(tmp_path, NAME)
     frames, _ = local.generate(PROMPT, seed=8, num_frames=5, fps=20, cache_policy="none")
-    expected = diffusers_video(ltx_pipeline, local.pipeline["defaults"], 8, num_frames=5, fps=20)
+    expected = diffusers_video(ltx_pipeline, local.manifest.defaults.to_json(), 8, num_frames=5, fps=20)
     assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF

@@ -36,14 +36,15 @@ def ltx2_pipeline(tiny_ltx2_dir):
 def ltx2_repository(tiny_ltx2_dir, tmp_path_factory):
     # The tiny model's head and tail cost about the same, so concurrent requests fall into step with
     # each other across the two (one in the head while another is in the tail) and rarely meet at
-    # either: a per-step wait of 20 ms lets their calls meet (the served default, 0, is for CPU latency).
-    return build_tiny_repository(tmp_path_factory, tiny_ltx2_dir, NAME, sampler_instances=3,
-                                 step_queue_delay_us=20000)
+    # either: a per-step wait of 50 ms makes their calls meet (those released by one forward arrive
+    # within a few ms; the served default, 0, is for CPU latency).
+    return build_tiny_repository(tmp_path_factory, tiny_ltx2_dir, NAME, in_flight=3,
+                                 step_queue_delay_us=50_000)
 
 
 @pytest.fixture(scope="module")
 def local_ltx2(ltx2_repository):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     return LocalPipeline(ltx2_repository, NAME)
 
@@ -55,7 +56,7 @@ def diffusers_clip(pipe, defaults, seed: int, **call) -> tuple[np.ndarray, np.nd
 
     settings = {key: defaults[key] for key in ("height", "width", "num_frames", "num_inference_steps",
                                                "guidance_scale", "max_sequence_length", "negative_prompt")}
-    settings.update(defaults["family_guidance"])
+    settings.update(defaults["family_inputs"])
     settings.update(call)
     settings["frame_rate"] = settings.pop("fps", defaults["fps"])
     settings["spatio_temporal_guidance_blocks"] = settings.pop("stg_blocks")
@@ -79,7 +80,7 @@ def assert_same_clip(frames, audio, expected) -> None:
     ({**UNGUIDED, "num_inference_steps": 3, "num_frames": 1}, 1),
 ], ids=["defaults", "9-frames-12-fps-stg-two-blocks", "one-frame-unguided"])
 def test_in_process_video_and_sound_equal_diffusers(local_ltx2, ltx2_pipeline, call, rows):
-    defaults = local_ltx2.pipeline["defaults"]
+    defaults = local_ltx2.manifest.defaults.to_json()
     frames, audio, stats = local_ltx2.generate_with_audio(PROMPT, seed=5, cache_policy="none", **call)
     assert_same_clip(frames, audio, diffusers_clip(ltx2_pipeline, defaults, 5, **call))
     steps = call.get("num_inference_steps", defaults["num_inference_steps"])
@@ -125,7 +126,7 @@ def test_first_block_cache_skips_steps_of_video_and_sound(local_ltx2):
 
 
 def test_requests_are_validated_against_the_model(local_ltx2):
-    from machgen.ensembles.api import InvalidArgument
+    from machgen.contract.api import InvalidArgument
 
     for options, field in [({"stg_blocks": [2]}, "stg_blocks"), ({"stg_blocks": [1, 1]}, "stg_blocks"),
                            ({"guidance_rescale": 1.5}, "guidance_rescale"), ({"audio_stg_scale": -1.0},
@@ -139,9 +140,10 @@ def test_requests_are_validated_against_the_model(local_ltx2):
 
 def test_only_a_model_with_sound_declares_the_audio_output(ltx2_repository):
     from machgen.builder.repository import ServingOptions, render_public_config
+    from machgen.families.registry import get_family
 
     assert 'name: "audio"' in (ltx2_repository / NAME / "config.pbtxt").read_text()
-    assert 'name: "audio"' not in render_public_config("silent", ServingOptions(), audio=False)
+    assert 'name: "audio"' not in render_public_config("silent", get_family("flux"), ServingOptions())
 
 
 @pytest.mark.integration
@@ -152,7 +154,7 @@ def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_fo
     from machgen.client.video import read_audio, read_mp4
     from machgen.server import Ports, TritonServer
 
-    defaults = local_ltx2.pipeline["defaults"]
+    defaults = local_ltx2.manifest.defaults.to_json()
     # One size, so that every step's rows can share a forward (the CLI below makes another size).
     requests = [dict(seed=10 + i, num_frames=5, num_inference_steps=(4, 4, 3)[i],
                      **({"stg_blocks": [0], "negative_prompt": "a blue square"} if i == 1 else {}))
@@ -207,9 +209,9 @@ def tiny_ltx2_i2v_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_ltx2_i2v(tiny_ltx2_i2v_dir, tmp_path_factory):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
-    return LocalPipeline(build_tiny_repository(tmp_path_factory, tiny_ltx2_i2v_dir, NAME, sampler_instances=1), NAME)
+    return LocalPipeline(build_tiny_repository(tmp_path_factory, tiny_ltx2_i2v_dir, NAME, in_flight=1), NAME)
 
 
 @pytest.mark.parametrize("size, call", [
@@ -222,14 +224,14 @@ def test_in_process_image_to_video_and_sound_equal_diffusers(local_ltx2_i2v, tin
     image = picture(*size, seed=4)
     frames, audio, stats = local_ltx2_i2v.generate_with_audio(PROMPT, image=image, seed=9, cache_policy="none", **call)
     pipe = load_diffusers(tiny_ltx2_i2v_dir)
-    expected = diffusers_clip(pipe, local_ltx2_i2v.pipeline["defaults"], 9, image=Image.fromarray(image),
+    expected = diffusers_clip(pipe, local_ltx2_i2v.manifest.defaults.to_json(), 9, image=Image.fromarray(image),
                               height=size[0], width=size[1], **call)
     assert_same_clip(frames, audio, expected)
     assert stats.frames == call.get("num_frames", 5)
 
 
 def test_image_to_video_needs_its_picture_at_the_video_size(local_ltx2_i2v):
-    from machgen.ensembles.api import InvalidArgument
+    from machgen.contract.api import InvalidArgument
 
     for options, field in [({}, "image"), ({"image": picture(48, 32, 0)}, "image"),
                            ({"image": picture(32, 64, 0), "height": 64}, "image")]:
@@ -248,7 +250,8 @@ def test_head_and_tail_equal_the_transformer_for_every_pass(layout):
     import diffusers
     import torch
 
-    from machgen.builder.families import ltx2
+    from machgen.families.ltx2.export import DenoiserHead as head
+    from machgen.families.ltx2.export import DenoiserTail as tail
 
     torch.manual_seed(0)
     later = layout != "2.0"
@@ -258,7 +261,6 @@ def test_head_and_tail_equal_the_transformer_for_every_pass(layout):
         audio_cross_attention_dim=8, num_layers=2, caption_channels=16, rope_type="split", perturbed_attn=True,
         gated_attn=later, audio_gated_attn=later, cross_attn_mod=later, audio_cross_attn_mod=later,
         use_prompt_embeddings=not later).eval()
-    _, head, tail, *_ = ltx2._modules()
     text_dims = (16, 8) if later else (16, 16)
     gen = torch.Generator().manual_seed(1)
     frames, height, width, audio_frames, rows = 2, 4, 3, 5, 2
@@ -299,14 +301,15 @@ def test_head_and_tail_equal_the_transformer_for_every_pass(layout):
 
 def test_every_input_axis_has_a_tensorrt_profile(ltx2_pipeline, tiny_ltx2_dir):
     from machgen.builder.build import served_defaults
-    from machgen.builder.registry import get_family
     from machgen.builder.tensorrt_engine import shape_profile
+    from machgen.families.registry import get_family
 
     for name in ("ltx2", "ltx2-i2v"):
         family = get_family(name)
+        exporter = family.exporter()
         defaults = served_defaults(tiny_ltx2_dir, family, ltx2_pipeline)
-        ranges = family.axis_ranges(defaults, family.sampler_settings(ltx2_pipeline, defaults))
-        for spec in family.specs(ltx2_pipeline).values():
+        ranges = exporter.axis_ranges(defaults, exporter.sampler_settings(ltx2_pipeline, defaults))
+        for spec in exporter.specs(ltx2_pipeline).values():
             for smallest, best, largest in shape_profile(spec, ranges, max_batch_size=16).values():
                 assert all(1 <= a <= b <= c for a, b, c in zip(smallest, best, largest)), spec.name
         # the defaults' packed row: 3 latent frames of 16 x 16 tokens (4 channels), 5 sound tokens (0.2 s; 4 channels)
@@ -316,14 +319,15 @@ def test_every_input_axis_has_a_tensorrt_profile(ltx2_pipeline, tiny_ltx2_dir):
 def test_a_prompt_length_past_the_text_encoders_sliding_window_is_refused(ltx2_pipeline):
     from dataclasses import replace
 
-    from machgen.builder.registry import get_family
+    from machgen.families.registry import get_family
 
     family = get_family("ltx2")
-    defaults = family.tiny_defaults()
+    exporter = family.exporter()
+    _, defaults = family.tiny_model()
     window = ltx2_pipeline.text_encoder.config.get_text_config().sliding_window
-    assert family.sampler_settings(ltx2_pipeline, replace(defaults, max_sequence_length=window))
+    assert exporter.sampler_settings(ltx2_pipeline, replace(defaults, max_sequence_length=window))
     with pytest.raises(ValueError, match="sliding window"):
-        family.sampler_settings(ltx2_pipeline, replace(defaults, max_sequence_length=window + 1))
+        exporter.sampler_settings(ltx2_pipeline, replace(defaults, max_sequence_length=window + 1))
 
 
 SPARSE_NAME = "ltx2_sparse"
@@ -364,16 +368,17 @@ def test_sparse_attention_takes_the_video_self_attention_only(sparse_ltx2_reposi
 def test_served_sparse_clip_equals_diffusers_with_the_operator(sparse_ltx2_repository, tiny_ltx2_dir,
                                                                ltx2_pipeline):
     from machgen.builder.build import detect_family, served_defaults
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
     from machgen.plugins.ops import attention_swapped
 
     repository, attention = sparse_ltx2_repository
     family = detect_family(tiny_ltx2_dir)
-    config = attention.config(family, served_defaults(tiny_ltx2_dir, family, ltx2_pipeline))
+    exporter = family.exporter()
+    config = attention.config(exporter, served_defaults(tiny_ltx2_dir, family, ltx2_pipeline))
     served = LocalPipeline(repository, SPARSE_NAME)
-    defaults = served.pipeline["defaults"]
+    defaults = served.manifest.defaults.to_json()
     frames, audio, _ = served.generate_with_audio(PROMPT, seed=5, cache_policy="none")
-    with attention_swapped(family.attention_modules, config, family.sparse_attention_layers(ltx2_pipeline)):
+    with attention_swapped(exporter.attention_modules, config, exporter.sparse_attention_layers(ltx2_pipeline)):
         expected = diffusers_clip(ltx2_pipeline, defaults, 5)
     assert_same_clip(frames, audio, expected)
     # Dropping 3/4 of the video's key blocks shows in the sound beyond its tolerance (the tiny model's

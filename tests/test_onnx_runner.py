@@ -2,7 +2,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from machgen.ensembles.onnx_runner import OnnxSession, group_requests
+from machgen.runtime.onnx_runner import OnnxSession, group_requests
 
 
 def _scale_model(path):

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from machgen.builder.build import served_defaults
-from machgen.builder.registry import get_family
-from machgen.builder.repository import pipeline_dir, render_repository
+from machgen.builder.repository import render_repository
+from machgen.contract.manifest import pipeline_dir
+from machgen.families.registry import get_family
 
 from conftest import PIPELINE_NAME, component_onnx
 
@@ -17,9 +18,10 @@ GOLDEN = Path(__file__).parent / "golden" / "flux"
 @pytest.fixture(scope="module")
 def rendered(tiny_flux_dir, tiny_flux_pipeline):
     family = get_family("flux")
+    exporter = family.exporter()
     defaults = served_defaults(tiny_flux_dir, family, tiny_flux_pipeline)
-    return render_repository("flux", family, family.specs(tiny_flux_pipeline), defaults,
-                             family.sampler_settings(tiny_flux_pipeline, defaults))
+    return render_repository("flux", family, exporter.specs(tiny_flux_pipeline), defaults,
+                             exporter.sampler_settings(tiny_flux_pipeline, defaults))
 
 
 def test_rendered_repository_matches_golden_files(rendered):
@@ -44,3 +46,25 @@ def test_built_repository_holds_the_rendered_files_and_engines(rendered, built_r
     assert not (repository / "flux_denoiser_reuse").exists()
     for asset in ("tokenizer", "tokenizer_2", "scheduler"):
         assert (pipeline_dir(repository, PIPELINE_NAME) / asset).is_dir()
+
+
+def test_the_manifest_reads_back_and_another_version_is_refused(rendered, tmp_path):
+    import json
+
+    from machgen.contract.manifest import ManifestError, PipelineManifest
+
+    text = rendered["flux_sampler/1/pipeline.json"]
+    (tmp_path / "pipeline.json").write_text(text)
+    manifest = PipelineManifest.read(tmp_path)
+    assert manifest.render() == text
+    assert manifest.runtime == "machgen.families.flux.runtime:FluxRuntime"
+    assert manifest.served_models["denoiser_tail"] == "flux_denoiser_tail"
+    assert manifest.components["denoiser_reuse"].file == "components/denoiser_reuse/model.onnx"
+    for version in (1, 3):
+        (tmp_path / "pipeline.json").write_text(json.dumps({**json.loads(text), "version": version}))
+        with pytest.raises(ManifestError, match=f"version {version}; this machgen serves version 2: rebuild"):
+            PipelineManifest.read(tmp_path)
+    (tmp_path / "pipeline.json").write_text(json.dumps({key: value for key, value in json.loads(text).items()
+                                                        if key != "runtime"}))
+    with pytest.raises(ManifestError, match="malformed.*runtime"):
+        PipelineManifest.read(tmp_path)

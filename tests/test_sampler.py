@@ -5,19 +5,19 @@ import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from machgen.ensembles.sampler import GenerationCancelled, Sampler
-from point_mass import COMPONENT_INPUTS, PointMassDenoiser, request
+from machgen.runtime.sampler import GenerationCancelled
+from point_mass import PointMassDenoiser, request, sampler, state
 
 
-def run(conditioning_factory, req):
+def run(runtime_factory, req):
     fake = PointMassDenoiser(channels=4)
-    cond = conditioning_factory(fake)
-    latents = Sampler(cond, fake, COMPONENT_INPUTS).generate(req).latents
+    cond = runtime_factory(fake)
+    latents = sampler(cond, fake).generate(req).latents
     return fake, cond, latents
 
 
-def test_lands_exactly_on_the_point_mass(conditioning_factory):
-    fake, cond, latents = run(conditioning_factory, request())
+def test_lands_exactly_on_the_point_mass(runtime_factory):
+    fake, cond, latents = run(runtime_factory, request())
     tokens = (np.asarray(cond.tokenizer_2("a red cat").input_ids) != 0).sum()
     assert latents.shape == (1, 4, 16, 24)
     np.testing.assert_allclose(latents, fake.target(tokens), atol=1e-5)
@@ -26,9 +26,9 @@ def test_lands_exactly_on_the_point_mass(conditioning_factory):
     assert [c for c in fake.calls if c[0].startswith("text")] == [("text_encoder", 1), ("text_encoder_2", 1)]
 
 
-def test_true_cfg_extrapolates_from_the_negative_prompt(conditioning_factory):
+def test_true_cfg_extrapolates_from_the_negative_prompt(runtime_factory):
     req = request(negative_prompt="a blue dog at the top", true_cfg_scale=3.0)
-    fake, cond, latents = run(conditioning_factory, req)
+    fake, cond, latents = run(runtime_factory, req)
     pos = fake.target((np.asarray(cond.tokenizer_2(req.prompt).input_ids) != 0).sum())
     neg = fake.target((np.asarray(cond.tokenizer_2(req.negative_prompt).input_ids) != 0).sum())
     # velocities combine linearly, so the path ends on neg + s (pos - neg)
@@ -36,54 +36,53 @@ def test_true_cfg_extrapolates_from_the_negative_prompt(conditioning_factory):
     assert fake.calls.count(("denoiser_head", 2)) == 6
 
 
-def test_negative_prompt_without_scale_runs_no_second_pass(conditioning_factory):
-    fake, _, _ = run(conditioning_factory, request(negative_prompt="blurry", true_cfg_scale=1.0))
+def test_negative_prompt_without_scale_runs_no_second_pass(runtime_factory):
+    fake, _, _ = run(runtime_factory, request(negative_prompt="blurry", true_cfg_scale=1.0))
     assert ("denoiser_head", 2) not in fake.calls
 
 
-def test_noise_and_timesteps_are_those_of_flux_pipeline(conditioning_factory, tiny_flux_pipeline):
+def test_noise_and_timesteps_are_those_of_flux_pipeline(runtime_factory, tiny_flux_pipeline):
     fake = PointMassDenoiser(channels=4)
-    cond = conditioning_factory(fake)
+    cond = runtime_factory(fake)
     req = request()
-    ours = cond.initial_latents(req.seed, req.height, req.width)
+    ours = cond.initial_latents(state(cond, req))
     theirs, image_ids = tiny_flux_pipeline.prepare_latents(
         1, 4, req.height, req.width, torch.float32, "cpu", torch.Generator("cpu").manual_seed(req.seed))
     assert torch.equal(ours, theirs)
     np.testing.assert_array_equal(cond.image_ids(req.height, req.width)[0], image_ids.numpy())
 
-    scheduler = cond.scheduler(req.num_inference_steps, req.height, req.width)
     reference = tiny_flux_pipeline.scheduler
     mu = calculate_shift(theirs.shape[1], reference.config.base_image_seq_len, reference.config.max_image_seq_len,
                          reference.config.base_shift, reference.config.max_shift)
     sigmas = np.linspace(1.0, 1 / req.num_inference_steps, req.num_inference_steps)
     expected, _ = retrieve_timesteps(reference, req.num_inference_steps, "cpu", sigmas=sigmas, mu=mu)
-    assert torch.equal(scheduler.timesteps, expected)
+    assert torch.equal(cond.scheduler(req).timesteps, expected)
 
-    Sampler(cond, fake, COMPONENT_INPUTS).generate(req)
+    sampler(cond, fake).generate(req)
     np.testing.assert_allclose(fake.sigmas_seen, (expected / 1000).numpy(), rtol=1e-6)
 
 
-def test_unpacking_matches_flux_pipeline(conditioning_factory, tiny_flux_pipeline):
-    cond = conditioning_factory(PointMassDenoiser(channels=4))
+def test_unpacking_matches_flux_pipeline(runtime_factory, tiny_flux_pipeline):
+    cond = runtime_factory(PointMassDenoiser(channels=4))
     packed = torch.randn(1, 8 * 12, 16)
-    ours = cond.decoder_latents(packed, 32, 48)
+    ours = cond.finish(state(cond, request(height=32, width=48)), packed)
     theirs = tiny_flux_pipeline._unpack_latents(packed, 32, 48, tiny_flux_pipeline.vae_scale_factor)
     np.testing.assert_array_equal(ours, theirs.numpy())
 
 
-def test_progress_is_reported_per_step(conditioning_factory):
+def test_progress_is_reported_per_step(runtime_factory):
     fake = PointMassDenoiser(channels=4)
     steps = []
-    Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS).generate(request(num_inference_steps=3),
-                                                                    on_step=lambda i, n: steps.append((i, n)))
+    sampler(runtime_factory(fake), fake).generate(request(num_inference_steps=3),
+                                                  on_step=lambda i, n: steps.append((i, n)))
     assert steps == [(1, 3), (2, 3), (3, 3)]
 
 
-def test_a_cancelled_request_stops_at_the_next_step_boundary(conditioning_factory):
+def test_a_cancelled_request_stops_at_the_next_step_boundary(runtime_factory):
     fake = PointMassDenoiser(channels=4)
     steps = []
     with pytest.raises(GenerationCancelled) as raised:
-        Sampler(conditioning_factory(fake), fake, COMPONENT_INPUTS).generate(
+        sampler(runtime_factory(fake), fake).generate(
             request(num_inference_steps=10), on_step=lambda i, n: steps.append(i), is_cancelled=lambda: len(steps) == 3)
     assert raised.value.step == 3
     assert [name for name, _ in fake.calls].count("denoiser_tail") == 3

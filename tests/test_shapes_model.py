@@ -40,14 +40,20 @@ def test_diffusers_accuracy_at_the_model_card_settings(diffusers_images):
     assert accuracy.colour_shape >= 0.90 and accuracy.position >= 0.95, accuracy
 
 
-@pytest.mark.integration
-def test_served_model_gives_the_same_images_and_accuracy(diffusers_images, tmp_path_factory):
+@pytest.fixture(scope="module")
+def shapes_repository(tmp_path_factory):
     from machgen.builder.build import build_repository
-    from machgen.server import Ports, TritonServer
 
     repository = tmp_path_factory.mktemp("shapes-repository")
     build_repository(MODEL_DIR, "shapes", repository, log=lambda line: None)
-    with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server:
+    return repository
+
+
+@pytest.mark.integration
+def test_served_model_gives_the_same_images_and_accuracy(diffusers_images, shapes_repository):
+    from machgen.server import Ports, TritonServer
+
+    with TritonServer(shapes_repository, Ports(free_port(), free_port(), free_port())) as server:
         uncached = evaluate.generate_served(server.grpc_url, "shapes", PROMPTS, cache_policy="none")
         served = evaluate.generate_served(server.grpc_url, "shapes", PROMPTS)
     labels = [label for _, _, label in PROMPTS]

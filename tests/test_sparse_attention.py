@@ -147,6 +147,7 @@ def _export(config, heads=3, head_dim=16):
     return Block(), program.model_proto
 
 
+@pytest.mark.export
 def test_onnx_export_carries_the_node_and_onnxruntime_runs_its_body():
     import onnx
     import onnxruntime

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import component_onnx
 from machgen.builder.build import AttentionOptions
+from machgen.contract.manifest import pipeline_dir
 from machgen.plugins.schema import DOMAIN, OP_TYPE
 
 SPARSE = AttentionOptions("sparse-fp8", block=4, mask_method="cdf", cdf_threshold=0.8)
@@ -53,7 +54,7 @@ def test_denoiser_graphs_carry_the_operator(sparse_repository, tiny_flux_pipelin
         nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
         assert len(nodes) == blocks
         assert [f.name for f in model.functions if f.domain == DOMAIN] == [OP_TYPE]
-    pipeline = json.loads((sparse_repository / NAME / "1" / "pipeline.json").read_text())
+    pipeline = json.loads((pipeline_dir(sparse_repository, NAME) / "pipeline.json").read_text())
     assert pipeline["attention"]["precision"] == "fp8_e4m3"
     assert pipeline["attention"]["dense_prefix_tokens"] == pipeline["defaults"]["max_sequence_length"]
 
@@ -63,7 +64,7 @@ def test_served_sparse_pipeline_equals_diffusers_with_the_operator(sparse_reposi
     import torch
 
     from machgen.builder.build import detect_family, served_defaults
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
     from machgen.plugins import reference
     from machgen.plugins.ops import attention_swapped
 
@@ -77,10 +78,11 @@ def test_served_sparse_pipeline_equals_diffusers_with_the_operator(sparse_reposi
 
     monkeypatch.setattr(reference, "block_mask", recording_block_mask)
     family = detect_family(tiny_flux_dir)
+    exporter = family.exporter()
     defaults = served_defaults(tiny_flux_dir, family, tiny_flux_pipeline)
-    config = SPARSE.config(family, defaults)
+    config = SPARSE.config(exporter, defaults)
     served, _ = LocalPipeline(sparse_repository, NAME).generate("a red circle", seed=3, cache_policy="none")
-    with attention_swapped(family.attention_modules, config):
+    with attention_swapped(exporter.attention_modules, config):
         expected = tiny_flux_pipeline(
             "a red circle", generator=torch.Generator().manual_seed(3), height=defaults.height, width=defaults.width,
             num_inference_steps=defaults.num_inference_steps, guidance_scale=defaults.guidance_scale,
@@ -96,9 +98,9 @@ def test_served_sparse_pipeline_equals_diffusers_with_the_operator(sparse_reposi
 
 def test_sparse_attention_needs_a_family_that_declares_its_attention(tiny_flux_dir, tmp_path, monkeypatch):
     from machgen.builder.build import build_repository
-    from machgen.builder.families.flux import Flux
+    from machgen.families.flux.export import FluxExport
 
-    monkeypatch.setattr(Flux, "attention_modules", ())
+    monkeypatch.setattr(FluxExport, "attention_modules", ())
     with pytest.raises(ValueError, match="no attention"):
         build_repository(tiny_flux_dir, NAME, tmp_path, attention=SPARSE, log=lambda line: None)
     assert not any(tmp_path.iterdir())
@@ -115,8 +117,8 @@ def test_tensorrt_form_of_the_tail_equals_the_tail_running_the_kernels(sparse_re
 
     from conftest import run_tensorrt_form
     from machgen.builder.build import served_defaults
-    from machgen.builder.registry import get_family
     from machgen.builder.tensorrt_engine import _lowered_for_tensorrt
+    from machgen.families.registry import get_family
     from machgen.plugins import reference, triton_kernel
     from machgen.plugins.ops import attention_swapped
 
@@ -133,11 +135,12 @@ def test_tensorrt_form_of_the_tail_equals_the_tail_running_the_kernels(sparse_re
     assert not [n for n in lowered.graph.node if n.op_type == OP_TYPE] and not list(lowered.functions)
 
     family = get_family("flux")
-    tail = next(c for c in family.components(tiny_flux_pipeline) if c.spec.name == "denoiser_tail")
+    exporter = family.exporter()
+    tail = next(c for c in exporter.components(tiny_flux_pipeline) if c.spec.name == "denoiser_tail")
     got = run_tensorrt_form(lowered, {t.name: tail.sample_inputs[t.name].numpy() for t in tail.spec.inputs})
     monkeypatch.setattr(reference, "sparse_attention", triton_kernel.sparse_attention)  # the op's CPU kernel
-    config = SPARSE.config(family, served_defaults(tiny_flux_dir, family, tiny_flux_pipeline))
-    with attention_swapped(family.attention_modules, config), torch.no_grad():
+    config = SPARSE.config(exporter, served_defaults(tiny_flux_dir, family, tiny_flux_pipeline))
+    with attention_swapped(exporter.attention_modules, config), torch.no_grad():
         wanted = tail.module(**tail.sample_inputs)
     wanted = wanted if isinstance(wanted, tuple) else (wanted,)
     assert len(got) == len(wanted) == len(tail.spec.outputs)

@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from machgen.builder.build import served_defaults
-from machgen.builder.registry import get_family
 from machgen.builder.repository import TargetServing, render_repository
-from machgen.builder.tensorrt_engine import EngineMetadata, EngineMismatch, check_engine, shape_profile
+from machgen.builder.tensorrt_engine import shape_profile
+from machgen.contract.engines import EngineMetadata, EngineMismatch, check_engine
+from machgen.families.registry import get_family
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 
@@ -21,13 +22,15 @@ HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 @pytest.fixture(scope="module")
 def flux(tiny_flux_dir, tiny_flux_pipeline):
     family = get_family("flux")
+    exporter = family.exporter()
     defaults = served_defaults(tiny_flux_dir, family, tiny_flux_pipeline)
-    return family, family.specs(tiny_flux_pipeline), defaults, family.sampler_settings(tiny_flux_pipeline, defaults)
+    return family, exporter.specs(tiny_flux_pipeline), defaults, exporter.sampler_settings(tiny_flux_pipeline,
+                                                                                             defaults)
 
 
 def test_every_input_gets_a_profile_covering_the_served_sizes(flux):
     family, specs, defaults, settings = flux
-    ranges = family.axis_ranges(defaults, settings)
+    ranges = family.exporter().axis_ranges(defaults, settings)
     for spec in specs.values():
         profile = shape_profile(spec, ranges, max_batch_size=16)
         assert set(profile) == {t.name for t in spec.inputs}
@@ -48,8 +51,9 @@ def test_rendered_tensorrt_repository_serves_engines_on_the_gpu(flux):
     assert {"flux_denoiser_reuse/config.pbtxt", "flux_postprocess/config.pbtxt"} <= set(files)
     tail = files["flux_denoiser_tail/config.pbtxt"]
     assert 'platform: "tensorrt_plan"' in tail and "kind: KIND_GPU" in tail and "backend" not in tail
-    assert not [path for path in files if path.startswith("flux_") and path.endswith("model.py")]
-    assert '"target": "tensorrt"' in files["flux/1/pipeline.json"]
+    assert not [path for path in files if path.startswith("flux_") and path.endswith("model.py")
+                and not path.startswith("flux_sampler/")]
+    assert '"target": "tensorrt"' in files["flux_sampler/1/pipeline.json"]
 
 
 def test_rendered_torch_repository_on_cuda_asks_for_gpu_instances(flux):
@@ -110,15 +114,15 @@ def test_engine_builds_and_records_its_host(tiny_flux_dir, tmp_path):
 def _host():
     import tensorrt
 
-    from machgen.builder.tensorrt_engine import host_gpu
+    from machgen.contract.engines import host_gpu
 
     return (tensorrt.__version__, *host_gpu())
 
 
 def test_the_public_model_checks_every_engine_it_calls(tmp_path):
-    from machgen.builder.tensorrt_engine import check_repository_engines
+    from machgen.contract.engines import check_repository_engines
 
-    components = {"denoiser_head": {"model": "flux_denoiser_head"}, "denoiser_tail": {"model": "flux_denoiser_tail"}}
+    components = {"denoiser_head": "flux_denoiser_head", "denoiser_tail": "flux_denoiser_tail"}
     for model in ("flux_denoiser_head", "flux_denoiser_tail"):
         (tmp_path / model / "1").mkdir(parents=True)
     METADATA.write(tmp_path / "flux_denoiser_head" / "1")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from machgen.builder.repository import pipeline_dir
+from machgen.contract.manifest import pipeline_dir
 
 from conftest import PIPELINE_NAME, free_port
 from test_image_to_image import PROMPT, _diffusers_img2img, _image
@@ -25,13 +25,13 @@ def torch_repository(tiny_flux_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("torch-repository")
     # One process per model: what is checked here is the path of a tensor, not concurrency (test_batching).
     build_repository(tiny_flux_dir, PIPELINE_NAME, out, target="torch", log=lambda line: None,
-                     options=ServingOptions(sampler_instances=1, component_instances=1))
+                     options=ServingOptions(in_flight=1, component_instances=1))
     return out
 
 
 @pytest.fixture(scope="module")
 def local_torch(torch_repository):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     return LocalPipeline(torch_repository, PIPELINE_NAME)
 
@@ -49,7 +49,7 @@ def test_torch_repository_holds_programs_and_their_configs(torch_repository):
 
 
 def test_in_process_torch_target_equals_diffusers(local_torch, tiny_flux_pipeline):
-    defaults = local_torch.pipeline["defaults"]
+    defaults = local_torch.manifest.defaults.to_json()
     settings = dict(prompt="a red cat", negative_prompt="a blue dog", true_cfg_scale=4.0, seed=7)
     expected = diffusers_image(tiny_flux_pipeline, defaults, **settings)
     images, stats = local_torch.generate(**settings, cache_policy="none")
@@ -80,19 +80,21 @@ def test_served_torch_target_equals_diffusers(torch_repository, tiny_flux_pipeli
     assert np.abs(image_to_image[0].astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
 
 
+@pytest.mark.export
 def test_sparse_attention_stays_an_op_in_the_torch_program(tiny_flux_pipeline, tmp_path):
     """--attention sparse-fp8 on the torch target: the program calls
     machgen::sparse_attention (the Triton kernel on CUDA, the reference here)."""
     from machgen.builder.build import AttentionOptions, served_defaults
     from machgen.builder.export import check_parity, export_torch
-    from machgen.builder.registry import get_family
+    from machgen.families.registry import get_family
     from machgen.plugins.ops import attention_swapped
 
     family = get_family("flux")
-    config = AttentionOptions("sparse-fp8", block=2).config(family, served_defaults(
+    exporter = family.exporter()
+    config = AttentionOptions("sparse-fp8", block=2).config(exporter, served_defaults(
         tmp_path, family, tiny_flux_pipeline))
-    (tail,) = [c for c in family.components(tiny_flux_pipeline) if c.spec.name == "denoiser_tail"]
-    with attention_swapped(family.attention_modules, config):
+    (tail,) = [c for c in exporter.components(tiny_flux_pipeline) if c.spec.name == "denoiser_tail"]
+    with attention_swapped(exporter.attention_modules, config):
         calls = export_torch(tail, tmp_path / "tail", "float32", "cpu")
         report = check_parity(tail, tmp_path / "tail" / "model.pt2")
     assert calls == 3  # the tail: one double-stream block (the head has the other), two single-stream
@@ -102,7 +104,7 @@ def test_sparse_attention_stays_an_op_in_the_torch_program(tiny_flux_pipeline, t
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_equals_eager():
-    from machgen.ensembles.torch_runner import CudaGraphs
+    from machgen.runtime.torch_runner import CudaGraphs
 
     layer = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
 

@@ -29,12 +29,14 @@ def wan_pipeline(tiny_wan_dir):
 
 @pytest.fixture(scope="module")
 def wan_repository(tiny_wan_dir, tmp_path_factory):
-    return build_tiny_repository(tmp_path_factory, tiny_wan_dir, NAME, sampler_instances=4)
+    # Per-step calls wait up to 50 ms for other requests' (those released by one forward arrive within a few
+    # ms): concurrent requests of one size share forwards by construction, not by chance.
+    return build_tiny_repository(tmp_path_factory, tiny_wan_dir, NAME, in_flight=4, step_queue_delay_us=50_000)
 
 
 @pytest.fixture(scope="module")
 def local_wan(wan_repository):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     return LocalPipeline(wan_repository, NAME)
 
@@ -55,10 +57,10 @@ def max_diff(ours: np.ndarray, theirs: np.ndarray) -> int:
 
 
 def test_repository_has_both_experts_and_the_chunked_decoder(wan_repository):
-    from machgen.builder.repository import pipeline_dir
+    from machgen.contract.manifest import pipeline_dir
 
     pipeline = json.loads((pipeline_dir(wan_repository, NAME) / "pipeline.json").read_text())
-    assert pipeline["tasks"] == ["text-to-video"]
+    assert pipeline["tasks"] == ["text-to-video"] and pipeline["version"] == 2
     assert {"denoiser_head", "denoiser_tail", "denoiser_2_head", "denoiser_2_tail", "vae_decoder_first",
             "vae_decoder_next"} <= set(pipeline["components"])
     assert pipeline["family_settings"]["boundary_timestep"] == 875.0
@@ -72,7 +74,7 @@ def test_repository_has_both_experts_and_the_chunked_decoder(wan_repository):
     {"num_frames": 1, "guidance_scale": 1.0},  # one frame, no CFG pass
 ], ids=["defaults", "17-frames-two-scales", "one-frame-no-cfg"])
 def test_in_process_text_to_video_equals_diffusers(local_wan, wan_pipeline, call):
-    defaults = local_wan.pipeline["defaults"]
+    defaults = local_wan.manifest.defaults.to_json()
     frames, stats = local_wan.generate(PROMPT, seed=3, cache_policy="none", **call)
     expected = diffusers_video(wan_pipeline, defaults, PROMPT, 3, **call)
     assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
@@ -85,7 +87,7 @@ def test_cache_reuse_on_video_keeps_the_expert_switch_computed(local_wan):
     """MagCache on the two-expert model: steps are skipped on both experts,
     but the first step of the low-noise expert always runs its blocks (a
     residual kept by the other expert's blocks is never reused)."""
-    from machgen.ensembles.cache import CacheControls, CacheSettings
+    from machgen.runtime.cache import CacheControls, CacheSettings
 
     steps = 20  # 7 steps on the high-noise expert, the switch outside warm-up
     uncached, plain = local_wan.generate(PROMPT, seed=4, num_inference_steps=steps, cache_policy="none")
@@ -110,17 +112,35 @@ def test_cache_reuse_on_video_keeps_the_expert_switch_computed(local_wan):
     assert psnr > 30, f"cached video {psnr:.1f} dB from the uncached one"
 
 
+def test_the_low_noise_expert_takes_guidance_scale_2_or_guidance_scale(tiny_wan_dir):
+    """WanPipeline's guidance_scale_2 defaults to guidance_scale (no export: the runtime alone)."""
+    from machgen.runtime.family import RequestState
+
+    from conftest import runtime_for
+    from point_mass import request
+
+    runtime = runtime_for(tiny_wan_dir, run_component=None)
+    for inputs, low_noise in (({}, 4.0), ({"guidance_scale_2": 3.0}, 3.0)):
+        req = request(guidance_scale=4.0, true_cfg_scale=4.0, negative_prompt="", inputs={"guidance_scale_2": None,
+                                                                                         **inputs})
+        guidance = runtime.guidance(req)
+        state = RequestState(req, None, (), 0, guidance)
+        assert guidance.scale_at(state) == 4.0
+        state.denoiser = "denoiser_2"
+        assert guidance.scale_at(state) == low_noise
+
+
 def test_magcache_calibration_records_both_experts(local_wan):
     """A magnitude ratio for every step of the schedule, the low-noise expert's included."""
     from machgen.builder.calibrate import record_magnitude_ratios
 
     _, stats, ratios = record_magnitude_ratios(local_wan, [(PROMPT, 1)])
-    assert len(ratios) == stats[0].steps == local_wan.pipeline["defaults"]["num_inference_steps"]
+    assert len(ratios) == stats[0].steps == local_wan.manifest.defaults.to_json()["num_inference_steps"]
     assert all(ratio > 0 for ratio in ratios)
 
 
 def test_video_requests_are_validated_against_the_model(local_wan):
-    from machgen.ensembles.api import InvalidArgument
+    from machgen.contract.api import InvalidArgument
 
     for options, field in [({"num_frames": 8}, "num_frames"), ({"num_frames": 21}, "num_frames"),
                            ({"true_cfg_scale": 3.0}, "true_cfg_scale"), ({"height": 40}, "height"),
@@ -136,7 +156,7 @@ def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wa
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 
-    defaults = local_wan.pipeline["defaults"]
+    defaults = local_wan.manifest.defaults.to_json()
     requests = [dict(seed=10 + i, num_frames=(9, 9, 5, 9)[i], num_inference_steps=(4, 6, 4, 5)[i],
                      **({"guidance_scale": 3.0} if i % 2 else {})) for i in range(4)]
 
@@ -191,19 +211,19 @@ def diffusers_image_to_video(tiny_dir, defaults, image: np.ndarray, seed: int, *
     ((32, 64), {"num_frames": 13, "num_inference_steps": 5, "guidance_scale": 3.0, "guidance_scale_2": 1.5}),
 ], ids=["defaults", "13-frames-two-scales"])
 def test_in_process_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan_i2v_dir, size, call):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     local = LocalPipeline(wan_i2v_repository, NAME)
     image = picture(*size, seed=7)
     frames, stats = local.generate(PROMPT, image=image, seed=8, cache_policy="none", **call)
-    expected = diffusers_image_to_video(tiny_wan_i2v_dir, local.pipeline["defaults"], image, 8, **call)
+    expected = diffusers_image_to_video(tiny_wan_i2v_dir, local.manifest.defaults.to_json(), image, 8, **call)
     assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
-    assert stats.steps == call.get("num_inference_steps", local.pipeline["defaults"]["num_inference_steps"])
+    assert stats.steps == call.get("num_inference_steps", local.manifest.defaults.to_json()["num_inference_steps"])
 
 
 def test_image_to_video_needs_its_picture(wan_i2v_repository):
-    from machgen.ensembles.api import InvalidArgument
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.contract.api import InvalidArgument
+    from machgen.runtime.local import LocalPipeline
 
     local = LocalPipeline(wan_i2v_repository, NAME)
     for options, field in [({}, "image"), ({"image": picture(48, 32, 0), "strength": 0.5}, "strength"),
@@ -215,7 +235,7 @@ def test_image_to_video_needs_its_picture(wan_i2v_repository):
 
 @pytest.mark.integration
 def test_served_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan_i2v_dir):
-    from machgen.builder.repository import pipeline_dir
+    from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 

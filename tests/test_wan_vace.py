@@ -33,7 +33,7 @@ def vace_repository(tiny_vace_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_vace(vace_repository):
-    from machgen.ensembles.local import LocalPipeline
+    from machgen.runtime.local import LocalPipeline
 
     return LocalPipeline(vace_repository, NAME)
 
@@ -61,7 +61,7 @@ def diffusers_video(pipe, defaults, seed: int, reference_images: np.ndarray | No
     (0, {"num_inference_steps": 3}),  # no reference: VACE's text-to-video
 ], ids=["one-reference", "two-references-no-cfg", "no-reference"])
 def test_in_process_reference_to_video_equals_diffusers(local_vace, vace_pipeline, count, call):
-    defaults = local_vace.pipeline["defaults"]
+    defaults = local_vace.manifest.defaults.to_json()
     pictures = references(count, defaults["height"], defaults["width"]) if count else None
     frames, stats = local_vace.generate(PROMPT, seed=4, cache_policy="none", reference_images=pictures, **call)
     expected = diffusers_video(vace_pipeline, defaults, 4, pictures, **call)
@@ -76,13 +76,17 @@ def test_control_latents_equal_the_pipelines(local_vace, vace_pipeline):
     import PIL.Image
     import torch
 
-    defaults = local_vace.pipeline["defaults"]
+    defaults = local_vace.manifest.defaults.to_json()
     height, width = defaults["height"], defaults["width"]
     pictures = references(2, height, width)
     inputs = {"prompt": np.array([PROMPT.encode()], dtype=object), "reference_images": pictures,
               "num_frames": np.array([5], dtype=np.int32)}
-    request = local_vace.sampler.parse_request(inputs.get, defaults)
-    ours = local_vace.sampler.conditioning.request_conditioning(request)["control_hidden_states"]
+    from point_mass import state
+
+    runtime = local_vace.sampler.runtime
+    request_state = state(runtime, local_vace.sampler.parse_request(inputs.get, local_vace.manifest.defaults))
+    runtime.initial_latents(request_state)  # counts the reference frames in front of the video
+    ours = runtime.request_conditioning(request_state)["control_hidden_states"]
     pipe = vace_pipeline
     with torch.no_grad():
         video, mask, pictures_in = pipe.preprocess_conditions(
@@ -99,9 +103,9 @@ def test_head_and_tail_equal_the_vace_transformer(vace_pipeline):
     needed) against WanVACETransformer3DModel.forward, which runs every control block first."""
     import torch
 
-    from machgen.builder.registry import get_family
+    from machgen.families.registry import get_family
 
-    head_class, tail_class, _ = get_family("wan-vace").denoiser_modules()
+    head_class, tail_class, _ = get_family("wan-vace").exporter().denoiser_classes
     transformer = vace_pipeline.transformer
     head, tail = head_class(transformer).eval(), tail_class(transformer).eval()
     gen = torch.Generator().manual_seed(0)
@@ -119,7 +123,7 @@ def test_head_and_tail_equal_the_vace_transformer(vace_pipeline):
 
 @pytest.mark.integration
 def test_served_reference_to_video_equals_diffusers(vace_repository, vace_pipeline):
-    from machgen.builder.repository import pipeline_dir
+    from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 

@@ -1,0 +1,1 @@
+"""machgen-build: export and check components, write model repositories, calibrate, train."""

@@ -1,0 +1,289 @@
+"""From a diffusers model folder to a Triton model repository."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from machgen.contract.specs import ServedDefaults
+from machgen.families.registry import Family, family_for_model
+
+if TYPE_CHECKING:  # pragma: no cover
+    from machgen.builder.family_export import FamilyExport
+    from machgen.builder.repository import ServingOptions
+    from machgen.plugins.schema import SparseAttentionConfig
+
+# A model folder's served defaults (key "serving") and calibrated cache defaults (key "cache").
+SERVING_FILE = "machgen.json"
+TARGETS = ("onnxruntime", "torch", "tensorrt")
+ATTENTION_KINDS = ("dense", "sparse-fp8")
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How the denoiser's attention is exported."""
+
+    kind: str = "dense"  # one of ATTENTION_KINDS
+    block: int = 64  # tokens per query and key block of the sparse operator
+    # How each query block picks its key blocks (besides the text and diagonal
+    # ones, always kept): "cdf" keeps the fewest whose predicted attention
+    # reaches cdf_threshold (adapts to how spread out the attention is),
+    # "topk" a fixed share, topk_ratio.
+    mask_method: str = "cdf"
+    cdf_threshold: float = 0.9
+    topk_ratio: float = 0.5
+
+    def config(self, exporter: "FamilyExport", defaults: ServedDefaults) -> "SparseAttentionConfig | None":
+        """The operator's attributes for this family, or None for dense attention."""
+        from machgen.plugins.schema import SparseAttentionConfig
+
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention {self.kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
+        if self.kind == "dense":
+            return None
+        if not exporter.attention_modules:
+            raise ValueError(f"family '{exporter.family.name}' declares no attention that SparseAttention can "
+                             "replace")
+        return SparseAttentionConfig(block_q=self.block, block_k=self.block, mask_method=self.mask_method,
+                                     topk_ratio=self.topk_ratio, cdf_threshold=self.cdf_threshold,
+                                     dense_prefix_tokens=exporter.dense_attention_tokens(defaults),
+                                     precision="fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """How the GPU targets export and run the components (the onnxruntime
+    target always runs float32 on the CPU)."""
+
+    # torch: where the programs are exported, checked and served: "cuda",
+    # "cpu", or "auto" (CUDA when this machine has it).
+    device: str = "auto"
+    # torch: the programs' float dtype (bfloat16, float16, float32); "auto":
+    # bfloat16 on CUDA, float32 on the CPU.
+    dtype: str = "auto"
+    # torch on CUDA: replay each shape bucket's step as a CUDA graph.
+    cuda_graphs: bool = True
+    # torch: torch.compile every program at load (minutes for a large model).
+    compile: bool = False
+    # tensorrt: bf16, or fp8 (FP8 where the graph has Q/DQ pairs or the FP8 attention plugin, BF16 elsewhere).
+    precision: str = "bf16"
+    # tensorrt: engines whose weights can be swapped (refit) without a rebuild.
+    refittable: bool = True
+    # tensorrt: tactic timings kept across builds (read, then rewritten).
+    timing_cache: Path | None = None
+
+    def torch_device(self) -> str:
+        import torch
+
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def torch_dtype(self, device: str) -> str:
+        from machgen.runtime.torch_runner import DTYPES
+
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        return dtype
+
+
+@dataclass(frozen=True)
+class ComponentResult:
+    name: str
+    max_abs_diff: float
+    tolerance: float
+    seconds: float
+
+
+def detect_family(model_dir: Path) -> Family:
+    index = model_dir / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
+    return family_for_model(json.loads(index.read_text()))
+
+
+def load_pipeline(model_dir: Path, family: Family):
+    import diffusers
+
+    pipeline_class = getattr(diffusers, family.diffusers_pipeline)
+    # Local folders only: no model hub at build or run time.
+    return pipeline_class.from_pretrained(model_dir, local_files_only=True)
+
+
+def served_defaults(model_dir: Path, family: Family, pipe) -> ServedDefaults:
+    """The model card's served defaults when the folder has them, else the
+    pipeline's; every family input at its default unless either sets it."""
+    defaults = family.exporter().pipeline_defaults(pipe)
+    defaults = replace(defaults, family_inputs={**{declared.name: declared.default for declared in family.inputs},
+                                                **defaults.family_inputs})
+    card = model_dir / SERVING_FILE
+    if card.is_file():
+        overrides = json.loads(card.read_text()).get("serving", {})
+        unknown = set(overrides) - set(defaults.to_json())
+        if unknown:
+            raise ValueError(f"{card}: unknown serving keys {sorted(unknown)}")
+        # A family's input defaults are merged key by key: a card may set one of them.
+        declared = {declared.name for declared in family.inputs}
+        inputs = {**defaults.family_inputs, **overrides.get("family_inputs", {})}
+        if set(inputs) - declared:
+            raise ValueError(f"{card}: family_inputs {sorted(set(inputs) - declared)} are not inputs of the "
+                             f"'{family.name}' family")
+        defaults = ServedDefaults.from_json({**defaults.to_json(), **overrides, "family_inputs": inputs})
+    return defaults
+
+
+def model_cache_settings(model_dir: Path):
+    """The cache defaults ``machgen-build calibrate`` stored with the model, if any."""
+    from machgen.runtime.cache import CacheSettings
+
+    card = model_dir / SERVING_FILE
+    return CacheSettings.from_json(json.loads(card.read_text()).get("cache") if card.is_file() else None)
+
+
+def write_tiny_model(family: Family, out: Path) -> Path:
+    """A tiny random-weight pipeline folder that diffusers loads with from_pretrained."""
+    pipe, defaults = family.tiny_model()
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    (out / SERVING_FILE).write_text(json.dumps({"serving": defaults.to_json()}, indent=2) + "\n")
+    return out
+
+
+def _quiet_exporter() -> None:
+    # The exporter warns once per missing torchvision op (none is used here), and its optimizer once per
+    # torch.split it leaves alone (the Wan VAE's cache): neither is something a user can act on.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    logging.getLogger("onnxscript.optimizer._constant_folding").setLevel(logging.ERROR)
+
+
+def _holds_module_of(component, module_names) -> bool:
+    """Whether one of ``component``'s submodules is a class defined in one of ``module_names``."""
+    return any(type(sub).__module__ in module_names for sub in component.module.modules())
+
+
+def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
+                     options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
+                     target_options: TargetOptions = TargetOptions(), export_cache: Path | None = None,
+                     log: Callable[[str], None] = print) -> list[ComponentResult]:
+    """Export, check and write every component of the model in ``model_dir``
+    (with ``lora`` fused into its weights first), served with ``options``;
+    components found in ``export_cache`` (default: $MACHGEN_EXPORT_CACHE,
+    builder/export_cache.py) are copied from there, not exported again."""
+    from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch
+    from machgen.builder.export_cache import ExportCache, cache_root, component_key
+    from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
+    from machgen.plugins.ops import attention_swapped
+
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
+    if target == "tensorrt":  # checked before minutes of export
+        from machgen.builder.tensorrt_engine import PRECISIONS, require_tensorrt
+
+        if target_options.precision not in PRECISIONS:
+            raise ValueError(f"precision {target_options.precision!r} is not one of {', '.join(PRECISIONS)}")
+        require_tensorrt()
+    options = options or ServingOptions()
+    _quiet_exporter()
+    family = detect_family(model_dir)
+    exporter = family.exporter()
+    log(f"loading {model_dir} ({family.diffusers_pipeline}, family '{family.name}')")
+    pipe = load_pipeline(model_dir, family)
+    exporter.check(pipe)
+    if lora is not None:
+        log(f"fusing LoRA {lora}")
+        pipe.load_lora_weights(lora)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+    defaults = served_defaults(model_dir, family, pipe)
+    settings = exporter.sampler_settings(pipe, defaults)
+    sparse = attention.config(exporter, defaults)
+    if sparse is not None:
+        log(f"attention: SparseAttention {asdict(sparse)}")
+    components = exporter.components(pipe)
+    device, dtype = "cpu", "float32"
+    if target == "torch":
+        device = target_options.torch_device()
+        dtype = target_options.torch_dtype(device)
+        log(f"torch target: {dtype} on {device}")
+        if (device, dtype) != ("cpu", "float32"):
+            import torch
+
+            pipe.to(device=device, dtype=getattr(torch, dtype))  # the components' modules share these weights
+    serving = TargetServing(target, torch_device=device, torch_dtype=dtype)
+    root = cache_root(export_cache)
+    cache = ExportCache(root) if root is not None else None
+    # What decides an export besides the component (the tensorrt target exports the ONNX file onnxruntime runs).
+    export_options = {"format": "torch" if target == "torch" else "onnx", "dtype": dtype, "device": device}
+    if target == "torch":
+        export_options.update(cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)
+    results: list[ComponentResult] = []
+    sparse_nodes = 0
+    with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
+        exported: dict[str, Path] = {}
+        for index, component in enumerate(components, start=1):
+            spec = component.spec
+            start = time.perf_counter()
+            log(f"[{index}/{len(components)}] {spec.name}: exporting ({target})")
+            folder = Path(scratch) / spec.name
+            path = serving.model_file(folder) if target == "torch" else folder / "model.onnx"
+            # The swap changes only components holding a module where the swapped calls are: the text encoders
+            # and VAEs of a sparse build are those of the dense one.
+            swapped = sparse is not None and _holds_module_of(component, exporter.attention_modules)
+            key = (component_key(component, **export_options, attention=asdict(sparse) if swapped else None)
+                   if cache is not None else None)
+            cached = cache.load(key, folder) if cache is not None else None
+            if cached is not None:
+                nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])
+            else:
+                # Swapped for the parity check too: torch then runs the operator's CPU reference.
+                with (attention_swapped(exporter.attention_modules, sparse, exporter.sparse_attention_layers(pipe))
+                      if sparse else contextlib.nullcontext()):
+                    if target == "torch":
+                        nodes = export_torch(component, folder, dtype, device,
+                                             cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)
+                    else:
+                        nodes = export_onnx(component, path, attention=sparse)
+                    report = check_parity(component, path, dtype, device)
+                if cache is not None:
+                    cache.store(key, folder, {"sparse_attention_nodes": nodes, "parity": asdict(report)})
+            sparse_nodes += nodes
+            log(f"[{index}/{len(components)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
+                f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention calls' if nodes else ''}, "
+                f"{time.perf_counter() - start:.1f} s{' (export cache)' if cached is not None else ''}")
+            if target == "tensorrt":
+                path = _engine(exporter, component, path, defaults, settings, options, target_options, sparse, log)
+            exported[spec.name] = path
+            results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance,
+                                           time.perf_counter() - start))
+        if sparse is not None and not sparse_nodes:
+            # Never a dense model under a sparse name.
+            raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
+                             "the model would be dense")
+        specs = {c.spec.name: c.spec for c in components}
+        files = render_repository(name, family, specs, defaults, settings, options=options,
+                                  cache=model_cache_settings(model_dir),
+                                  attention=asdict(sparse) if sparse else None, serving=serving)
+        write_repository(out, name, files, exported,
+                         {asset: model_dir / asset for asset in exporter.sampler_assets})
+    log(f"wrote model repository {out} (public model '{name}', target {target})")
+    return results
+
+
+def _engine(exporter: "FamilyExport", component, onnx_path: Path, defaults: ServedDefaults, settings: dict,
+            options: "ServingOptions", target_options: TargetOptions, sparse, log: Callable[[str], None]) -> Path:
+    """The tensorrt target: the component's engine built from its checked ONNX file."""
+    from machgen.builder.tensorrt_engine import ENGINE_FILE, build_engine, shape_profile
+
+    profile = shape_profile(component.spec, exporter.axis_ranges(defaults, settings), options.max_batch_size)
+    folder = onnx_path.parent / "engine"
+    build_engine(onnx_path, component.spec, profile, folder, target_options.precision,
+                 refittable=target_options.refittable, timing_cache=target_options.timing_cache,
+                 sparse_attention=sparse is not None, log=log)
+    return folder / ENGINE_FILE

@@ -1,0 +1,269 @@
+"""machgen-build: model folders in, Triton model repositories out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from machgen.builder.build import TARGETS, AttentionOptions, TargetOptions
+from machgen.builder.repository import ServingOptions
+from machgen.contract.manifest import PipelineManifest, find_pipeline_dir
+from machgen.families.registry import all_families, family_inputs, family_names
+
+_SERVING = ServingOptions()
+_ATTENTION = AttentionOptions()
+_TARGET = TargetOptions()
+
+app = typer.Typer(help="Export diffusion models and write Triton model repositories.", no_args_is_help=True,
+                  add_completion=False)
+
+
+@app.command("families")
+def list_families(
+    api_table: bool = typer.Option(False, "--api-table", help="print the rows of the families' own API inputs, "
+                                                              "as the README's table has them"),
+) -> None:
+    """List the supported model families (with their diffusers pipeline, tasks and own inputs)."""
+    if api_table:
+        for declared, _ in family_inputs().values():
+            typer.echo(declared.markdown_row())
+        return
+    for family in all_families():
+        own = f"  inputs: {', '.join(i.name for i in family.inputs)}" if family.inputs else ""
+        typer.echo(f"{family.name}\t{family.diffusers_pipeline}\t{', '.join(family.capabilities.tasks)}{own}")
+
+
+@app.command()
+def tiny(
+    family: str = typer.Argument(..., help=f"model family: {', '.join(family_names())}"),
+    out: Path = typer.Argument(..., help="folder to write the diffusers pipeline into"),
+) -> None:
+    """Write a tiny deterministic random-weight pipeline folder (for tests and demos)."""
+    from machgen.builder.build import write_tiny_model
+    from machgen.families.registry import get_family
+
+    try:
+        chosen = get_family(family)
+    except KeyError as err:
+        raise typer.BadParameter(str(err.args[0]), param_hint="FAMILY") from None
+    write_tiny_model(chosen, out)
+    typer.echo(f"wrote tiny {family} pipeline to {out}")
+
+
+@app.command()
+def build(
+    model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="diffusers model folder"),
+    name: str = typer.Option(..., "--name", help="public model name the pipeline is served under"),
+    target: str = typer.Option("onnxruntime", "--target",
+                               help=f"where components run: {', '.join(TARGETS)} (onnxruntime: CPU; torch: PyTorch "
+                                    "on CUDA, or the CPU; tensorrt: TensorRT engines, needs TensorRT and a GPU)"),
+    out: Path = typer.Option(Path("model_repository"), "--out", help="model repository to write into"),
+    lora: Path = typer.Option(None, "--lora", exists=True, help="a LoRA (diffusers format) to fuse before export"),
+    in_flight: int = typer.Option(_SERVING.in_flight, "--in-flight", "--sampler-instances", min=1,
+                                  help="requests in flight at once (instances of the public model; one sampler "
+                                       "process runs them all)"),
+    max_queue_size: int = typer.Option(_SERVING.max_queue_size, "--max-queue-size", min=0,
+                                       help="requests waiting for an instance; beyond it: UNAVAILABLE"),
+    component_instances: int = typer.Option(_SERVING.component_instances, "--component-instances", min=1,
+                                            help="forwards each component runs at once"),
+    batching: bool = typer.Option(_SERVING.batching, "--batching/--no-batching",
+                                  help="batch the calls of concurrent requests in each component"),
+    max_batch_size: int = typer.Option(_SERVING.max_batch_size, "--max-batch-size", min=1,
+                                       help="rows one component forward may carry"),
+    step_queue_delay_us: int = typer.Option(_SERVING.step_queue_delay_us, "--step-queue-delay-us", min=0,
+                                            help="how long a denoiser call waits for other requests' calls"),
+    stage_queue_delay_us: int = typer.Option(_SERVING.stage_queue_delay_us, "--stage-queue-delay-us", min=0,
+                                             help="the same for the text encoders and the VAE decoder"),
+    intra_op_threads: int = typer.Option(_SERVING.intra_op_threads, "--intra-op-threads", min=0,
+                                         help="ONNX Runtime threads per component (0: one per core)"),
+    attention: str = typer.Option(_ATTENTION.kind, "--attention",
+                                  help="denoiser attention: dense, or sparse-fp8 (the machgen SparseAttention op)"),
+    attention_block: int = typer.Option(_ATTENTION.block, "--attention-block", min=1,
+                                        help="sparse-fp8: tokens per query and key block"),
+    attention_mask: str = typer.Option(_ATTENTION.mask_method, "--attention-mask",
+                                       help="sparse-fp8: how query blocks pick key blocks: cdf or topk"),
+    attention_cdf_threshold: float = typer.Option(_ATTENTION.cdf_threshold, "--attention-cdf-threshold",
+                                                  min=0.0, max=1.0,
+                                                  help="cdf: predicted attention mass each query block keeps"),
+    attention_topk_ratio: float = typer.Option(_ATTENTION.topk_ratio, "--attention-topk-ratio", min=0.0, max=1.0,
+                                               help="topk: share of key blocks each query block keeps"),
+    device: str = typer.Option(_TARGET.device, "--device",
+                               help="torch: cuda, cpu or auto (cuda when this machine has it)"),
+    dtype: str = typer.Option(_TARGET.dtype, "--dtype",
+                              help="torch: bfloat16, float16, float32 or auto (bfloat16 on cuda, float32 on cpu)"),
+    cuda_graphs: bool = typer.Option(_TARGET.cuda_graphs, "--cuda-graphs/--no-cuda-graphs",
+                                     help="torch on cuda: replay each shape bucket as a CUDA graph"),
+    compile_programs: bool = typer.Option(_TARGET.compile, "--compile/--no-compile",
+                                          help="torch: torch.compile the programs at load"),
+    precision: str = typer.Option(_TARGET.precision, "--precision", help="tensorrt: bf16 or fp8"),
+    refittable: bool = typer.Option(_TARGET.refittable, "--refittable/--no-refittable",
+                                    help="tensorrt: engines whose weights can be swapped without a rebuild"),
+    timing_cache: Path = typer.Option(None, "--timing-cache", dir_okay=False,
+                                      help="tensorrt: tactic timing cache file, read and rewritten"),
+    export_cache: Path = typer.Option(None, "--export-cache", file_okay=False,
+                                      help="a folder of exported, checked components: what is already there "
+                                           "(same weights, code, options) is copied, not exported again "
+                                           "(default: $MACHGEN_EXPORT_CACHE, else none)"),
+) -> None:
+    """Export every component, check it against torch, and write the model repository."""
+    from machgen.builder.build import build_repository
+    from machgen.builder.export import ParityError
+    from machgen.builder.tensorrt_engine import TensorRTUnavailable
+
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise typer.BadParameter("use letters, digits, '_' and '-'", param_hint="--name")
+    options = ServingOptions(in_flight=in_flight, max_queue_size=max_queue_size,
+                             component_instances=component_instances, batching=batching,
+                             max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
+                             stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads)
+    try:
+        build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,
+                         attention=AttentionOptions(attention, attention_block, attention_mask,
+                                                    attention_cdf_threshold, attention_topk_ratio),
+                         target_options=TargetOptions(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                                                      compile=compile_programs, precision=precision,
+                                                      refittable=refittable, timing_cache=timing_cache),
+                         export_cache=export_cache)
+    except (ParityError, ValueError, KeyError, FileNotFoundError, TensorRTUnavailable) as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def calibrate(
+    target: Path = typer.Argument(..., exists=True, file_okay=False,
+                                  help="a diffusers model folder (the result goes into its machgen.json, so every "
+                                       "later build serves it) or a model repository (into its pipeline.json)"),
+    name: str = typer.Option(None, "--name", help="the pipeline to calibrate in a repository holding several"),
+    target_psnr: float = typer.Option(30.0, "--target-psnr", help="mean PSNR (dB) against uncached to hold"),
+    worst_psnr: float = typer.Option(None, "--worst-psnr", help="worst-image PSNR to hold (default: target - 7)"),
+    prompts_file: Path = typer.Option(None, "--prompts", exists=True, dir_okay=False,
+                                      help="one prompt per line (default: captions of the shapes dataset)"),
+    count: int = typer.Option(16, "--count", help="prompts to use"),
+    warmup_steps: int = typer.Option(None, "--warmup-steps",
+                                     help="first steps always computed (default: fitted, 3 or 4)"),
+    final_steps: int = typer.Option(None, "--final-steps", help="last steps always computed (default: 0)"),
+    max_consecutive_skips: int = typer.Option(None, "--max-consecutive-skips", help="(default: fitted, 2, 3 or 4)"),
+    negative_interval: int = typer.Option(None, "--negative-interval",
+                                          help="true CFG: steps between runs of the negative row "
+                                               "(default: fitted, 1, 3 or 5)"),
+) -> None:
+    """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target; store the best as default."""
+    import tempfile
+
+    from machgen.builder.build import build_repository
+    from machgen.builder.calibrate import CONTROL_GRID, write_settings
+    from machgen.builder.calibrate import calibrate as fit
+    from machgen.runtime.cache import CacheControls
+    from machgen.runtime.local import LocalPipeline
+
+    if prompts_file is not None:
+        lines = [line.strip() for line in prompts_file.read_text().splitlines() if line.strip()]
+        prompts = [(prompt, seed) for seed, prompt in enumerate(lines[:count])]
+    else:
+        from machgen.builder import shapes
+
+        prompts = [(prompt, seed) for prompt, seed, _ in shapes.evaluation_prompts(count, seed=77)]
+    fixed = {key: value for key, value in {
+        "warmup_steps": warmup_steps, "final_steps": final_steps, "max_consecutive_skips": max_consecutive_skips,
+        "negative_interval": negative_interval}.items() if value is not None}
+    grid = [c for c in CONTROL_GRID if all(getattr(c, key) == value for key, value in fixed.items())]
+    grid = grid or [CacheControls(**fixed)]
+    with tempfile.TemporaryDirectory(prefix="machgen-calibrate-") as scratch:
+        repository, pipeline_name = target, name
+        if (target / "model_index.json").is_file():
+            repository, pipeline_name = Path(scratch), "calibration"
+            build_repository(target, pipeline_name, repository, log=typer.echo)
+        try:
+            pipeline_name = PipelineManifest.read(find_pipeline_dir(repository, pipeline_name)).name
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--name") from None
+        pipeline = LocalPipeline(repository, pipeline_name)
+        settings, _ = fit(pipeline, prompts, target_psnr, target_psnr - 7 if worst_psnr is None else worst_psnr,
+                          control_grid=grid, log=typer.echo)
+    written = write_settings(target, pipeline_name, settings)
+    typer.echo(f"wrote the cache defaults into {written}")
+
+
+@app.command()
+def train(
+    out: Path = typer.Argument(..., help="training folder: checkpoints, logs, and the model in OUT/model "
+                                         "(with --lora: the adapter)"),
+    clip_vocab: Path = typer.Option(None, "--clip-vocab", exists=True, dir_okay=False,
+                                    help="the open_clip_torch wheel (or its bpe_simple_vocab_16e6.txt.gz): "
+                                         "pip download --no-deps open_clip_torch==3.3.0"),
+    vae_steps: int = typer.Option(6000, "--vae-steps"),
+    vae_minutes: float = typer.Option(None, "--vae-minutes", help="time budget of the VAE stage"),
+    decoder_steps: int = typer.Option(3000, "--decoder-steps", help="steps of the last stage: the VAE decoder alone"),
+    decoder_minutes: float = typer.Option(None, "--decoder-minutes", help="time budget of the decoder stage"),
+    steps: int = typer.Option(20000, "--steps", help="transformer (or LoRA) steps"),
+    minutes: float = typer.Option(None, "--minutes", help="time budget of the transformer (or LoRA) stage"),
+    batch: int = typer.Option(32, "--batch"),
+    seed: int = typer.Option(0, "--seed"),
+    bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (slower than fp32 on small CPUs)"),
+    resume: bool = typer.Option(True, "--resume/--restart", help="continue from OUT/checkpoints"),
+    lora: bool = typer.Option(False, "--lora", help="fine-tune a LoRA on --base instead of training from scratch"),
+    base: Path = typer.Option(None, "--base", exists=True, file_okay=False, help="base model folder (--lora)"),
+    concept: str = typer.Option("orange", "--concept", help="the new concept a LoRA learns (--lora)"),
+    rank: int = typer.Option(32, "--rank", help="LoRA rank (--lora)"),
+    lr: float = typer.Option(3e-3, "--lr", help="LoRA learning rate (--lora)"),
+) -> None:
+    """Train the shapes model from scratch, or (--lora) teach a model a new concept."""
+    if lora:
+        from machgen.builder.training import LoraSettings, train_lora
+
+        if base is None:
+            raise typer.BadParameter("--lora needs --base MODEL_DIR", param_hint="--base")
+        settings = LoraSettings(concept=concept, rank=rank, steps=steps, minutes=minutes, batch=batch, seed=seed,
+                                lr=lr)
+        try:
+            train_lora(base, out, settings, log=typer.echo)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--concept") from None
+        typer.echo(f"LoRA saved in {out}; fuse it with: machgen-build build {base} --lora {out} ...")
+        return
+    from machgen.builder.training import TrainingSettings, train_shapes_model
+
+    if clip_vocab is None:
+        raise typer.BadParameter("training from scratch needs the CLIP vocabulary", param_hint="--clip-vocab")
+    settings = TrainingSettings(seed=seed, vae_steps=vae_steps, vae_minutes=vae_minutes, decoder_steps=decoder_steps,
+                                decoder_minutes=decoder_minutes, steps=steps,
+                                minutes=minutes, batch=batch, bf16=bf16)
+    record = train_shapes_model(out, settings, clip_vocab, resume=resume, log=typer.echo)
+    typer.echo(f"trained: {record['transformer_steps']} transformer steps; model in {out / 'model'}")
+
+
+@app.command("eval")
+def evaluate(
+    model_dir: Path = typer.Argument(None, help="diffusers model folder (scored with FluxPipeline)"),
+    url: str = typer.Option(None, "--url", help="score a served model instead: host:port"),
+    name: str = typer.Option("flux", "--name", help="served model name (with --url)"),
+    protocol: str = typer.Option("grpc", "--protocol"),
+    count: int = typer.Option(70, "--count", help="prompt/seed pairs"),
+    grid: Path = typer.Option(None, "--grid", help="save the generated images as one PNG"),
+    lora: Path = typer.Option(None, "--lora", exists=True, help="load this LoRA into the pipeline (MODEL_DIR)"),
+    concept: str = typer.Option(None, "--concept", help="score prompts of this new concept (e.g. orange) "
+                                                         "instead of the dataset's"),
+    read_with: str = typer.Option(None, "--read-with", help="read colours against the dataset palette plus this "
+                                                          "concept's colour (default: --concept's)"),
+) -> None:
+    """Prompt accuracy on a fixed prompt/seed set of the shapes dataset."""
+    from machgen.builder import evaluate as ev
+    from machgen.builder import shapes
+    from machgen.builder.training import concept_palette
+
+    if (model_dir is None) == (url is None):
+        raise typer.BadParameter("give a MODEL_DIR or --url, not both")
+    palette = concept_palette(read_with or concept) if (read_with or concept) else shapes.PALETTE
+    colours = (concept,) if concept else tuple(shapes.PALETTE)
+    prompts = shapes.evaluation_prompts(count, colours=colours)
+    images = ev.generate_with_diffusers(model_dir, prompts, lora=lora) if model_dir else \
+        ev.generate_served(url, name, prompts, protocol)
+    if grid:
+        ev.save_grid(images, grid)
+    typer.echo(ev.report(ev.score(images, [label for _, _, label in prompts], palette)))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,233 @@
+"""Export of one component (ONNX, or a torch.export program for the
+``torch`` target), and its parity check against the torch module.
+
+The dynamo exporter is the one that works for these models (the legacy one
+fails on ``aten::rms_norm`` and bakes batch sizes in); it must be traced with
+batch >= 2, or the batch axis is specialised to 1. The torch target uses the
+same trace (torch.export), saved as a program instead of converted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from machgen.builder.family_export import ExportableComponent
+from machgen.contract.specs import ComponentSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from machgen.plugins.schema import SparseAttentionConfig
+
+# Files above this size keep their weights in an external data file (the
+# protobuf limit is 2 GiB).
+_EXTERNAL_DATA_BYTES = 1 << 30
+
+
+class ParityError(RuntimeError):
+    """The exported ONNX file does not reproduce the torch module."""
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    component: str
+    max_abs_diff: float  # the worst over all checked input sets
+    tolerance: float
+    checks: int
+    seconds: float
+
+
+def _dynamic_shapes(spec: ComponentSpec, inferred: bool = False) -> dict:
+    """Every named axis dynamic: one ``Dim`` per name, or with ``inferred``
+    ``Dim.DYNAMIC`` everywhere, letting torch.export find the ranges and
+    equalities itself (it refuses declared ranges that a model's guards
+    narrow, such as a VAE's batch limit)."""
+    from torch.export import Dim
+
+    dims: dict[str, object] = {}
+    shapes = {}
+    for tensor in spec.inputs:
+        axes = {}
+        for axis, size in enumerate(tensor.shape):
+            if isinstance(size, str):
+                if size not in dims:
+                    dims[size] = Dim.DYNAMIC if inferred else Dim(size, min=1) if size == "batch" else Dim(size)
+                axes[axis] = dims[size]
+        shapes[tensor.name] = axes
+    return shapes
+
+
+def export_onnx(component: ExportableComponent, path: Path,
+                attention: "SparseAttentionConfig | None" = None) -> int:
+    """Export ``component`` to ``path`` (ONNX, opset chosen by the exporter).
+
+    With ``attention``, the module is expected to call the SparseAttention
+    op (plugins/ops.attention_swapped): each call becomes a
+    ``machgen::SparseAttention`` node and the file gets that op's function
+    body for ONNX Runtime. Returns the number of such nodes.
+    """
+    import onnx
+    import torch
+
+    from machgen.plugins import ops
+
+    spec = component.spec
+    missing = [t.name for t in spec.inputs if t.name not in component.sample_inputs]
+    if missing:
+        raise ValueError(f"{spec.name}: sample inputs lack {missing}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kwargs = {t.name: component.sample_inputs[t.name] for t in spec.inputs}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        # torch.export first, then the conversion of its program: the exporter's own trace leaves
+        # some shapes unproved that torch.export proves (LTX's attention mask view: (b*h*t)//(b*h*t)).
+        # Every axis Dim.DYNAMIC, as for the torch target: named ranges fail where a model's guards
+        # narrow them (the VAE's batch <= 63).
+        exported = torch.export.export(component.module, args=(), kwargs=kwargs,
+                                       dynamic_shapes=_dynamic_shapes(spec, inferred=True))
+        program = torch.onnx.export(
+            exported,
+            args=(),
+            kwargs=kwargs,
+            input_names=[t.name for t in spec.inputs],
+            output_names=[t.name for t in spec.outputs],
+            dynamo=True,
+            verbose=False,
+            custom_translation_table={**_squeeze_translations(),
+                                      **(ops.onnx_translation() if attention is not None else {})},
+        )
+    size = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
+    model = program.model_proto
+    _name_axes(model, spec)
+    nodes = ops.attach_onnx_function(model, attention) if attention is not None else 0
+    onnx.save_model(model, os.fspath(path), save_as_external_data=size > _EXTERNAL_DATA_BYTES,
+                    location=path.name + ".data")
+    return nodes
+
+
+def _squeeze_translations() -> dict:
+    """aten.squeeze.dim as torch means it: onnxscript 0.7.2 writes a Squeeze
+    even where the axis is not 1 (torch then leaves the tensor as it is), and
+    ONNX Runtime refuses such a file (LTX-2's transformer: ``gate.squeeze(2)``
+    on [batch, tokens, dim])."""
+    import torch
+    from onnxscript import opset18 as op
+
+    def squeeze_dim(self, dim: int):
+        shape = self.shape
+        if shape is not None and (len(shape) == 0 or (isinstance(shape[dim], int) and shape[dim] != 1)):
+            return op.Identity(self)
+        return op.Squeeze(self, op.Constant(value_ints=[dim]))
+
+    return {torch.ops.aten.squeeze.dim: squeeze_dim}
+
+
+def _name_axes(model, spec: ComponentSpec) -> None:
+    """The spec's axis names on the graph's inputs and outputs (a converted
+    program names them after its symbols: s0, s1, ...); an axis the trace
+    fixed to one size is refused."""
+    tensors = {t.name: t for t in spec.inputs + spec.outputs}
+    for value in list(model.graph.input) + list(model.graph.output):
+        if value.name not in tensors:
+            continue
+        for dim, size in zip(value.type.tensor_type.shape.dim, tensors[value.name].shape):
+            if not isinstance(size, str):
+                continue
+            if dim.HasField("dim_value"):
+                raise ValueError(f"{spec.name}.{value.name}: the trace fixed axis '{size}' to {dim.dim_value}")
+            dim.dim_param = size
+
+
+def trace_torch(component: ExportableComponent, dtype: str, device: str, cuda_graphs: bool = True,
+                compile: bool = False):
+    """(program, TorchComponentInfo) of ``component`` (its module already in
+    ``dtype`` on ``device``) traced with torch.export, every named axis dynamic."""
+    import torch
+
+    from machgen.runtime.torch_runner import TorchComponentInfo
+
+    spec = component.spec
+    inputs = {t.name: _to_program(component.sample_inputs[t.name], dtype, device) for t in spec.inputs}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(component.module, args=(), kwargs=inputs,
+                                      dynamic_shapes=_dynamic_shapes(spec, inferred=True))
+    weight_bytes = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
+    info = TorchComponentInfo(inputs=tuple(t.name for t in spec.inputs), outputs=tuple(t.name for t in spec.outputs),
+                              dtype=dtype, device=device, weight_bytes=weight_bytes, cuda_graphs=cuda_graphs,
+                              compile=compile)
+    return program, info
+
+
+def export_torch(component: ExportableComponent, folder: Path, dtype: str, device: str, cuda_graphs: bool = True,
+                 compile: bool = False) -> int:
+    """The ``torch`` target: ``trace_torch``, saved to ``folder`` (model.pt2
+    and component.json, which also says how it runs: ``cuda_graphs``,
+    ``compile``). Returns the number of SparseAttention calls in the program."""
+    import torch
+
+    from machgen.runtime.torch_runner import INFO_FILE, PROGRAM_FILE
+
+    program, info = trace_torch(component, dtype, device, cuda_graphs, compile)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, os.fspath(folder / PROGRAM_FILE))
+    (folder / INFO_FILE).write_text(info.to_json())
+    return sum(1 for node in program.graph.nodes
+               if node.op == "call_function" and "machgen.sparse_attention" in str(node.target))
+
+
+def _to_program(value, dtype: str, device: str):
+    import torch
+
+    value = value.to(device)
+    return value.to(getattr(torch, dtype)) if value.is_floating_point() else value
+
+
+def _as_tuple(outputs):
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+
+def check_parity(component: ExportableComponent, path: Path, dtype: str = "float32",
+                 device: str = "cpu") -> ParityReport:
+    """Run the exported file (ONNX under ONNX Runtime, or the torch target's
+    program) and the torch module on the sample inputs, and on their first
+    row alone (a batch size the trace did not see).
+
+    The module runs in ``dtype`` on ``device``, as the program was traced; in
+    a dtype other than float32 the tolerance is relative (1 % of the largest
+    output): the program and the module round the same computation."""
+    import numpy as np
+    import torch
+
+    from machgen.runtime.components import open_component
+    from machgen.runtime.tensors import as_numpy
+
+    spec = component.spec
+    start = time.perf_counter()
+    session = open_component(path, device=device)
+    full = {t.name: component.sample_inputs[t.name] for t in spec.inputs}
+    first_row = {t.name: (full[t.name][:1] if t.batched else full[t.name]) for t in spec.inputs}
+    worst = 0.0
+    tolerance = spec.tolerance
+    for inputs in (full, first_row):
+        with torch.no_grad():
+            expected = _as_tuple(component.module(**{k: _to_program(v, dtype, device) for k, v in inputs.items()}))
+        got = session.run(inputs)
+        for tensor, want in zip(spec.outputs, expected):
+            have = as_numpy(got[tensor.name])
+            want = as_numpy(want.float() if want.is_floating_point() else want)
+            if dtype != "float32" and want.size:
+                tolerance = max(tolerance, 0.01 * float(np.abs(want).max()))
+            if have.shape != want.shape:
+                raise ParityError(f"{spec.name}.{tensor.name}: {path.name} shape {have.shape} != torch {want.shape}")
+            diff = float(np.max(np.abs(have.astype(np.float64) - want.astype(np.float64)))) if want.size else 0.0
+            worst = max(worst, diff)
+    report = ParityReport(spec.name, worst, tolerance, 2, time.perf_counter() - start)
+    if not worst <= tolerance:
+        raise ParityError(
+            f"{spec.name}: {path.name} differs from torch by {worst:.3g} (max abs), above the tolerance "
+            f"{tolerance:g}")
+    return report

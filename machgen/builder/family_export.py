@@ -1,0 +1,75 @@
+"""The build-time half of a model family: ``FamilyExport``.
+
+A family's ``export.py`` subclasses it: from a loaded diffusers pipeline to
+the components to export (each a torch module with its spec and sample
+inputs), the served defaults, the settings its runtime reads, and the
+shapes its engines must cover. Nothing here runs inside Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from machgen.families.registry import Family
+
+
+@dataclass
+class ExportableComponent:
+    """A component ready for export: its spec, a torch module whose forward
+    takes the spec's inputs in order, and sample inputs to trace and check."""
+
+    spec: ComponentSpec
+    module: "torch.nn.Module"
+    sample_inputs: dict[str, "torch.Tensor"]
+
+
+class FamilyExport:
+    """What ``machgen-build`` asks of a family."""
+
+    # The model-folder subfolders the sampler needs at run time (tokenizers,
+    # scheduler config); they are copied into the sampler's model folder.
+    sampler_assets: ClassVar[tuple[str, ...]] = ()
+    # The modules whose ``dispatch_attention_fn`` calls are the denoiser's
+    # attention: ``--attention sparse-fp8`` swaps those calls for the
+    # SparseAttention operator during export (plugins/ops.py).
+    attention_modules: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, family: "Family"):
+        self.family = family
+
+    def check(self, pipe: Any) -> None:
+        """Refuse, with a message, a pipeline of this class that the family cannot serve."""
+
+    def components(self, pipe: Any) -> list[ExportableComponent]:
+        raise NotImplementedError
+
+    def pipeline_defaults(self, pipe: Any) -> ServedDefaults:
+        """The defaults of the diffusers pipeline for this model."""
+        raise NotImplementedError
+
+    def sampler_settings(self, pipe: Any, defaults: ServedDefaults) -> dict[str, Any]:
+        """JSON-able settings the runtime needs (shapes, factors, flags): the manifest's family settings."""
+        raise NotImplementedError
+
+    def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
+        """The range of every named axis of the components' inputs except
+        ``batch``, from the served sizes (``settings``: sampler_settings)."""
+        raise NotImplementedError
+
+    def sparse_attention_layers(self, pipe: Any) -> list | None:
+        """The attention modules whose calls ``--attention sparse-fp8`` swaps,
+        where the rule of plugins/ops.attention_swapped (unmasked, keys as
+        long as the queries) would also take a cross-attention; None: every
+        call in ``attention_modules`` that the rule takes."""
+        return None
+
+    def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
+        """Leading tokens of the denoiser's attention whose blocks stay dense
+        under sparse attention (the text tokens of a joint-attention model)."""
+        return 0

@@ -1,0 +1,411 @@
+"""The public API of a served pipeline: its inputs, outputs and validation.
+
+Every model takes ``API_INPUTS`` (each checked against what the model can
+do: an image model refuses ``num_frames``); a family may declare inputs of
+its own (``FamilyInput``: type, shape, doc, default and validation, once),
+which only its models' configs list. Clients, the generated configs, the
+sampler, the README's table and the perf inputs all read this module. Only
+numpy is imported.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from machgen.contract.specs import Capabilities, ServedDefaults
+
+
+@dataclass(frozen=True)
+class ApiTensor:
+    name: str
+    triton_dtype: str
+    dims: tuple[int, ...]
+    doc: str
+    required: bool = False
+
+
+# FluxImg2ImgPipeline's default strength.
+DEFAULT_STRENGTH = 0.6
+
+API_INPUTS: tuple[ApiTensor, ...] = (
+    ApiTensor("prompt", "BYTES", (1,), "UTF-8 text to generate from", required=True),
+    ApiTensor("negative_prompt", "BYTES", (1,), "UTF-8 text to steer away from; used when classifier-free "
+                                                "guidance runs (its scale > 1)"),
+    ApiTensor("seed", "INT64", (1,), "noise seed, 0 <= seed < 2**63; random when absent"),
+    ApiTensor("num_inference_steps", "INT32", (1,), "denoising steps"),
+    ApiTensor("guidance_scale", "FP32", (1,), "the embedded guidance of guidance-distilled models (Flux), or the "
+                                              "classifier-free guidance scale of models without one (Wan)"),
+    ApiTensor("true_cfg_scale", "FP32", (1,), "classifier-free guidance scale with negative_prompt, for models "
+                                              "whose guidance_scale is embedded"),
+    ApiTensor("height", "INT32", (1,), "image height in pixels"),
+    ApiTensor("width", "INT32", (1,), "image width in pixels"),
+    ApiTensor("cache_policy", "BYTES", (1,), "step reuse: none, fbcache or magcache; the model's calibrated "
+                                             "default when absent"),
+    ApiTensor("cache_threshold", "FP32", (1,), "the policy's threshold (higher: more reuse, less fidelity); "
+                                               "the calibrated one when absent"),
+    ApiTensor("image", "UINT8", (-1, -1, 3), "image-to-image: the starting picture, [height, width, RGB]; "
+                                             "height and width default to its size"),
+    ApiTensor("strength", "FP32", (1,), f"image-to-image: how much of the picture is redrawn, in [0, 1] "
+                                        f"(1: all of it); default {DEFAULT_STRENGTH:g}, as diffusers"),
+    ApiTensor("num_frames", "INT32", (1,), "video: frames to generate (the model's frame rule and maximum)"),
+    ApiTensor("fps", "INT32", (1,), "video: frames per second the clip is meant to play at"),
+    ApiTensor("reference_images", "UINT8", (-1, -1, -1, 3), "reference-to-video: pictures of what the video "
+                                                            "shows, [count, height, width, RGB]"),
+)
+@dataclass(frozen=True)
+class FamilyInput:
+    """An input only one family's models take, declared once in the family's
+    spec. Its tensor goes into those models' configs and, rendered by
+    ``markdown_row``, the README's table; the client and ``machgen generate``
+    take it by name (the CLI as ``flag``, repeatable for a vector).
+    ``parse(field, value, settings)`` validates a sent value against the
+    model (its manifest's family settings), raising InvalidArgument;
+    ``default`` stands in for an absent one (a model card may set another:
+    ServedDefaults.family_inputs). Other families' models refuse it by name."""
+
+    tensor: ApiTensor
+    default: Any
+    parse: Callable[[str, np.ndarray, Mapping[str, Any]], Any]
+    cli_flag: str | None = None
+    # The README's default column where ``default`` alone does not say it.
+    default_doc: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.tensor.name
+
+    @property
+    def flag(self) -> str:
+        return self.cli_flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def repeatable(self) -> bool:
+        return self.tensor.dims != (1,)
+
+    def markdown_row(self) -> str:
+        """This input's row of the README's API table."""
+        shape = "[" + ", ".join("K" if d < 0 else str(d) for d in self.tensor.dims) + "]"
+        default = self.default_doc or f"model's ({self.default})"
+        return f"| `{self.name}` | {self.tensor.triton_dtype} | {shape} | {self.tensor.doc} | {default} |"
+
+
+API_OUTPUTS: tuple[ApiTensor, ...] = (
+    ApiTensor("images", "UINT8", (-1, -1, -1, 3), "the generated image, or every frame of the video, "
+                                                   "[frames, height, width, RGB]"),
+    ApiTensor("stats", "BYTES", (1,), "JSON: steps, cache_policy, cache_threshold, denoiser_head_calls, "
+                                      "denoiser_tail_calls, denoiser_tail_passes, negative_rows_derived, "
+                                      "text_cache_hits/misses, frames, fps, sample_rate"),
+    # Only in the configs of models that make sound (Capabilities.audio).
+    ApiTensor("audio", "FP32", (-1, -1), "a video's sound track, [channels, samples] in [-1, 1] at stats' "
+                                         "sample_rate"),
+)
+AUDIO_OUTPUT = "audio"
+
+
+def public_outputs(audio: bool) -> tuple[ApiTensor, ...]:
+    """The outputs a served model declares: ``audio`` only where it makes sound."""
+    return tuple(t for t in API_OUTPUTS if audio or t.name != AUDIO_OUTPUT)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What one request gave back: uint8 frames [N, H, W, 3], the sound
+    track float32 [channels, samples] (None for a silent model) and stats."""
+
+    images: np.ndarray
+    audio: np.ndarray | None
+    stats: dict[str, Any]
+
+
+_NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}
+_MAX_GUIDANCE = 100.0
+_MAX_CACHE_THRESHOLD = 10.0
+_MAX_FPS = 240
+MAX_REFERENCE_IMAGES = 8
+
+
+def numpy_dtype(triton_dtype: str):
+    return _NUMPY_DTYPES[triton_dtype]
+
+
+def input_array(tensor: ApiTensor, value: Any) -> np.ndarray:
+    """A client-side value as the array the API takes: scalars as [1], arrays in their own shape."""
+    if tensor.triton_dtype == "BYTES":
+        return np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
+    array = np.asarray(value, dtype=numpy_dtype(tensor.triton_dtype))
+    return array.reshape(-1) if tensor.dims == (1,) else array
+
+
+class InvalidArgument(ValueError):
+    """A request input is missing or out of range; the message names the field."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"invalid input '{field}': {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    true_cfg_scale: float  # the CFG scale: guidance_scale's value for a model whose guidance is CFG
+    height: int
+    width: int
+    cache_policy: str | None = None  # None: the served default
+    cache_threshold: float | None = None  # None: the policy's calibrated threshold
+    image: np.ndarray | None = None  # image-to-image, image-to-video: uint8 [height, width, 3]
+    strength: float | None = None  # image-to-image only
+    num_frames: int = 1  # 1 for an image model
+    fps: int | None = None  # video only
+    reference_images: np.ndarray | None = None  # reference-to-video: uint8 [count, height, width, 3]
+    # The family's own inputs (its FamilyInputs) by name, validated, absent ones at their defaults.
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def denoising_steps(self) -> int:
+        """Steps actually run: image-to-image skips the first (1 - strength) of
+        the schedule (diffusers' get_timesteps)."""
+        steps = self.num_inference_steps
+        return steps if self.strength is None else steps - int(max(steps - steps * self.strength, 0))
+
+    @property
+    def uses_true_cfg(self) -> bool:
+        # FluxPipeline: true CFG runs only with a scale > 1 and a negative prompt.
+        return self.true_cfg_scale > 1 and self.negative_prompt is not None
+
+
+def check_option_names(names: Iterable[str], taken: Collection[str], families_inputs: Collection[str]) -> None:
+    """Options of an in-process call checked as the server checks a request's
+    inputs: one the model does not take but another family does is refused
+    by name (InvalidArgument); one nobody declares is a TypeError."""
+    for name in names:
+        if name in taken:
+            continue
+        if name in families_inputs:
+            raise InvalidArgument(name, "this model does not take it")
+        raise TypeError(f"unknown generation option {name!r}; this model takes {sorted(taken)}")
+
+
+def _scalar(field: str, value: np.ndarray) -> Any:
+    if value.size != 1:
+        raise InvalidArgument(field, f"expected one element, got shape {list(value.shape)}")
+    return value.reshape(-1)[0]
+
+
+def _text(field: str, value: np.ndarray) -> str:
+    raw = _scalar(field, value)
+    if isinstance(raw, str):
+        return raw
+    try:
+        return bytes(raw).decode("utf-8")
+    except (UnicodeDecodeError, TypeError) as err:
+        raise InvalidArgument(field, "not valid UTF-8 text") from err
+
+
+def _integer(field: str, value: np.ndarray, low: int, high: int) -> int:
+    number = int(_scalar(field, value))
+    if not low <= number <= high:
+        raise InvalidArgument(field, f"{number} is outside [{low}, {high}]")
+    return number
+
+
+def _real(field: str, value: np.ndarray, low: float, high: float) -> float:
+    number = float(_scalar(field, value))
+    if not math.isfinite(number) or not low <= number <= high:
+        raise InvalidArgument(field, f"{number} is outside [{low:g}, {high:g}]")
+    return number
+
+
+def guidance_scale_input(field: str, value: np.ndarray) -> float:
+    """A guidance scale: finite, in [0, 100]."""
+    return _real(field, value, 0.0, _MAX_GUIDANCE)
+
+
+def fraction_input(field: str, value: np.ndarray) -> float:
+    return _real(field, value, 0.0, 1.0)
+
+
+def indices_input(field: str, value: np.ndarray, count: int) -> tuple[int, ...]:
+    """Distinct integers in [0, count), as sent (a 1-D INT32 array; empty is allowed)."""
+    if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+        raise InvalidArgument(field, f"expected a 1-D integer array, got {value.dtype} {list(value.shape)}")
+    indices = tuple(int(i) for i in value)
+    outside = [i for i in indices if not 0 <= i < count]
+    if outside:
+        raise InvalidArgument(field, f"{outside} outside [0, {count - 1}]")
+    if len(set(indices)) != len(indices):
+        raise InvalidArgument(field, f"{list(indices)} repeats an index")
+    return indices
+
+
+def _size(field: str, value: np.ndarray, multiple: int, maximum: int) -> int:
+    number = int(_scalar(field, value))
+    if number < multiple or number > maximum:
+        raise InvalidArgument(field, f"{number} is outside [{multiple}, {maximum}]")
+    if number % multiple:
+        raise InvalidArgument(field, f"{number} is not a multiple of {multiple}")
+    return number
+
+
+def _choice(field: str, value: np.ndarray, choices: tuple[str, ...]) -> str:
+    text = _text(field, value)
+    if text not in choices:
+        raise InvalidArgument(field, f"{text!r} is not one of {', '.join(choices)}")
+    return text
+
+
+def _picture(field: str, value: np.ndarray) -> np.ndarray:
+    if value.dtype != np.uint8:
+        raise InvalidArgument(field, f"expected UINT8 pixels, got {value.dtype}")
+    if value.ndim != 3 or value.shape[2] != 3 or 0 in value.shape:
+        raise InvalidArgument(field, f"expected shape [height, width, 3], got {list(value.shape)}")
+    return value
+
+
+def _image_size(image: np.ndarray, axis: int, requested: int | None, name: str, multiple: int,
+                maximum: int) -> int:
+    """The request's height or width when it sends an image: the image's own."""
+    size = int(image.shape[axis])
+    if requested is not None and requested != size:
+        raise InvalidArgument("image", f"its {name} is {size}, but {name} asks for {requested}")
+    if size < multiple or size > maximum or size % multiple:
+        raise InvalidArgument("image", f"its {name} {size} must be a multiple of {multiple} in "
+                                       f"[{multiple}, {maximum}]")
+    return size
+
+
+def _frames(field: str, value: np.ndarray, frame_multiple: int, maximum: int) -> int:
+    count = _integer(field, value, 1, maximum)
+    if (count - 1) % frame_multiple:
+        raise InvalidArgument(field, f"{count} is not {frame_multiple}k + 1 frames (the model's temporal factor)")
+    return count
+
+
+def _pictures(field: str, value: np.ndarray, height: int, width: int) -> np.ndarray:
+    if value.dtype != np.uint8:
+        raise InvalidArgument(field, f"expected UINT8 pixels, got {value.dtype}")
+    if value.ndim != 4 or value.shape[3] != 3 or not 1 <= value.shape[0] <= MAX_REFERENCE_IMAGES:
+        raise InvalidArgument(field, f"expected shape [1 to {MAX_REFERENCE_IMAGES} images, height, width, 3], "
+                                     f"got {list(value.shape)}")
+    if value.shape[1:3] != (height, width):
+        raise InvalidArgument(field, f"their size {value.shape[2]}x{value.shape[1]} is not the video's "
+                                     f"{width}x{height}")
+    return value
+
+
+def _video_fields(get_input: Callable[[str], np.ndarray | None], defaults: ServedDefaults,
+                  tasks: tuple[str, ...], frame_multiple: int, height: int, width: int) -> dict[str, Any]:
+    """num_frames, fps and reference_images of a request: refused by an image
+    model, checked against a video model's frame rule and limits."""
+    if not any(task.endswith("-to-video") for task in tasks):
+        for name in ("num_frames", "fps", "reference_images"):
+            if get_input(name) is not None:
+                raise InvalidArgument(name, f"this model makes images, not video (it does {', '.join(tasks)})")
+        return {}
+    fields: dict[str, Any] = {
+        "num_frames": int(defaults.num_frames), "fps": int(defaults.fps), "reference_images": None}
+    if get_input("num_frames") is not None:
+        fields["num_frames"] = _frames("num_frames", np.asarray(get_input("num_frames")), frame_multiple,
+                                       int(defaults.max_frames))
+    if get_input("fps") is not None:
+        fields["fps"] = _integer("fps", np.asarray(get_input("fps")), 1, _MAX_FPS)
+    if get_input("reference_images") is not None:
+        if "reference-to-video" not in tasks:
+            raise InvalidArgument("reference_images", f"this model does not do reference-to-video (it does "
+                                                      f"{', '.join(tasks)})")
+        fields["reference_images"] = _pictures("reference_images", np.asarray(get_input("reference_images")),
+                                               height, width)
+    return fields
+
+
+def _guidance_fields(get_input: Callable[[str], np.ndarray | None], value: Callable, defaults: ServedDefaults,
+                     guidance_is_cfg: bool) -> dict[str, Any]:
+    """guidance_scale and true_cfg_scale as the model reads them."""
+    guidance = value("guidance_scale", guidance_scale_input, float(defaults.guidance_scale))
+    if guidance_is_cfg:
+        if get_input("true_cfg_scale") is not None:
+            raise InvalidArgument("true_cfg_scale", "this model's classifier-free guidance scale is guidance_scale")
+        return {"guidance_scale": guidance, "true_cfg_scale": guidance}
+    return {"guidance_scale": guidance,
+            "true_cfg_scale": value("true_cfg_scale", guidance_scale_input, float(defaults.true_cfg_scale))}
+
+
+def _family_fields(get_input: Callable[[str], np.ndarray | None], defaults: ServedDefaults,
+                   family_inputs: Sequence[FamilyInput], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The family's own inputs, each validated by its declaration or at its served default."""
+    values = {}
+    for declared in family_inputs:
+        array = get_input(declared.name)
+        values[declared.name] = (defaults.family_inputs.get(declared.name, declared.default) if array is None
+                                 else declared.parse(declared.name, np.asarray(array), settings))
+    return values
+
+
+def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: ServedDefaults, *,
+                  size_multiple: int, capabilities: Capabilities, cache_policies: tuple[str, ...] = ("none",),
+                  frame_multiple: int = 1, family_inputs: Sequence[FamilyInput] = (),
+                  settings: Mapping[str, Any] | None = None) -> GenerationRequest:
+    """Validate one request's inputs and fill in the served defaults.
+
+    ``get_input(name)`` returns the input's array or None when it is absent;
+    ``cache_policies`` are the policy names this model serves; a video
+    model's ``num_frames`` is ``frame_multiple`` k + 1; ``family_inputs``
+    are the family's own inputs, validated against the model's ``settings``
+    (its manifest's family settings). Raises InvalidArgument.
+    """
+
+    def value(name: str, parse: Callable[[str, np.ndarray], Any], default: Any) -> Any:
+        array = get_input(name)
+        return default if array is None else parse(name, np.asarray(array))
+
+    tasks = capabilities.tasks
+    prompt = get_input("prompt")
+    if prompt is None:
+        raise InvalidArgument("prompt", "missing; it is required")
+    max_steps = int(defaults.max_inference_steps)
+    image = value("image", _picture, None)
+    if image is not None and not {"image-to-image", "image-to-video"} & set(tasks):
+        raise InvalidArgument("image", f"this model does not start from an image (it does {', '.join(tasks)})")
+    if image is None and not any(task.startswith("text-to-") for task in tasks):
+        raise InvalidArgument("image", f"missing; this model starts from an image (it does {', '.join(tasks)})")
+    redraws_image = image is not None and "image-to-image" in tasks
+    if not redraws_image and get_input("strength") is not None:
+        raise InvalidArgument("strength", "applies only to image-to-image, with an image")
+    if image is None:
+        height = value("height", lambda f, v: _size(f, v, size_multiple, int(defaults.max_height)),
+                       int(defaults.height))
+        width = value("width", lambda f, v: _size(f, v, size_multiple, int(defaults.max_width)), int(defaults.width))
+    else:
+        height = _image_size(image, 0, value("height", lambda f, v: int(_scalar(f, v)), None), "height",
+                             size_multiple, int(defaults.max_height))
+        width = _image_size(image, 1, value("width", lambda f, v: int(_scalar(f, v)), None), "width",
+                            size_multiple, int(defaults.max_width))
+    request = GenerationRequest(
+        prompt=_text("prompt", np.asarray(prompt)),
+        negative_prompt=value("negative_prompt", _text, defaults.negative_prompt),
+        # Without a seed the noise is fresh each time, as diffusers does without a generator.
+        seed=value("seed", lambda f, v: _integer(f, v, 0, 2**63 - 1), secrets.randbelow(2**63)),
+        num_inference_steps=value("num_inference_steps", lambda f, v: _integer(f, v, 1, max_steps),
+                                  int(defaults.num_inference_steps)),
+        **_guidance_fields(get_input, value, defaults, capabilities.guidance_is_cfg),
+        height=height,
+        width=width,
+        cache_policy=value("cache_policy", lambda f, v: _choice(f, v, cache_policies), None),
+        cache_threshold=value("cache_threshold", lambda f, v: _real(f, v, 0.0, _MAX_CACHE_THRESHOLD), None),
+        image=image,
+        strength=value("strength", lambda f, v: _real(f, v, 0.0, 1.0), DEFAULT_STRENGTH) if redraws_image else None,
+        **_video_fields(get_input, defaults, tasks, frame_multiple, height, width),
+        inputs=_family_fields(get_input, defaults, family_inputs, settings or {}),
+    )
+    if request.denoising_steps < 1:
+        raise InvalidArgument("strength", f"{request.strength:g} leaves no denoising step of "
+                                          f"{request.num_inference_steps}")
+    return request

@@ -1,0 +1,1 @@
+"""HiDream-I1: text-to-image. See spec.py."""

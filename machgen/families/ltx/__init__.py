@@ -1,0 +1,1 @@
+"""LTX-Video: text-to-video and image-to-video. See spec.py."""

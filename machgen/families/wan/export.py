@@ -1,0 +1,479 @@
+"""Wan's build-time half: the torch wrappers each component exports (the
+denoiser's parts, the chunked causal VAE, VACE's control branch) and the
+``FamilyExport`` of each Wan pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+
+from machgen.builder.family_export import ExportableComponent, FamilyExport
+from machgen.contract.api import MAX_REFERENCE_IMAGES
+from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
+from machgen.families.wan.spec import EXPERT_PREFIXES, chunk_specs, wan_specs
+
+
+class TextEncoder(torch.nn.Module):
+    def __init__(self, umt5):
+        super().__init__()
+        self.umt5 = umt5
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.umt5(input_ids, attention_mask).last_hidden_state
+        # WanPipeline keeps each prompt's own tokens and pads with zeros: the mask is a prefix of ones.
+        return hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
+
+
+def patches(embedding, latents):
+    """A patch embedding's tokens [batch, tokens, inner] of latents [batch, C, frames, h, w]."""
+    return embedding(latents).flatten(2).transpose(1, 2).contiguous()
+
+
+class WanDenoiserPart(torch.nn.Module):
+    """What the parts of WanTransformer3DModel.forward share: the time
+    embedding and the output layer (a subclass may take the timestep
+    another way, one per token)."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.transformer = transformer
+
+    def time_embedding(self, timestep, like):
+        """WanTimeTextImageEmbedding's time half: (temb, timestep_proj [batch, 6, inner])."""
+        embedder = self.transformer.condition_embedder
+        projected = embedder.timesteps_proj(timestep.reshape(-1))
+        projected = projected.to(next(iter(embedder.time_embedder.parameters())).dtype)
+        temb = embedder.time_embedder(projected).type_as(like)
+        return temb, embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))
+
+    def modulation(self, temb):
+        """The output norm's (shift, scale) from ``temb``."""
+        return (self.transformer.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+
+    def output(self, hidden, temb, latents):
+        """WanTransformer3DModel.forward's output norm, projection and unpatchify."""
+        tr = self.transformer
+        batch, _, frames, height, width = latents.shape
+        p_t, p_h, p_w = tr.config.patch_size
+        shift, scale = self.modulation(temb)
+        hidden = (tr.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        hidden = tr.proj_out(hidden)
+        hidden = hidden.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
+        return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+class DenoiserHead(WanDenoiserPart):
+    """WanTransformer3DModel.forward up to and including the first block."""
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states):
+        tr = self.transformer
+        embedded = patches(tr.patch_embedding, hidden_states)
+        temb, timestep_proj = self.time_embedding(timestep, encoder_hidden_states)
+        text_hidden = tr.condition_embedder.text_embedder(encoder_hidden_states)
+        hidden = tr.blocks[0](embedded, text_hidden, timestep_proj, tr.rope(hidden_states))
+        return hidden, text_hidden, timestep_proj, temb, hidden - embedded
+
+
+class DenoiserTail(WanDenoiserPart):
+    """The rest of WanTransformer3DModel.forward after the first block."""
+
+    def forward(self, image_hidden, text_hidden, timestep_proj, temb, hidden_states):
+        tr = self.transformer
+        rotary = tr.rope(hidden_states)
+        hidden = image_hidden
+        for block in tr.blocks[1:]:
+            hidden = block(hidden, text_hidden, timestep_proj, rotary)
+        return self.output(hidden, temb, hidden_states), hidden - image_hidden
+
+
+class DenoiserReuse(WanDenoiserPart):
+    """WanTransformer3DModel.forward with every block replaced by a kept residual."""
+
+    def forward(self, hidden_states, timestep, blocks_residual):
+        tr = self.transformer
+        temb, _ = self.time_embedding(timestep, blocks_residual)
+        return self.output(patches(tr.patch_embedding, hidden_states) + blocks_residual, temb, hidden_states)
+
+
+def two_frames(entry):
+    # A one-frame entry zero-padded in front: the causal convolutions read
+    # the zeros as their own padding, the time downsamplers read only the last frame.
+    return torch.cat([torch.zeros_like(entry), entry], dim=2) if entry.shape[2] == 1 else entry
+
+
+class CausalChunk(torch.nn.Module):
+    """One chunk of frames through AutoencoderKLWan's encoder or decoder
+    with its causal cache (the list ``_encode`` and ``_decode`` keep
+    across chunks) as one flat tensor per row: the slots in use, each two
+    frames long, in ``layout`` order ((channels, spatial scale against
+    the latent frame) per slot). The first chunk starts from an empty
+    cache and differs in structure (no time up- or downsampling), so it
+    is its own module."""
+
+    coder = "decoder"
+
+    def __init__(self, vae, slots: tuple[int, ...] = (), layout: tuple[tuple[int, int], ...] = ()):
+        super().__init__()
+        self.vae = vae
+        self.slots, self.layout = slots, layout
+        config = vae.config
+        self.spatial_factor = config.scale_factor_spatial
+        self.register_buffer("latents_mean", torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1),
+                             persistent=False)
+        self.register_buffer("latents_std", torch.tensor(config.latents_std).view(1, -1, 1, 1, 1),
+                             persistent=False)
+
+    def run(self, chunk, cache, first: bool):
+        """The coder on ``chunk`` with ``cache``: decoded frames in [-1, 1], or normalised latent means."""
+        if self.coder == "decoder":
+            # WanPipeline's latent normalisation undone first.
+            chunk = self.vae.post_quant_conv(chunk * self.latents_std + self.latents_mean)
+            return self.vae.decoder(chunk, feat_cache=cache, feat_idx=[0], first_chunk=first).clamp(-1, 1)
+        moments = self.vae.quant_conv(self.vae.encoder(chunk, feat_cache=cache, feat_idx=[0]))
+        # The distribution's mode (WanImageToVideoPipeline's argmax), normalised as the pipeline does.
+        return (moments[:, :self.vae.config.z_dim] - self.latents_mean) / self.latents_std
+
+    def latent_size(self, chunk) -> tuple[Any, Any]:
+        if self.coder == "decoder":
+            return chunk.shape[3], chunk.shape[4]
+        return chunk.shape[3] // self.spatial_factor, chunk.shape[4] // self.spatial_factor
+
+    def first_chunk(self, chunk):
+        """(output, [(slot, two-frame cache entry)]) of the first chunk."""
+        cache = [None] * self.vae._cached_conv_counts[self.coder]
+        # A time-upsampling layer marks its slot "Rep" on the first chunk (it
+        # reads zeros next time): its input's shape gives those zeros.
+        upsampler_inputs: dict[int, Any] = {}
+
+        def keep_input(module, args, kwargs):
+            upsampler_inputs[kwargs["feat_idx"][0]] = args[0]
+
+        hooks = [m.register_forward_pre_hook(keep_input, with_kwargs=True)
+                 for m in getattr(self.vae, self.coder).modules()
+                 if isinstance(m, WanResample) and m.mode == "upsample3d"]
+        try:
+            output = self.run(chunk, cache, first=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        entries = [(slot, two_frames(torch.zeros_like(upsampler_inputs[slot]) if isinstance(entry, str)
+                                     else entry))
+                   for slot, entry in enumerate(cache) if entry is not None]
+        return output, entries
+
+
+class FirstChunk(CausalChunk):
+    def forward(self, chunk):
+        output, entries = self.first_chunk(chunk)
+        return output, torch.cat([entry.flatten(1) for _, entry in entries], dim=1)
+
+
+class NextChunk(CausalChunk):
+    def forward(self, chunk, cache):
+        batch = chunk.shape[0]
+        height, width = self.latent_size(chunk)
+        entries = [None] * self.vae._cached_conv_counts[self.coder]
+        sizes = [channels * 2 * height * scale * width * scale for channels, scale in self.layout]
+        for slot, part, (channels, scale) in zip(self.slots, torch.split(cache, sizes, dim=1), self.layout):
+            entries[slot] = part.reshape(batch, channels, 2, height * scale, width * scale)
+        output = self.run(chunk, entries, first=False)
+        return output, torch.cat([two_frames(entries[slot]).flatten(1) for slot in self.slots], dim=1)
+
+
+class VaeDecoderFirst(FirstChunk):
+    def forward(self, latents):
+        return super().forward(latents)
+
+
+class VaeDecoderNext(NextChunk):
+    def forward(self, latents, decoder_cache):
+        return super().forward(latents, decoder_cache)
+
+
+class VaeEncoderFirst(FirstChunk):
+    coder = "encoder"
+
+    def forward(self, frames):
+        return super().forward(frames)
+
+
+class VaeEncoderNext(NextChunk):
+    coder = "encoder"
+
+    def forward(self, frames, encoder_cache):
+        return super().forward(frames, encoder_cache)
+
+
+class _Vace:
+    """WanVACETransformer3DModel's control branch: its block j (run in
+    order) makes the hint added after the j-th main block of vace_layers.
+    diffusers runs every control block before the main blocks; a control
+    block reads only the control stream, the text and the timestep
+    (the first also the embedded latents), so running each where its hint
+    is needed computes the same."""
+
+    def hint_after(self, block: int) -> int | None:
+        """The control block whose hint follows main block ``block``, or None."""
+        layers = sorted(self.transformer.config.vace_layers)
+        return layers.index(block) if block in layers else None
+
+
+class VaceDenoiserHead(DenoiserHead, _Vace):
+    def forward(self, hidden_states, timestep, encoder_hidden_states, control_hidden_states):
+        tr = self.transformer
+        embedded = patches(tr.patch_embedding, hidden_states)
+        temb, timestep_proj = self.time_embedding(timestep, encoder_hidden_states)
+        text_hidden = tr.condition_embedder.text_embedder(encoder_hidden_states)
+        rotary = tr.rope(hidden_states)
+        # The control latents cover every latent frame (references included): no padding to add.
+        control = patches(tr.vace_patch_embedding, control_hidden_states)
+        hint, control = tr.vace_blocks[0](embedded, text_hidden, control, timestep_proj, rotary)
+        hidden = tr.blocks[0](embedded, text_hidden, timestep_proj, rotary) + hint  # layer 0 is always a VACE layer
+        return hidden, text_hidden, timestep_proj, temb, hidden - embedded, control
+
+
+class VaceDenoiserTail(DenoiserTail, _Vace):
+    def forward(self, image_hidden, text_hidden, timestep_proj, temb, hidden_states, control_hidden):
+        tr = self.transformer
+        rotary = tr.rope(hidden_states)
+        hidden, control = image_hidden, control_hidden
+        for index, block in enumerate(tr.blocks[1:], start=1):
+            hidden = block(hidden, text_hidden, timestep_proj, rotary)
+            if self.hint_after(index) is not None:
+                hint, control = tr.vace_blocks[self.hint_after(index)](hidden, text_hidden, control,
+                                                                       timestep_proj, rotary)
+                hidden = hidden + hint
+        return self.output(hidden, temb, hidden_states), hidden - image_hidden
+
+
+class Postprocess(torch.nn.Module):
+    """VideoProcessor.postprocess_video(output_type="np") as uint8, frames last-but-channels."""
+
+    def forward(self, frames):
+        frames = (frames / 2 + 0.5).clamp(0, 1)
+        return (frames.permute(0, 2, 3, 4, 1) * 255).round().to(torch.uint8)
+
+
+def sample_chunk(vae, coder: str, frames: int, lat_h: int, lat_w: int, batch: int, gen=None):
+    """A chunk a coder takes: latent frames for the decoder, pixel frames for the encoder."""
+    if coder == "decoder":
+        return torch.randn(batch, vae.config.z_dim, frames, lat_h, lat_w, generator=gen)
+    factor = vae.config.scale_factor_spatial
+    return torch.randn(batch, 3, frames, lat_h * factor, lat_w * factor, generator=gen).clamp(-1, 1)
+
+
+# The (first chunk, next chunk) modules of each coder.
+CHUNK_CLASSES = {"decoder": (VaeDecoderFirst, VaeDecoderNext), "encoder": (VaeEncoderFirst, VaeEncoderNext)}
+
+
+def chunk_layout(vae, coder: str, classes=CHUNK_CLASSES) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """(slots, layout) of the coder's flat cache (CausalChunk), from a small
+    first chunk in eager mode (a trace would fix the sizes it reads)."""
+    with torch.no_grad():
+        _, entries = classes[coder][0](vae).eval().first_chunk(
+            sample_chunk(vae, coder, 1, 2, 2, 1).to(vae.device, vae.dtype))
+    return (tuple(slot for slot, _ in entries),
+            tuple((int(entry.shape[1]), int(entry.shape[3]) // 2) for _, entry in entries))
+
+
+def cache_per_latent_pixel(vae, coder: str, classes=CHUNK_CLASSES) -> int:
+    """Elements of a row's flat cache per latent pixel (of height x width)."""
+    return sum(2 * channels * scale * scale for channels, scale in chunk_layout(vae, coder, classes)[1])
+
+
+def vae_chunk_components(vae, coder: str, temporal_factor: int, classes=CHUNK_CLASSES) -> list[ExportableComponent]:
+    """``vae_<coder>_first`` and ``vae_<coder>_next`` of an AutoencoderKLWan
+    (coder: "decoder" or "encoder"), with sample inputs (batch 2, 6x4
+    latents) on the CPU in float32."""
+    first_class, next_class = classes[coder]
+    first_spec, next_spec = chunk_specs(vae.config.z_dim, temporal_factor, coder)
+    gen = torch.Generator().manual_seed(1)
+    first = first_class(vae).eval()
+    first_chunk = sample_chunk(vae, coder, 1, 6, 4, 2, gen)
+    with torch.no_grad():
+        _, cache = first(first_chunk.to(vae.device, vae.dtype))
+    next_chunk = sample_chunk(vae, coder, next_spec.inputs[0].shape[2], 6, 4, 2, gen)
+    return [ExportableComponent(first_spec, first, {first_spec.inputs[0].name: first_chunk}),
+            ExportableComponent(next_spec, next_class(vae, *chunk_layout(vae, coder, classes)).eval(),
+                                {next_spec.inputs[0].name: next_chunk, next_spec.inputs[1].name: cache.cpu().float()})]
+
+
+class WanExport(FamilyExport):
+    """WanPipeline: one transformer (Wan 2.1), or Wan 2.2's high- and low-noise experts."""
+
+    sampler_assets = ("tokenizer", "scheduler")
+    attention_modules = ("diffusers.models.transformers.transformer_wan",)
+    # (head, tail, reuse) module classes of each denoiser.
+    denoiser_classes: tuple[type, type, type] = (DenoiserHead, DenoiserTail, DenoiserReuse)
+    # The chunked coders' modules.
+    chunk_classes = CHUNK_CLASSES
+
+    def check(self, pipe) -> None:
+        if getattr(pipe.config, "expand_timesteps", False) or pipe.vae.config.patch_size is not None:
+            raise ValueError("a Wan pipeline with a timestep per token and a patchified VAE (Wan 2.2 TI2V-5B) is "
+                             f"not served by the '{self.family.name}' family")
+        if pipe.transformer is None:
+            raise ValueError("a Wan pipeline without its high-noise transformer is not supported")
+
+    @staticmethod
+    def experts(pipe) -> int:
+        """1, or 2 for Wan 2.2's high- and low-noise experts."""
+        return 2 if pipe.transformer_2 is not None and pipe.config.boundary_ratio is not None else 1
+
+    @property
+    def encodes_pictures(self) -> bool:
+        """Whether requests bring pictures for the VAE encoder (image- and reference-to-video)."""
+        return bool({"image-to-video", "reference-to-video"} & set(self.family.capabilities.tasks))
+
+    def control_channels(self, pipe) -> int | None:
+        """The channels of VACE's control latents (reference-to-video), None without a control branch."""
+        return None
+
+    def specs(self, pipe) -> dict[str, ComponentSpec]:
+        self.check(pipe)
+        tr = pipe.transformer.config
+        return wan_specs(in_channels=tr.in_channels, out_channels=tr.out_channels, text_dim=tr.text_dim,
+                         vae_encoder=self.encodes_pictures, control_channels=self.control_channels(pipe),
+                         inner_dim=tr.num_attention_heads * tr.attention_head_dim, experts=self.experts(pipe),
+                         temporal_factor=pipe.vae_scale_factor_temporal)
+
+    def sample_timestep(self, pipe, latents) -> torch.Tensor:
+        """The denoiser's sample timesteps for sample ``latents`` (batch 2)."""
+        return torch.tensor([[700.0], [300.0]])
+
+    def components(self, pipe) -> list[ExportableComponent]:
+        specs = self.specs(pipe)
+        control_channels = self.control_channels(pipe)
+        tr = pipe.transformer.config
+        # Batch 2 (batch 1 would be specialised), sizes unlike any fixed size in the model.
+        batch, text_tokens, frames, lat_h, lat_w = 2, 7, 3, 6, 4
+        gen = torch.Generator().manual_seed(0)
+        device, dtype = pipe.transformer.device, pipe.transformer.dtype
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen)
+
+        mask = torch.ones(batch, text_tokens, dtype=torch.int64)
+        mask[1, 4:] = 0
+        exportable = [ExportableComponent(
+            specs["text_encoder"], TextEncoder(pipe.text_encoder).eval(),
+            {"input_ids": torch.randint(0, pipe.text_encoder.config.vocab_size, (batch, text_tokens), generator=gen),
+             "attention_mask": mask})]
+        latents = randn(batch, tr.in_channels, frames, lat_h, lat_w)
+        head, tail, reuse = self.denoiser_classes
+        for prefix, transformer in zip(EXPERT_PREFIXES, (pipe.transformer, pipe.transformer_2)):
+            if f"{prefix}_head" not in specs:
+                break
+            head_module = head(transformer).eval()
+            head_inputs = {"hidden_states": latents, "timestep": self.sample_timestep(pipe, latents),
+                           "encoder_hidden_states": randn(batch, text_tokens, tr.text_dim)}
+            if control_channels is not None:
+                head_inputs["control_hidden_states"] = randn(batch, control_channels, frames, lat_h, lat_w)
+            with torch.no_grad():
+                image_hidden, text_hidden, timestep_proj, temb, _, *control = (
+                    output.cpu().float() for output in head_module(
+                        **{name: value.to(device, dtype) for name, value in head_inputs.items()}))
+            exportable += [
+                ExportableComponent(specs[f"{prefix}_head"], head_module, head_inputs),
+                ExportableComponent(specs[f"{prefix}_tail"], tail(transformer).eval(),
+                                    {"image_hidden": image_hidden, "text_hidden": text_hidden,
+                                     "timestep_proj": timestep_proj, "temb": temb, "hidden_states": latents,
+                                     **({"control_hidden": control[0]} if control else {})}),
+                ExportableComponent(specs[f"{prefix}_reuse"], reuse(transformer).eval(),
+                                    {"hidden_states": latents, "timestep": head_inputs["timestep"],
+                                     "blocks_residual": randn(*image_hidden.shape)}),
+            ]
+        vae_scale = pipe.vae_scale_factor_spatial
+        exportable += vae_chunk_components(pipe.vae, "decoder", pipe.vae_scale_factor_temporal, self.chunk_classes)
+        if "vae_encoder_first" in specs:
+            exportable += vae_chunk_components(pipe.vae, "encoder", pipe.vae_scale_factor_temporal,
+                                               self.chunk_classes)
+        exportable.append(ExportableComponent(
+            specs["postprocess"], Postprocess().eval(),
+            {"frames": randn(batch, 3, 2, lat_h * vae_scale, lat_w * vae_scale) * 0.8}))
+        return exportable
+
+    def pipeline_defaults(self, pipe) -> ServedDefaults:
+        # WanPipeline.__call__'s defaults (480x832, 81 frames at Wan's 16 fps, 50 steps, CFG 5).
+        return ServedDefaults(height=480, width=832, num_inference_steps=50, guidance_scale=5.0,
+                              negative_prompt="", max_sequence_length=512, max_height=1280, max_width=1280,
+                              num_frames=81, max_frames=81, fps=16)
+
+    def sampler_settings(self, pipe, defaults: ServedDefaults) -> dict[str, Any]:
+        spatial = pipe.vae_scale_factor_spatial
+        patch = pipe.transformer.config.patch_size
+        return {
+            "vae_scale_factor": spatial,
+            "temporal_factor": pipe.vae_scale_factor_temporal,
+            # Height and width must be multiples of this: the VAE factor times the transformer's patch.
+            "size_multiple": spatial * max(patch[1], patch[2]),
+            "patch_size": list(patch),
+            "latent_channels": pipe.vae.config.z_dim,
+            "experts": self.experts(pipe),
+            "boundary_timestep": None if pipe.config.boundary_ratio is None
+            else pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps,
+            "tokenizer_class": type(pipe.tokenizer).__name__,
+            "max_sequence_length": defaults.max_sequence_length,
+            "scheduler_class": type(pipe.scheduler).__name__,
+            "decoder_cache_per_latent_pixel": cache_per_latent_pixel(pipe.vae, "decoder", self.chunk_classes),
+            **({"encoder_cache_per_latent_pixel": cache_per_latent_pixel(pipe.vae, "encoder", self.chunk_classes)}
+               if self.encodes_pictures else {}),
+        }
+
+    def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
+        vae, multiple, temporal = settings["vae_scale_factor"], settings["size_multiple"], settings["temporal_factor"]
+        _, patch_h, patch_w = settings["patch_size"]
+        height = AxisRange(multiple, defaults.height, defaults.max_height)
+        width = AxisRange(multiple, defaults.width, defaults.max_width)
+        lat_h, lat_w = height.scaled(vae), width.scaled(vae)
+        frames = AxisRange(1, (defaults.num_frames - 1) // temporal + 1, (defaults.max_frames - 1) // temporal + 1)
+        text = defaults.max_sequence_length
+        ranges = {
+            "height": height, "width": width, "latent_height": lat_h, "latent_width": lat_w,
+            "latent_frames": frames, "frames": AxisRange(1, temporal, temporal),
+            "video_tokens": frames.times(lat_h.scaled(patch_h)).times(lat_w.scaled(patch_w)),
+            "text_tokens": AxisRange(text, text, text),
+        }
+        for coder in ("decoder", "encoder"):
+            per_pixel = settings.get(f"{coder}_cache_per_latent_pixel")
+            if per_pixel is not None:
+                ranges[f"{coder}_cache"] = lat_h.times(lat_w).times(AxisRange(per_pixel, per_pixel, per_pixel))
+        return ranges
+
+
+class WanImageToVideoExport(WanExport):
+    """WanImageToVideoPipeline without an image encoder (Wan 2.2 I2V): every
+    step's transformer input carries, after the noisy latents, a first-frame
+    mask and the latents of the picture followed by empty frames (the VAE
+    encoder, chunked like the decoder)."""
+
+    def check(self, pipe) -> None:
+        super().check(pipe)
+        if getattr(pipe, "image_encoder", None) is not None or pipe.transformer.config.image_dim is not None:
+            raise ValueError("Wan 2.1 image-to-video (CLIP image embeddings in the transformer) is not supported "
+                             "yet; Wan 2.2's (no image encoder) is")
+
+
+class WanVaceExport(WanExport):
+    """WanVACEPipeline (Wan2.1-VACE, Wan 2.2 VACE-Fun's two experts) with
+    reference images and no control video or mask: a control branch
+    (``vace_blocks``) reads latents of an empty video, of each reference
+    image and a mask, and adds a hint after each of its ``vace_layers``; each
+    reference also adds a latent frame in front of the video, denoised and
+    then dropped."""
+
+    denoiser_classes = (VaceDenoiserHead, VaceDenoiserTail, DenoiserReuse)
+
+    def control_channels(self, pipe) -> int | None:
+        return pipe.transformer.config.vace_in_channels
+
+    def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
+        ranges = super().axis_ranges(defaults, settings)
+        frames, tokens = ranges["latent_frames"], ranges["video_tokens"]
+        # Each reference image adds a latent frame in front of the video.
+        ranges["latent_frames"] = AxisRange(frames.min, frames.opt, frames.max + MAX_REFERENCE_IMAGES)
+        ranges["video_tokens"] = AxisRange(tokens.min, tokens.opt,
+                                           tokens.max // frames.max * (frames.max + MAX_REFERENCE_IMAGES))
+        return ranges

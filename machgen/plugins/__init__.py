@@ -1,0 +1,1 @@
+"""The SparseAttention operator: schema, CPU reference, ONNX form, Triton kernels, TensorRT form."""

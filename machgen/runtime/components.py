@@ -1,0 +1,44 @@
+"""Opening an exported component file with the runner of its target, and
+the components a pipeline runs in the sampler's own process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from machgen.contract.manifest import ComponentEntry
+
+
+def open_component(path: str | os.PathLike, intra_op_threads: int = 0, device: str | None = None) -> Any:
+    """A runner (``run(inputs) -> outputs``, ``run_batches``) for an exported
+    file: ``model.onnx`` under ONNX Runtime, ``model.pt2`` under torch (on
+    ``device``, or where it was built)."""
+    path = Path(path)
+    if path.suffix == ".plan":
+        raise ValueError(f"{path}: a TensorRT engine runs in Triton's TensorRT backend, not in-process")
+    if path.suffix == ".pt2":
+        from machgen.runtime.torch_runner import TorchProgram
+
+        return TorchProgram.load(path.parent, device=device)
+    from machgen.runtime.onnx_runner import OnnxSession
+
+    return OnnxSession(path, intra_op_threads=intra_op_threads)
+
+
+class InSamplerComponents:
+    """The components a pipeline runs in the sampler's own process (their
+    manifest entry names a ``file`` under the sampler's folder
+    instead of a Triton model). One single-threaded session each on the
+    CPU: they are tiny, and the sampler shares the cores with the served
+    components."""
+
+    def __init__(self, components: Mapping[str, ComponentEntry], sampler_dir: str | os.PathLike):
+        self._runners = {name: open_component(Path(sampler_dir) / entry.file, intra_op_threads=1)
+                         for name, entry in components.items() if entry.file is not None}
+
+    def __contains__(self, component: str) -> bool:
+        return component in self._runners
+
+    def run(self, component: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return self._runners[component].run(inputs)

@@ -1,0 +1,60 @@
+"""A generated model repository run in-process: the same sampler, the same
+exported files and the same API validation as Triton serves, without a server.
+
+For calibration, benchmarks and tests that compare served output with what
+the same code gives locally.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from machgen.contract.api import API_INPUTS, check_option_names, input_array
+from machgen.contract.manifest import COMPONENT_FILES, PipelineManifest, pipeline_dir
+from machgen.runtime.components import InSamplerComponents, open_component
+from machgen.runtime.sampler import GenerationStats, load_sampler
+
+
+class LocalPipeline:
+    """``LocalPipeline(repository, name).generate(prompt, seed=..., ...)``."""
+
+    def __init__(self, repository: Path, name: str, intra_op_threads: int = 0):
+        self.repository = Path(repository)
+        self.name = name
+        sampler_dir = pipeline_dir(self.repository, name)
+        self.manifest = PipelineManifest.read(sampler_dir)
+        self._intra_op_threads = intra_op_threads
+        self._sessions: dict[str, Any] = {}
+        self.in_sampler = InSamplerComponents(self.manifest.components, sampler_dir)
+        self.sampler = load_sampler(self.manifest, str(sampler_dir), self.run_component)
+        self.inputs = {tensor.name: tensor for tensor in API_INPUTS}
+        self.inputs.update({declared.name: declared.tensor for declared in self.sampler.runtime.family.inputs})
+
+    def run_component(self, component: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if component in self.in_sampler:
+            return self.in_sampler.run(component, inputs)
+        if component not in self._sessions:
+            path = self.repository / self.manifest.components[component].model / "1" / \
+                COMPONENT_FILES[self.manifest.target]
+            self._sessions[component] = open_component(path, intra_op_threads=self._intra_op_threads)
+        return self._sessions[component].run(inputs)
+
+    def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:
+        """Images [1, H, W, 3] (every frame of a video) and stats; options are the API's optional inputs."""
+        images, _, stats = self.generate_with_audio(prompt, **options)
+        return images, stats
+
+    def generate_with_audio(self, prompt: str, **options: Any) -> tuple[np.ndarray, np.ndarray | None,
+                                                                         GenerationStats]:
+        """``generate`` plus the sound track [channels, samples] (None for a silent model)."""
+        from machgen.families.registry import family_inputs
+
+        check_option_names(options, self.inputs, family_inputs())
+        arrays = {name: input_array(self.inputs[name], value)
+                  for name, value in {"prompt": prompt, **options}.items() if value is not None}
+        request = self.sampler.parse_request(arrays.get, self.manifest.defaults)
+        result = self.sampler.generate(request)
+        return self.sampler.decode(result.latents), self.sampler.decode_audio(result.latents), result.stats

@@ -1,0 +1,244 @@
+"""The denoising loop, independent of Triton, ONNX and the model family.
+
+It talks to components through ``run_component(name, inputs) -> outputs``
+(dicts of numpy arrays or torch tensors, runtime/tensors.py): BLS inside
+Triton, ONNX Runtime or torch in-process, or a closed-form fake in unit
+tests. Values stay where the components leave them: on a GPU target the
+latents, predictions and kept residuals never visit host memory. The
+family's runtime (runtime/family.py) answers everything model-specific
+(prompt encoding, noise, positions, timesteps, guidance, decoding).
+
+The denoiser is three components that cache reuse recombines:
+``denoiser_head`` (outputs ``first_block_residual`` among what the tail
+needs), ``denoiser_tail`` (outputs ``noise_pred`` and ``tail_residual``, its
+image output minus its image input) and ``denoiser_reuse``, which turns the
+input embedding plus a kept ``blocks_residual`` into a prediction when a
+step skips the blocks (see runtime/cache.py). A family may switch between
+denoisers (Wan 2.2's experts: ``denoiser_2_*``); what was kept is forgotten
+at the switch.
+
+Batching across requests happens below this module: each in-flight request
+has its own ``generate`` call (one thread each in the served sampler), and
+the component models batch the calls of different requests that arrive
+together.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from machgen.contract.api import GenerationRequest, parse_request
+from machgen.contract.manifest import PipelineManifest, load_object
+from machgen.runtime.cache import CacheSettings, StepCache, StepPlan
+from machgen.runtime.family import FamilyRuntime, RunComponent, gather_rows
+from machgen.runtime.tensors import as_numpy, as_torch, concat
+
+StepCallback = Callable[[int, int], None]
+
+
+class GenerationCancelled(Exception):
+    """The caller withdrew the request; raised at the next step boundary."""
+
+    def __init__(self, step: int, total: int):
+        super().__init__(f"cancelled after {step} of {total} steps")
+        self.step = step
+
+
+@dataclass
+class GenerationStats:
+    """What one request cost; returned to clients as the ``stats`` output."""
+
+    steps: int = 0
+    cache_policy: str = "none"
+    cache_threshold: float | None = None
+    denoiser_head_calls: int = 0
+    denoiser_tail_calls: int = 0
+    # Rows through the tail: a guided call carries one per pass diffusers makes (two with CFG).
+    denoiser_tail_passes: int = 0
+    # Guided steps whose guidance rows (the negative prompt's) came from the kept differences.
+    negative_rows_derived: int = 0
+    text_cache_hits: int = 0
+    text_cache_misses: int = 0
+    # What was made: frames (1 for an image) and, for a video, the frame rate it plays at.
+    frames: int = 1
+    fps: int | None = None
+    # Of the sound track, for a model that makes one.
+    sample_rate: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass
+class Generation:
+    latents: Any  # what the family's decode takes (FamilyRuntime.finish)
+    stats: GenerationStats
+
+
+class PromptEmbeddingCache:
+    """Bounded LRU of text-encoder outputs keyed by prompt: clients resend the
+    same prompts (and every true-CFG request the same negative prompt).
+
+    Values are one prompt's rows of the conditioning arrays. Shared by the
+    requests of one sampler, each on its own thread.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def encode(self, prompts: list[str], encode: Callable[[list[str]], dict[str, np.ndarray]],
+               stats: GenerationStats) -> dict[str, np.ndarray]:
+        with self._lock:
+            cached = {p: self._entries[p] for p in prompts if p in self._entries}
+            for prompt in cached:
+                self._entries.move_to_end(prompt)
+        missing = list(dict.fromkeys(p for p in prompts if p not in cached))
+        stats.text_cache_hits += len(prompts) - sum(prompts.count(p) for p in missing)
+        stats.text_cache_misses += sum(prompts.count(p) for p in missing)
+        if missing:
+            encoded = encode(missing)
+            for row, prompt in enumerate(missing):
+                cached[prompt] = {name: value[row:row + 1] for name, value in encoded.items()}
+            if self.capacity:
+                with self._lock:
+                    for prompt in missing:
+                        self._entries[prompt] = cached[prompt]
+                        self._entries.move_to_end(prompt)
+                    while len(self._entries) > self.capacity:
+                        self._entries.popitem(last=False)
+        names = cached[prompts[0]].keys()
+        return {name: concat([cached[p][name] for p in prompts]) for name in names}
+
+
+def _first_rows(arrays: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    return {name: value[:rows] for name, value in arrays.items()}
+
+
+def _route(names: Sequence[str], available: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: available[name] for name in names}
+
+
+class Sampler:
+    """Runs one request: encode, denoise (per step: head and tail, or a kept
+    residual through ``denoiser_reuse``), finish; ``decode`` makes frames.
+
+    ``component_inputs`` are the input names of the components; those of
+    the tail and reuse components come from the head's outputs or the
+    head's inputs (for example the position ids every part uses).
+    """
+
+    def __init__(self, runtime: FamilyRuntime, run_component: RunComponent,
+                 component_inputs: Mapping[str, Sequence[str]], cache_settings: CacheSettings = CacheSettings(),
+                 prompt_cache_size: int = 256):
+        self.runtime = runtime
+        self.run_component = run_component
+        self.component_inputs = {name: tuple(inputs) for name, inputs in component_inputs.items()}
+        self.cache_settings = cache_settings
+        self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
+
+    def parse_request(self, get_input: Callable[[str], np.ndarray | None], defaults) -> GenerationRequest:
+        """One request's inputs validated against what this model serves (api.parse_request)."""
+        family = self.runtime.family
+        return parse_request(get_input, defaults, size_multiple=self.runtime.size_multiple,
+                             capabilities=family.capabilities, cache_policies=self.cache_settings.available(),
+                             frame_multiple=self.runtime.frame_multiple, family_inputs=family.inputs,
+                             settings=self.runtime.settings)
+
+    def _inputs_of(self, denoiser: str, part: str) -> tuple[str, ...]:
+        # A second denoiser (Wan 2.2's low-noise expert) takes the first one's inputs.
+        return self.component_inputs.get(f"{denoiser}_{part}") or self.component_inputs[f"denoiser_{part}"]
+
+    def predict_noise(self, step: int, inputs: dict[str, Any], cache: StepCache, stats: "GenerationStats",
+                      denoiser: str = "denoiser") -> tuple[Any, bool]:
+        """This step's prediction for the rows the cache runs, and whether the
+        tail ran; ``denoiser`` is the prefix of the components to call."""
+        plan = cache.plan(step)
+        head_inputs = _first_rows(inputs, cache.rows(step, plan, len(inputs["hidden_states"])))
+        head_outputs = None
+        if plan is not StepPlan.REUSE:
+            head_outputs = self.run_component(f"{denoiser}_head", head_inputs)
+            stats.denoiser_head_calls += 1
+            if plan is StepPlan.COMPUTE or cache.inspect(step, head_outputs):
+                tail_outputs = self.run_component(
+                    f"{denoiser}_tail", _route(self._inputs_of(denoiser, "tail"), {**head_inputs, **head_outputs}))
+                stats.denoiser_tail_calls += 1
+                stats.denoiser_tail_passes += len(head_inputs["hidden_states"])
+                cache.computed(head_outputs, tail_outputs["tail_residual"])
+                return tail_outputs["noise_pred"], True
+            # A row without a kept residual (a guidance row that ran no tail) comes from the guidance difference.
+            head_inputs = _first_rows(head_inputs, cache.kept_rows())
+        cache.skipped(step)
+        available = {**head_inputs,
+                     "blocks_residual": cache.blocks_residual(head_outputs, len(head_inputs["hidden_states"]))}
+        return self.run_component(f"{denoiser}_reuse",
+                                  _route(self._inputs_of(denoiser, "reuse"), available))["noise_pred"], False
+
+    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None,
+                 is_cancelled: Callable[[], bool] | None = None) -> Generation:
+        """The latents to decode and what they cost, for one validated request.
+
+        ``is_cancelled`` is asked before every step; when it answers True the
+        loop stops there with GenerationCancelled.
+        """
+        runtime = self.runtime
+        policy = request.cache_policy or self.cache_settings.default_policy
+        cache = StepCache(policy, request.cache_threshold, self.cache_settings)
+        stats = GenerationStats(cache_policy=policy, cache_threshold=cache.threshold, frames=request.num_frames,
+                                fps=request.fps, sample_rate=runtime.sample_rate)
+        guidance = runtime.guidance(request)
+        prompts = [request.prompt] + ([request.negative_prompt] if guidance.uses_negative_prompt else [])
+        embeddings = self.prompt_cache.encode(prompts, runtime.encode_prompts, stats)
+        scheduler = runtime.scheduler(request)
+        first_step = request.num_inference_steps - request.denoising_steps
+        state = runtime.state_class(request=request, scheduler=scheduler, timesteps=scheduler.timesteps[first_step:],
+                                    first_step=first_step, guidance=guidance,
+                                    conditioning=gather_rows(embeddings, guidance.prompt_rows))
+        latents = runtime.initial_latents(state)
+        state.conditioning.update(runtime.request_conditioning(state))
+        stats.steps = len(state.timesteps)
+        cache.start(len(state.timesteps), first_step, request.num_inference_steps)
+        for index, timestep in enumerate(state.timesteps):
+            if is_cancelled is not None and is_cancelled():
+                raise GenerationCancelled(index, len(state.timesteps))
+            state.step = index
+            denoiser = runtime.denoiser(state, timestep)
+            if denoiser != state.denoiser:
+                # What was kept came from the other denoiser's blocks.
+                cache.restart()
+                state.denoiser = denoiser
+            # Every guidance row of a step shares one call: one batch of rows.
+            inputs = runtime.denoiser_inputs(state, latents, timestep)
+            noise, ran_tail = self.predict_noise(index, inputs, cache, stats, denoiser)
+            stats.negative_rows_derived += len(noise) < guidance.rows
+            noise = guidance.combine(cache.guidance_rows(index, noise, ran_tail, guidance.rows), state, latents)
+            noise = as_torch(noise)
+            latents = scheduler.step(noise, timestep, latents.to(noise.device), return_dict=False)[0]
+            if on_step is not None:
+                on_step(index + 1, len(state.timesteps))
+        return Generation(runtime.finish(state, latents), stats)
+
+    def decode(self, latents) -> np.ndarray:
+        """uint8 frames [N, H, W, 3] (numpy, host memory) from ``Generation.latents``:
+        one for an image, every frame of a video."""
+        return as_numpy(self.runtime.decode(latents))
+
+    def decode_audio(self, latents) -> np.ndarray | None:
+        """The sound track float32 [channels, samples] of ``Generation.latents``
+        (host memory), or None for a model that makes none."""
+        audio = self.runtime.decode_audio(latents)
+        return None if audio is None else np.ascontiguousarray(as_numpy(audio), dtype=np.float32)
+
+
+def load_sampler(manifest: PipelineManifest, assets_dir: str, run_component: RunComponent) -> Sampler:
+    """The sampler a repository's manifest describes (served and in-process)."""
+    runtime = load_object(manifest.runtime)(manifest.family_settings, assets_dir, run_component)
+    return Sampler(runtime, run_component, {name: entry.inputs for name, entry in manifest.components.items()},
+                   cache_settings=CacheSettings.from_json(manifest.cache), prompt_cache_size=manifest.prompt_cache_size)

@@ -1,0 +1,328 @@
+"""The Python-backend models; the only module that imports triton_python_backend_utils.
+
+The generated ``model.py`` shims in a model repository import one of these
+classes as ``TritonPythonModel``:
+
+- ``PublicModel``: the public model NAME, one instance per request in flight.
+  It holds no model code (numpy only): it relays each request to the
+  sampler and answers with its result, passing on a client's cancellation.
+- ``SamplerModel``: NAME_sampler, one decoupled instance running every
+  in-flight request's denoising loop on its own thread (BLS calls to the
+  components release the GIL, so the loops overlap), so the libraries the
+  loop needs (torch, diffusers, tokenizers) are loaded once, not once per
+  request in flight. It answers a request with a progress response per step
+  and then its result.
+- ``OnnxComponentModel``, ``TorchComponentModel``: one pipeline component.
+  (tensorrt-target components are served by Triton's TensorRT backend.)
+
+Why two models and not one: a decoupled model cannot answer plain infer
+(HTTP, gRPC unary, perf_analyzer), and a plain Python model handles one
+request per instance process at a time. Errors travel from the sampler to
+the public model as an ``error`` output (BLS in Triton 2.51 drops the
+error responses of a decoupled model).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import traceback
+import uuid
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from machgen.contract.api import AUDIO_OUTPUT, InvalidArgument
+from machgen.contract.manifest import (
+    CANCEL_INPUT,
+    ERROR_OUTPUT,
+    PROGRESS_OUTPUT,
+    REQUEST_KEY_INPUT,
+    SAMPLER,
+    PipelineManifest,
+    model_name,
+)
+from machgen.runtime.sampler import GenerationCancelled
+from machgen.runtime.tensors import is_torch
+
+
+def _model_dir(args: dict) -> Path:
+    return Path(args["model_repository"]) / args["model_version"]
+
+
+def _parameter(config: dict, key: str, default: str) -> str:
+    return config.get("parameters", {}).get(key, {}).get("string_value", default)
+
+
+def _error_response(message: str, code) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([value.encode("utf-8")], dtype=np.object_)
+
+
+class _ComponentModel:
+    """What both component models do with a batch of requests: Triton's
+    dynamic batcher hands several at once; those with equal per-item shapes
+    run as one forward, and a failure answers every request of the batch.
+    Subclasses set ``runner`` (``run_batches``, ``input_names``),
+    ``max_rows`` and ``logger``, and say how tensors are read and written."""
+
+    def _read(self, tensor: "pb_utils.Tensor"):
+        raise NotImplementedError
+
+    def _write(self, name: str, value) -> "pb_utils.Tensor":
+        raise NotImplementedError
+
+    def execute(self, requests):
+        batches = [{name: self._read(pb_utils.get_input_tensor_by_name(request, name))
+                    for name in self.runner.input_names} for request in requests]
+        try:
+            outputs = self.runner.run_batches(batches, max_rows=self.max_rows)
+        except Exception as err:  # noqa: BLE001 - every request must get an answer
+            self.logger.log_error(f"{self.source}: {traceback.format_exc()}")
+            return [_error_response(f"component failed: {err}", pb_utils.TritonError.INTERNAL)
+                    for _ in requests]
+        return [pb_utils.InferenceResponse([self._write(name, value) for name, value in result.items()])
+                for result in outputs]
+
+
+class OnnxComponentModel(_ComponentModel):
+    """One pipeline component under ONNX Runtime on the CPU."""
+
+    def initialize(self, args: dict) -> None:
+        from machgen.runtime.onnx_runner import OnnxSession
+
+        config = json.loads(args["model_config"])
+        self.source = _model_dir(args) / "model.onnx"
+        self.runner = OnnxSession(self.source, intra_op_threads=int(_parameter(config, "intra_op_threads", "0")))
+        self.max_rows = int(config["max_batch_size"]) or None
+        self.logger = pb_utils.Logger
+
+    def _read(self, tensor: "pb_utils.Tensor"):
+        return tensor.as_numpy()
+
+    def _write(self, name: str, value) -> "pb_utils.Tensor":
+        return pb_utils.Tensor(name, np.ascontiguousarray(value))
+
+
+def _bls_tensor(name: str, value) -> "pb_utils.Tensor":
+    """A torch tensor goes by DLPack (a GPU tensor stays on its GPU), a numpy array as is."""
+    if is_torch(value):
+        return pb_utils.Tensor.from_dlpack(name, value.contiguous())
+    return pb_utils.Tensor(name, np.ascontiguousarray(value))
+
+
+def _received(tensor: "pb_utils.Tensor"):
+    """A GPU output as a torch tensor on that GPU (DLPack, no host copy); a CPU one as numpy."""
+    if tensor.is_cpu():
+        return tensor.as_numpy()
+    import torch
+
+    return torch.from_dlpack(tensor.to_dlpack())
+
+
+class TorchComponentModel(_ComponentModel):
+    """One pipeline component as a torch.export program (the ``torch``
+    target), on the GPU Triton gives this instance or on the CPU.
+
+    Tensors come and go by DLPack: a GPU input is used where it lies, an
+    output stays on the GPU for the caller.
+    """
+
+    def initialize(self, args: dict) -> None:
+        from machgen.runtime.torch_runner import TorchProgram
+
+        config = json.loads(args["model_config"])
+        device = None
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        self.source = _model_dir(args)
+        self.runner = TorchProgram.load(self.source, device=device)
+        self.max_rows = int(config["max_batch_size"]) or None
+        self.logger = pb_utils.Logger
+        self.logger.log_info(f"{config['name']}: {self.runner.memory_report()}")
+
+    def _read(self, tensor: "pb_utils.Tensor"):
+        import torch
+
+        return torch.from_dlpack(tensor.to_dlpack())
+
+    def _write(self, name: str, value) -> "pb_utils.Tensor":
+        return pb_utils.Tensor.from_dlpack(name, value.contiguous())
+
+
+class ComponentError(RuntimeError):
+    """A BLS call to a component model failed."""
+
+
+class PublicModel:
+    """The public model NAME: relays each request to NAME_sampler and answers
+    with its result (see the module docstring)."""
+
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        self.input_names = [entry["name"] for entry in config["input"]]
+        self.output_names = [entry["name"] for entry in config["output"]]
+        self.sampler = model_name(config["name"], SAMPLER)
+
+    def execute(self, requests):
+        return [self._relay(request) for request in requests]
+
+    def _relay(self, request) -> "pb_utils.InferenceResponse":
+        if request.is_cancelled():  # withdrawn while it waited in the queue
+            return _error_response("cancelled before it started", pb_utils.TritonError.CANCELLED)
+        key = uuid.uuid4().hex
+        inputs = [tensor for tensor in (pb_utils.get_input_tensor_by_name(request, name) for name in self.input_names)
+                  if tensor is not None]
+        call = pb_utils.InferenceRequest(
+            model_name=self.sampler, inputs=[*inputs, pb_utils.Tensor(REQUEST_KEY_INPUT, _text(key))],
+            requested_output_names=[*self.output_names, PROGRESS_OUTPUT, ERROR_OUTPUT],
+            request_id=request.request_id())
+        answer = None
+        cancel_sent = False
+        # Every response is read to the last (the final flag): the sampler's stream must end.
+        for response in call.exec(decoupled=True):
+            if response.has_error():  # the sampler model itself failed (not loaded, stopping)
+                answer = _error_response(f"{self.sampler}: {response.error().message()}",
+                                         pb_utils.TritonError.UNAVAILABLE)
+                continue
+            outputs = {tensor.name(): tensor for tensor in response.output_tensors()}
+            if ERROR_OUTPUT in outputs:
+                error = json.loads(outputs[ERROR_OUTPUT].as_numpy()[0])
+                answer = _error_response(error["message"], getattr(pb_utils.TritonError, error["status"]))
+            elif "images" in outputs:
+                answer = pb_utils.InferenceResponse([outputs[name] for name in self.output_names if name in outputs])
+            elif not cancel_sent and request.is_cancelled():
+                # Stops the loop at its next step; its answer (CANCELLED) is still read.
+                cancel_sent = True
+                stop = pb_utils.InferenceRequest(model_name=self.sampler, requested_output_names=[],
+                                                 inputs=[pb_utils.Tensor(CANCEL_INPUT, _text(key))])
+                for _ in stop.exec(decoupled=True):  # its one (empty) final response
+                    pass
+        if answer is None:
+            answer = _error_response(f"{self.sampler} ended the request without an answer",
+                                     pb_utils.TritonError.INTERNAL)
+        return answer
+
+
+class SamplerModel:
+    """NAME_sampler: every in-flight request start to finish (text encoders,
+    denoising loop, decoders) by BLS calls to the components, each on its
+    own thread.
+
+    Validation errors answer INVALID_ARG naming the field; a request whose
+    public model passed on a cancellation stops at the next step boundary
+    and answers CANCELLED; anything else answers INTERNAL for that request
+    only, and the model keeps serving.
+    """
+
+    def initialize(self, args: dict) -> None:
+        import torch
+
+        from machgen.contract.engines import check_repository_engines, serving_host
+        from machgen.runtime.components import InSamplerComponents
+        from machgen.runtime.sampler import load_sampler
+
+        # The loop only steps the scheduler; the components own the cores.
+        torch.set_num_threads(1)
+        model_dir = _model_dir(args)
+        self.manifest = PipelineManifest.read(model_dir)
+        if self.manifest.target == "tensorrt":
+            # Refuse engines built for another TensorRT or GPU with a message that says so (Triton's own
+            # load error for them is TensorRT's).
+            check_repository_engines(Path(args["model_repository"]).parent, self.manifest.served_models,
+                                     serving_host())
+        self.in_sampler = InSamplerComponents(self.manifest.components, model_dir)
+        self.sampler = load_sampler(self.manifest, str(model_dir), self._run_component)
+        self.logger = pb_utils.Logger
+        # Requests running, by the key their public model gave them: set when it asks them to stop.
+        self._stop: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def _run_component(self, name: str, inputs: dict):
+        if name in self.in_sampler:
+            return self.in_sampler.run(name, inputs)
+        model = self.manifest.components[name].model
+        request = pb_utils.InferenceRequest(
+            model_name=model,
+            inputs=[_bls_tensor(key, value) for key, value in inputs.items()],
+            requested_output_names=list(self.manifest.components[name].outputs),
+        )
+        response = request.exec()
+        if response.has_error():
+            raise ComponentError(f"{model}: {response.error().message()}")
+        return {tensor.name(): _received(tensor) for tensor in response.output_tensors()}
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            cancel = pb_utils.get_input_tensor_by_name(request, CANCEL_INPUT)
+            if cancel is not None:
+                with self._lock:
+                    stop = self._stop.get(cancel.as_numpy()[0].decode())
+                if stop is not None:
+                    stop.set()
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            key = pb_utils.get_input_tensor_by_name(request, REQUEST_KEY_INPUT)
+            key = uuid.uuid4().hex if key is None else key.as_numpy()[0].decode()
+            with self._lock:
+                self._stop[key] = threading.Event()
+            threading.Thread(target=self._serve, args=(request, sender, key), name=f"request-{key}",
+                             daemon=True).start()
+        return None
+
+    def _serve(self, request, sender, key: str) -> None:
+        try:
+            outputs = self._generate(request, sender, self._stop[key])
+        except InvalidArgument as err:
+            outputs = self._error("INVALID_ARG", str(err))
+        except GenerationCancelled as err:
+            self.logger.log_info(f"request {request.request_id() or '-'}: {err}")
+            outputs = self._error("CANCELLED", str(err))
+        except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
+            self.logger.log_error(f"sampler: {traceback.format_exc()}")
+            outputs = self._error("INTERNAL", f"generation failed: {err}")
+        finally:
+            with self._lock:
+                self._stop.pop(key, None)
+        sender.send(pb_utils.InferenceResponse(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    @staticmethod
+    def _error(status: str, message: str) -> list:
+        return [pb_utils.Tensor(ERROR_OUTPUT, _text(json.dumps({"status": status, "message": message})))]
+
+    def _generate(self, request, sender, stop: threading.Event) -> list:
+        def get_input(name: str):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        parsed = self.sampler.parse_request(get_input, self.manifest.defaults)
+
+        def on_step(step: int, total: int) -> None:
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(PROGRESS_OUTPUT,
+                                                                    np.array([step, total], np.int32))]))
+
+        result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=stop.is_set)
+        if stop.is_set():  # after the last step, before the decode
+            raise GenerationCancelled(result.stats.steps, result.stats.steps)
+        images = self.sampler.decode(result.latents)
+        audio = self.sampler.decode_audio(result.latents)
+        outputs = [pb_utils.Tensor("images", np.ascontiguousarray(images)),
+                   pb_utils.Tensor("stats", _text(result.stats.to_json()))]
+        if audio is not None:
+            outputs.append(pb_utils.Tensor(AUDIO_OUTPUT, audio))
+        return outputs
+
+    def finalize(self) -> None:
+        # Tearing down an interpreter with torch and diffusers loaded spends
+        # about a second in garbage collection; frozen objects are skipped
+        # (exit of such a process measured 1.37 s, 0.39 s frozen).
+        gc.freeze()
+
+
+__all__ = ["OnnxComponentModel", "PublicModel", "SamplerModel", "TorchComponentModel"]

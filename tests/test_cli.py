@@ -1,0 +1,33 @@
+"""`machgen generate`'s family inputs: options derived from the families' declarations."""
+
+import pytest
+import typer
+
+from machgen.cli import _family_flags_help, _family_options
+
+
+def test_family_inputs_are_options_of_their_own_typed_as_declared():
+    options = _family_options(["--stg-scale", "2", "--stg-block", "1", "--stg-block=3", "--guidance-scale-2", "4"],
+                              ["modality_scale=2.5", "audio_guidance_scale=1"])
+    assert options == {"stg_scale": 2.0, "stg_blocks": [1, 3], "guidance_scale_2": 4.0, "modality_scale": 2.5,
+                       "audio_guidance_scale": 1.0}
+    # --input names any input; one no family declares goes as written (the server's metadata types it)
+    assert _family_options([], ["stg_blocks=0,1", "future_input=7"]) == {"stg_blocks": [0, 1], "future_input": "7"}
+
+
+@pytest.mark.parametrize("extra, pairs, words", [
+    (["--no-such-flag", "1"], [], "no such option: --no-such-flag"),
+    (["--stg-scale"], [], "needs a value"),
+    (["--stg-scale", "much"], [], "not a FP32 value"),
+    ([], ["stg_scale"], "is not NAME=VALUE"),
+])
+def test_bad_family_options_are_named(extra, pairs, words):
+    with pytest.raises(typer.BadParameter, match=words):
+        _family_options(extra, pairs)
+
+
+def test_help_lists_every_family_input_with_its_families():
+    text = _family_flags_help()
+    for flag, families in (("--stg-block INT32 (repeatable)", "ltx2, ltx2-i2v"),
+                           ("--guidance-scale-2 FP32", "wan")):
+        assert flag in text and families in text
