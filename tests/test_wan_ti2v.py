@@ -1,0 +1,135 @@
+"""Wan 2.2 TI2V-5B on its tiny layout (a timestep per token, the patchified
+Wan 2.2 VAE): the served pipeline against diffusers' WanPipeline
+(text-to-video) and WanImageToVideoPipeline (image-to-video), both with
+``expand_timesteps``, on the same model, seed and settings, over every
+frame, in process and through Triton; cache reuse on it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import build_tiny_repository, free_port, levels, load_diffusers, picture, write_tiny
+
+pytestmark = pytest.mark.export
+
+MAX_PIXEL_DIFF = 2  # of 255, over all frames
+NAME = "ti2v"
+PROMPT = "a red circle at the top"
+
+
+@pytest.fixture(scope="module")
+def tiny_ti2v_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory, "wan-ti2v")
+
+
+@pytest.fixture(scope="module")
+def ti2v_repository(tiny_ti2v_dir, tmp_path_factory):
+    return build_tiny_repository(tmp_path_factory, tiny_ti2v_dir, NAME, in_flight=3)
+
+
+@pytest.fixture(scope="module")
+def local_ti2v(ti2v_repository):
+    from machgen.runtime.local import LocalPipeline
+
+    return LocalPipeline(ti2v_repository, NAME)
+
+
+def diffusers_video(tiny_dir, defaults, seed: int, image: np.ndarray | None = None, **call) -> np.ndarray:
+    """The pipeline's frames as uint8 levels (int16), [frames, H, W, 3]: WanPipeline without an
+    image, WanImageToVideoPipeline on the same folder with one."""
+    import diffusers
+    import torch
+    from PIL import Image
+
+    settings = {key: defaults[key] for key in ("height", "width", "num_frames", "num_inference_steps",
+                                               "guidance_scale", "max_sequence_length")}
+    if image is None:
+        pipe = load_diffusers(tiny_dir)
+    else:
+        pipe = diffusers.WanImageToVideoPipeline.from_pretrained(tiny_dir, local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        settings.update(image=Image.fromarray(image), height=image.shape[0], width=image.shape[1])
+    return levels(pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), output_type="np",
+                       **{**settings, **call}).frames[0])
+
+
+def max_diff(ours: np.ndarray, theirs: np.ndarray) -> int:
+    assert ours.shape == theirs.shape
+    return int(np.abs(ours.astype(np.int16) - theirs).max())
+
+
+def test_the_folder_is_served_by_its_own_family(tiny_ti2v_dir):
+    from machgen.builder.build import detect_family
+
+    family = detect_family(tiny_ti2v_dir)
+    assert family.name == "wan-ti2v" and family.capabilities.tasks == ("text-to-video", "image-to-video")
+
+
+@pytest.mark.parametrize("call", [
+    {},  # the served defaults: 64 x 64, 9 frames, 4 steps, CFG 5
+    {"num_frames": 17, "height": 32, "width": 96, "num_inference_steps": 5, "guidance_scale": 3.0,
+     "negative_prompt": "a blue square"},
+    {"num_frames": 1, "guidance_scale": 1.0},  # one frame, no CFG pass
+], ids=["defaults", "17-frames-wide", "one-frame-no-cfg"])
+def test_in_process_text_to_video_equals_diffusers(local_ti2v, tiny_ti2v_dir, call):
+    defaults = local_ti2v.manifest.defaults.to_json()
+    frames, stats = local_ti2v.generate(PROMPT, seed=3, cache_policy="none", **call)
+    expected = diffusers_video(tiny_ti2v_dir, defaults, 3, **call)
+    assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
+    assert expected.std() > 5  # a real video, not a constant one
+    steps = call.get("num_inference_steps", defaults["num_inference_steps"])
+    cfg_rows = 1 if call.get("guidance_scale", defaults["guidance_scale"]) <= 1 else 2
+    assert (stats.frames, stats.fps, stats.denoiser_tail_passes) == (len(frames), 24, cfg_rows * steps)
+
+
+@pytest.mark.parametrize("size, call", [
+    ((64, 64), {}),
+    ((32, 96), {"num_frames": 13, "num_inference_steps": 5, "guidance_scale": 2.0}),
+], ids=["defaults", "13-frames-wide"])
+def test_in_process_image_to_video_equals_diffusers(local_ti2v, tiny_ti2v_dir, size, call):
+    image = picture(*size, seed=7)
+    frames, stats = local_ti2v.generate(PROMPT, image=image, seed=8, cache_policy="none", **call)
+    expected = diffusers_video(tiny_ti2v_dir, local_ti2v.manifest.defaults.to_json(), 8, image=image, **call)
+    assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
+    # the picture conditions the video: the same request without it is another one
+    text_only, _ = local_ti2v.generate(PROMPT, seed=8, cache_policy="none", height=size[0], width=size[1], **call)
+    assert max_diff(frames, text_only.astype(np.int16)) > 10
+
+
+def test_cache_reuse_skips_steps_close_to_the_uncached_video(local_ti2v):
+    uncached, plain = local_ti2v.generate(PROMPT, seed=4, num_inference_steps=12, cache_policy="none")
+    cached, stats = local_ti2v.generate(PROMPT, seed=4, num_inference_steps=12, cache_policy="fbcache",
+                                        cache_threshold=0.3)
+    assert stats.denoiser_tail_calls < plain.denoiser_tail_calls == 12
+    psnr = 10 * np.log10(255.0 ** 2 / np.mean((cached.astype(float) - uncached.astype(float)) ** 2))
+    assert psnr > 30, f"cached video {psnr:.1f} dB from the uncached one"
+
+
+def test_requests_are_validated_against_the_model(local_ti2v):
+    from machgen.contract.api import InvalidArgument
+
+    for options, field in [({"num_frames": 8}, "num_frames"), ({"height": 48}, "height"),
+                           ({"guidance_scale_2": 2.0}, "guidance_scale_2"), ({"image": picture(48, 64, 0)}, "image"),
+                           ({"image": picture(64, 64, 0), "strength": 0.5}, "strength")]:
+        with pytest.raises(InvalidArgument) as error:
+            local_ti2v.generate(PROMPT, **options)
+        assert error.value.field == field
+
+
+@pytest.mark.integration
+def test_served_text_and_image_to_video_equal_diffusers(ti2v_repository, local_ti2v, tiny_ti2v_dir):
+    from machgen.client import MachgenClient
+    from machgen.server import Ports, TritonServer
+
+    defaults = local_ti2v.manifest.defaults.to_json()
+    image = picture(64, 64, seed=9)
+    with TritonServer(ti2v_repository, Ports(free_port(), free_port(), free_port())) as server, \
+            MachgenClient(server.grpc_url) as client:
+        text_frames, text_stats = client.generate_with_stats(NAME, PROMPT, seed=2, num_inference_steps=3)
+        image_frames, image_stats = client.generate_with_stats(NAME, PROMPT, image=image, seed=2,
+                                                               num_inference_steps=3)
+    assert max_diff(text_frames, diffusers_video(tiny_ti2v_dir, defaults, 2, num_inference_steps=3)) <= MAX_PIXEL_DIFF
+    assert max_diff(image_frames, diffusers_video(tiny_ti2v_dir, defaults, 2, image=image,
+                                                  num_inference_steps=3)) <= MAX_PIXEL_DIFF
+    assert text_stats["frames"] == image_stats["frames"] == defaults["num_frames"]
