@@ -57,6 +57,8 @@ API_INPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("reference_images", "UINT8", (-1, -1, -1, 3), "reference-to-video: pictures of what the video "
                                                             "shows, [count, height, width, RGB]"),
 )
+
+
 @dataclass(frozen=True)
 class FamilyInput:
     """An input only one family's models take, declared once in the family's

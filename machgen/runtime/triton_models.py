@@ -302,8 +302,10 @@ class SamplerModel:
             return None if tensor is None else tensor.as_numpy()
 
         parsed = self.sampler.parse_request(get_input, self.manifest.defaults)
+        request_id = request.request_id() or "-"
 
         def on_step(step: int, total: int) -> None:
+            self.logger.log_verbose(f"request {request_id}: step {step}/{total}")
             sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(PROGRESS_OUTPUT,
                                                                     np.array([step, total], np.int32))]))
 
