@@ -21,16 +21,19 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Two workers (the CI machine's cores); a test module runs whole on one worker, so its repositories are built once.
+# One thread each: two workers fill the two cores, and more threads only contend (torch's OpenMP threads spin while
+# they wait for work).
 PYTEST_WORKERS ?= 2
+PYTEST_THREADS ?= 1
 PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
 
 test: install
-	$(BIN)/python -m pytest -ra --durations=15 $(PYTEST_PARALLEL)
+	OMP_NUM_THREADS=$(PYTEST_THREADS) $(BIN)/python -m pytest -ra --durations=15 $(PYTEST_PARALLEL)
 
 # The unit tier: no export, no server (what exports or serves is marked so, and refused here).
 test-fast: install
-	MACHGEN_TEST_TIER=fast $(BIN)/python -m pytest -ra --durations=10 -m "not export and not integration" \
-		-n $(PYTEST_WORKERS) --dist load
+	MACHGEN_TEST_TIER=fast OMP_NUM_THREADS=$(PYTEST_THREADS) $(BIN)/python -m pytest -ra --durations=10 \
+		-m "not export and not integration" -n $(PYTEST_WORKERS) --dist load
 
 repository: install
 	$(BIN)/machgen-build build $(MODEL) --name $(NAME) --target onnxruntime --out model_repository

@@ -69,8 +69,9 @@ class Ports:
 class TritonServer:
     """A tritonserver process on a model repository; a context manager.
 
-    ``start`` returns once the server reports ready (or raises with the tail
-    of its log); ``stop`` sends SIGTERM and waits for in-flight requests.
+    ``start`` returns once the server reports ready and its metrics answer
+    (or raises with the tail of its log); ``stop`` sends SIGTERM and waits
+    for in-flight requests.
     """
 
     def __init__(self, model_repository: Path, ports: Ports = Ports(), host: str = "127.0.0.1",
@@ -117,15 +118,20 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
-            if self.ready():
+            # The metrics service starts last: a server whose metrics port is taken reports ready, then exits.
+            if self.ready() and self._answers(f"http://{self.host}:{self.ports.metrics}/metrics"):
                 return self
             time.sleep(0.25)
         self.stop()
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
     def ready(self) -> bool:
+        return self._answers(f"http://{self.http_url}/v2/health/ready")
+
+    @staticmethod
+    def _answers(url: str) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 return response.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False

@@ -219,15 +219,58 @@ def built_repository(tiny_flux_dir, tmp_path_factory):
     return out, results
 
 
-@pytest.fixture(scope="session")
-def triton_server(built_repository):
-    from machgen.server import Ports, TritonServer
+_STOPPING: list = []  # the threads of servers stopping while the tests go on
 
+
+def stop_in_background(server) -> None:
+    """Stop ``server`` while the tests go on: most of a stop is Triton waiting (a second per Python model
+    instance, one instance after another), not work. The session ends once every one has stopped."""
+    import threading
+
+    thread = threading.Thread(target=server.stop, name="stop-server", daemon=True)
+    thread.start()
+    _STOPPING.append(thread)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def servers_stopped():
+    yield
+    for thread in _STOPPING:
+        thread.join()
+
+
+@contextlib.contextmanager
+def serving(repository: Path, **options):
+    """A Triton server of ``repository`` on free ports (``options``: TritonServer's), stopped on exit."""
+    from machgen.server import Ports, ServerError, TritonServer
+
+    for attempt in range(3):
+        server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), **options)
+        try:
+            server.start()
+            break
+        except ServerError as error:
+            # A port found free can be taken before the server binds it (a client's connection, another test
+            # run's server): then again on other ports.
+            server.stop()
+            if "already in use" not in str(error) or attempt == 2:
+                raise
+    try:
+        yield server
+    finally:
+        stop_in_background(server)
+
+
+def _kept_log(tmp_path_factory, name: str) -> Path:
+    """A server log under pytest's base temp, there after the run (pytest keeps the last three)."""
+    return tmp_path_factory.mktemp(name) / "tritonserver.log"
+
+
+@pytest.fixture(scope="session")
+def triton_server(built_repository, tmp_path_factory):
     repository, _ = built_repository
-    server = TritonServer(repository, Ports(free_port(), free_port(), free_port()))
-    server.start()
-    yield server
-    server.stop()
+    with serving(repository, log_file=_kept_log(tmp_path_factory, "triton-server")) as server:
+        yield server
 
 
 # The tiny Flux served under other settings than the session server's, one pipeline each in one repository.
@@ -265,13 +308,9 @@ def variant_repository(tiny_flux_dir, built_repository, tmp_path_factory) -> Pat
 
 
 @pytest.fixture(scope="session")
-def variant_server(variant_repository):
-    from machgen.server import Ports, TritonServer
-
-    server = TritonServer(variant_repository, Ports(free_port(), free_port(), free_port()))
-    server.start()
-    yield server
-    server.stop()
+def variant_server(variant_repository, tmp_path_factory):
+    with serving(variant_repository, log_file=_kept_log(tmp_path_factory, "variant-server")) as server:
+        yield server
 
 
 def metric(server, name: str, model: str) -> float:

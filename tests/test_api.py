@@ -203,7 +203,7 @@ def test_bad_guidance_inputs_are_named(guidance_is_cfg, experts, values, field, 
     assert raised.value.field == field
 
 
-def test_family_guidance_helpers_name_the_field():
+def test_family_input_parsers_name_the_field():
     from machgen.contract.api import fraction_input, guidance_scale_input, indices_input
 
     assert indices_input("stg_blocks", np.array([3, 0], dtype=np.int32), 4) == (3, 0)

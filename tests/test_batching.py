@@ -1,5 +1,6 @@
 """Batching across requests, cancellation and the bounded queue, on a real tritonserver."""
 
+import json
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +99,8 @@ def test_cancelled_and_timed_out_requests_free_their_slots_and_the_others_comple
         assert "cancel" in str(first["cancelled"]).lower()
         assert "deadline" in str(first["deadline"]).lower()
         rest = calls.wait(slots - 2)
-        assert rest == {f"long{index}": None for index in range(slots - 2)}, {k: str(v) for k, v in rest.items()}
+        assert rest == {f"long{index}": None for index in range(slots - 2)}, {
+            tag: str(error) for tag, error in rest.items() if error is not None}
     finally:
         calls.close()
     log = triton_server.log_file.read_text(errors="replace")
@@ -125,3 +127,51 @@ def test_a_full_queue_answers_unavailable_and_keeps_serving(variant_server):
             assert client.generate(queue_model, "a red cat", num_inference_steps=2).shape[0] == 1
     finally:
         calls.close()
+
+
+def test_the_sampler_refuses_a_key_already_running_and_stops_the_one_a_cancel_names(triton_server):
+    # What the public model sends its sampler, sent by hand over one stream.
+    import tritonclient.grpc as grpcclient
+
+    sampler = f"{PIPELINE_NAME}_sampler"
+    responses: queue.Queue = queue.Queue()
+    stream = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    stream.start_stream(callback=lambda result, error: responses.put((result, error)))
+    outputs = [grpcclient.InferRequestedOutput(name) for name in ("images", "progress", "error")]
+
+    def next_response(request_id: str) -> dict:
+        deadline = time.monotonic() + 60.0
+        while True:
+            result, error = responses.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert error is None, error
+            if result.get_response().id == request_id:
+                return {output.name: result.as_numpy(output.name) for output in result.get_response().outputs}
+
+    def error_of(response: dict) -> dict:
+        assert "error" in response, f"not an error: {sorted(response)}"
+        return json.loads(response["error"][0])
+
+    with MachgenClient(triton_server.grpc_url) as client:
+        def generation(key: str, steps: int) -> list:
+            return [client.make_input("prompt", "a red cat"), client.make_input("num_inference_steps", steps),
+                    client.make_input("request_key", key, model=sampler)]
+
+        try:
+            stream.async_stream_infer(sampler, generation("one key", 250), request_id="first", outputs=outputs)
+            assert "progress" in next_response("first")
+            stream.async_stream_infer(sampler, generation("one key", 2), request_id="second", outputs=outputs)
+            refused = error_of(next_response("second"))
+            assert refused["status"] == "INVALID_ARG" and "request_key" in refused["message"]
+            stream.async_stream_infer(sampler, [client.make_input("cancel", "one key", model=sampler)],
+                                      request_id="stop")
+            while "progress" in (last := next_response("first")):
+                pass
+            assert error_of(last)["status"] == "CANCELLED"
+            # The key is free again once its request has ended.
+            stream.async_stream_infer(sampler, generation("one key", 2), request_id="again", outputs=outputs)
+            while "progress" in (last := next_response("again")):
+                pass
+            assert last["images"].shape[0] == 1
+        finally:
+            stream.stop_stream()
+            stream.close()

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import build_tiny_repository, free_port, levels, load_diffusers, write_tiny
+from conftest import build_tiny_repository, levels, load_diffusers, serving, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255
 NAME = "hidream"
@@ -93,10 +93,9 @@ def test_first_block_cache_skips_steps(local_hidream):
 def test_served_text_to_image_equals_diffusers(hidream_repository, hidream_pipeline):
     from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
-    from machgen.server import Ports, TritonServer
 
     defaults = json.loads((pipeline_dir(hidream_repository, NAME) / "pipeline.json").read_text())["defaults"]
-    with TritonServer(hidream_repository, Ports(free_port(), free_port(), free_port())) as server, \
+    with serving(hidream_repository) as server, \
             MachgenClient(server.grpc_url) as client:
         images, stats = client.generate_with_stats(NAME, PROMPT, seed=3, num_inference_steps=3)
     expected = diffusers_image(hidream_pipeline, defaults, 3, num_inference_steps=3)

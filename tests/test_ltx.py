@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import build_tiny_repository, free_port, levels, load_diffusers, picture, write_tiny
+from conftest import build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "ltx"
@@ -83,10 +83,9 @@ def test_first_block_cache_skips_steps_of_a_video(local_ltx):
 def test_served_text_to_video_equals_diffusers(ltx_repository, ltx_pipeline):
     from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
-    from machgen.server import Ports, TritonServer
 
     defaults = json.loads((pipeline_dir(ltx_repository, NAME) / "pipeline.json").read_text())["defaults"]
-    with TritonServer(ltx_repository, Ports(free_port(), free_port(), free_port())) as server, \
+    with serving(ltx_repository) as server, \
             MachgenClient(server.grpc_url) as client:
         frames, stats = client.generate_with_stats(NAME, PROMPT, seed=3, num_frames=13, fps=16)
     expected = diffusers_video(ltx_pipeline, defaults, 3, num_frames=13, fps=16)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import build_tiny_repository, free_port, levels, load_diffusers, picture, write_tiny
+from conftest import build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 MAX_AUDIO_DIFF = 1e-4  # of samples in [-1, 1] (the tiny model's sound peaks near 0.1)
@@ -152,7 +152,6 @@ def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_fo
                                                                                        tmp_path):
     from machgen.client import MachgenClient
     from machgen.client.video import read_audio, read_mp4
-    from machgen.server import Ports, TritonServer
 
     defaults = local_ltx2.manifest.defaults.to_json()
     # One size, so that every step's rows can share a forward (the CLI below makes another size).
@@ -164,7 +163,7 @@ def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_fo
         with MachgenClient(url) as client:
             return client.generate_all(NAME, PROMPT, cache_policy="none", **settings)
 
-    with TritonServer(ltx2_repository, Ports(free_port(), free_port(), free_port())) as server:
+    with serving(ltx2_repository) as server:
         solo = [generate(settings, server.grpc_url) for settings in requests]
         with MachgenClient(server.grpc_url) as client:
             before = client.rows_and_forwards(f"{NAME}_denoiser_tail")
@@ -334,13 +333,29 @@ SPARSE_NAME = "ltx2_sparse"
 
 
 @pytest.fixture(scope="module")
-def sparse_ltx2_repository(tiny_ltx2_dir, tmp_path_factory):
+def sparse_ltx2_build(tiny_ltx2_dir, ltx2_repository, tmp_path_factory):
+    """(repository, attention options, build log), built after the dense one (its exports in the cache)."""
     from machgen.builder.build import AttentionOptions, build_repository
 
     out = tmp_path_factory.mktemp("ltx2-sparse-repository")
     attention = AttentionOptions("sparse-fp8", block=4, mask_method="topk", topk_ratio=0.25)
-    build_repository(tiny_ltx2_dir, SPARSE_NAME, out, attention=attention, log=lambda line: None)
-    return out, attention
+    logs: list[str] = []
+    build_repository(tiny_ltx2_dir, SPARSE_NAME, out, attention=attention, log=logs.append)
+    return out, attention, logs
+
+
+@pytest.fixture(scope="module")
+def sparse_ltx2_repository(sparse_ltx2_build):
+    return sparse_ltx2_build[:2]
+
+
+def test_a_sparse_build_exports_only_what_holds_the_swapped_layers(sparse_ltx2_build):
+    """The text connectors' attention is of the transformer's class but none of the swapped layers: the
+    text encoder, like the decoders, comes from the dense build's exports."""
+    logs = sparse_ltx2_build[2]
+    progress = {line.split(":")[0].split("] ")[1]: line for line in logs if "max |" in line}
+    exported = {name for name, line in progress.items() if not line.endswith("(export cache)")}
+    assert exported == {"denoiser_head", "denoiser_tail", "denoiser_reuse"}
 
 
 def test_sparse_attention_takes_the_video_self_attention_only(sparse_ltx2_repository, ltx2_pipeline):

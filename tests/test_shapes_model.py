@@ -9,7 +9,7 @@ import pytest
 
 from machgen.builder import evaluate, shapes
 
-from conftest import free_port
+from conftest import serving
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "shapes-flux"
 PROMPTS = shapes.evaluation_prompts(70)
@@ -51,9 +51,7 @@ def shapes_repository(tmp_path_factory):
 
 @pytest.mark.integration
 def test_served_model_gives_the_same_images_and_accuracy(diffusers_images, shapes_repository):
-    from machgen.server import Ports, TritonServer
-
-    with TritonServer(shapes_repository, Ports(free_port(), free_port(), free_port())) as server:
+    with serving(shapes_repository) as server:
         uncached = evaluate.generate_served(server.grpc_url, "shapes", PROMPTS, cache_policy="none")
         served = evaluate.generate_served(server.grpc_url, "shapes", PROMPTS)
     labels = [label for _, _, label in PROMPTS]

@@ -12,7 +12,7 @@ import torch
 
 from machgen.contract.manifest import pipeline_dir
 
-from conftest import PIPELINE_NAME, free_port
+from conftest import PIPELINE_NAME, serving
 from test_image_to_image import PROMPT, _diffusers_img2img, _image
 from test_integration import MAX_PIXEL_DIFF, diffusers_image
 
@@ -62,11 +62,10 @@ def test_served_torch_target_equals_diffusers(torch_repository, tiny_flux_pipeli
     """Through Triton: the sampler sends torch tensors by DLPack, the
     components take them and answer by DLPack (CPU tensors here)."""
     from machgen.client import MachgenClient
-    from machgen.server import Ports, TritonServer
 
     defaults = json.loads((pipeline_dir(torch_repository, PIPELINE_NAME) / "pipeline.json").read_text())["defaults"]
     image = _image(defaults["height"], defaults["width"] * 2, seed=4)
-    with TritonServer(torch_repository, Ports(free_port(), free_port(), free_port())) as server, \
+    with serving(torch_repository) as server, \
             MachgenClient(server.grpc_url) as client:
         text_to_image = client.generate(PIPELINE_NAME, "a green circle", seed=3)
         image_to_image = client.generate(PIPELINE_NAME, PROMPT, image=image, strength=0.75, seed=5,

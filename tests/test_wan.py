@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import build_tiny_repository, free_port, levels, load_diffusers, picture, write_tiny
+from conftest import build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "wan"
@@ -154,7 +154,6 @@ def test_video_requests_are_validated_against_the_model(local_wan):
 def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wan_repository, local_wan,
                                                                               wan_pipeline):
     from machgen.client import MachgenClient
-    from machgen.server import Ports, TritonServer
 
     defaults = local_wan.manifest.defaults.to_json()
     requests = [dict(seed=10 + i, num_frames=(9, 9, 5, 9)[i], num_inference_steps=(4, 6, 4, 5)[i],
@@ -164,7 +163,7 @@ def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wa
         with MachgenClient(url) as client:
             return client.generate_with_stats(NAME, PROMPT, cache_policy="none", **settings)
 
-    with TritonServer(wan_repository, Ports(free_port(), free_port(), free_port())) as server:
+    with serving(wan_repository) as server:
         solo = [generate(settings, server.grpc_url) for settings in requests]
         with MachgenClient(server.grpc_url) as client:
             before = {model: client.rows_and_forwards(f"{NAME}_{model}")
@@ -237,10 +236,9 @@ def test_image_to_video_needs_its_picture(wan_i2v_repository):
 def test_served_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan_i2v_dir):
     from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
-    from machgen.server import Ports, TritonServer
 
     image = picture(48, 32, seed=9)
-    with TritonServer(wan_i2v_repository, Ports(free_port(), free_port(), free_port())) as server, \
+    with serving(wan_i2v_repository) as server, \
             MachgenClient(server.grpc_url) as client:
         frames, stats = client.generate_with_stats(NAME, PROMPT, image=image, seed=2, num_frames=9)
     defaults = json.loads((pipeline_dir(wan_i2v_repository, NAME) / "pipeline.json").read_text())["defaults"]

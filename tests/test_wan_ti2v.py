@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import build_tiny_repository, free_port, levels, load_diffusers, picture, write_tiny
+from conftest import build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
 
 pytestmark = pytest.mark.export
 
@@ -120,11 +120,10 @@ def test_requests_are_validated_against_the_model(local_ti2v):
 @pytest.mark.integration
 def test_served_text_and_image_to_video_equal_diffusers(ti2v_repository, local_ti2v, tiny_ti2v_dir):
     from machgen.client import MachgenClient
-    from machgen.server import Ports, TritonServer
 
     defaults = local_ti2v.manifest.defaults.to_json()
     image = picture(64, 64, seed=9)
-    with TritonServer(ti2v_repository, Ports(free_port(), free_port(), free_port())) as server, \
+    with serving(ti2v_repository) as server, \
             MachgenClient(server.grpc_url) as client:
         text_frames, text_stats = client.generate_with_stats(NAME, PROMPT, seed=2, num_inference_steps=3)
         image_frames, image_stats = client.generate_with_stats(NAME, PROMPT, image=image, seed=2,

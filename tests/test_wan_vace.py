@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import build_tiny_repository, free_port, levels, load_diffusers, write_tiny
+from conftest import build_tiny_repository, levels, load_diffusers, serving, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "vace"
@@ -125,11 +125,10 @@ def test_head_and_tail_equal_the_vace_transformer(vace_pipeline):
 def test_served_reference_to_video_equals_diffusers(vace_repository, vace_pipeline):
     from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
-    from machgen.server import Ports, TritonServer
 
     defaults = json.loads((pipeline_dir(vace_repository, NAME) / "pipeline.json").read_text())["defaults"]
     pictures = references(2, defaults["height"], defaults["width"])
-    with TritonServer(vace_repository, Ports(free_port(), free_port(), free_port())) as server, \
+    with serving(vace_repository) as server, \
             MachgenClient(server.grpc_url) as client:
         frames, stats = client.generate_with_stats(NAME, PROMPT, reference_images=pictures, seed=2, num_frames=5)
     expected = diffusers_video(vace_pipeline, defaults, 2, pictures, num_frames=5)

@@ -163,8 +163,13 @@ def _quiet_exporter() -> None:
     logging.getLogger("onnxscript.optimizer._constant_folding").setLevel(logging.ERROR)
 
 
-def _holds_module_of(component, module_names) -> bool:
-    """Whether one of ``component``'s submodules is a class defined in one of ``module_names``."""
+def _reached_by_swap(component, module_names, layers) -> bool:
+    """Whether the attention swap can change ``component``: it holds one of
+    ``layers`` (where the family names them), else a submodule of a class
+    defined in one of ``module_names``."""
+    if layers is not None:
+        chosen = {id(layer) for layer in layers}
+        return any(id(sub) in chosen for sub in component.module.modules())
     return any(type(sub).__module__ in module_names for sub in component.module.modules())
 
 
@@ -204,6 +209,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     defaults = served_defaults(model_dir, family, pipe)
     settings = exporter.sampler_settings(pipe, defaults)
     sparse = attention.config(exporter, defaults)
+    sparse_layers = exporter.sparse_attention_layers(pipe) if sparse is not None else None
     if sparse is not None:
         log(f"attention: SparseAttention {asdict(sparse)}")
     components = exporter.components(pipe)
@@ -234,8 +240,9 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             folder = Path(scratch) / spec.name
             path = serving.model_file(folder) if target == "torch" else folder / "model.onnx"
             # The swap changes only components holding a module where the swapped calls are: the text encoders
-            # and VAEs of a sparse build are those of the dense one.
-            swapped = sparse is not None and _holds_module_of(component, exporter.attention_modules)
+            # and VAEs of a sparse build are those of the dense one (LTX-2's text connectors too, whose attention
+            # is of the transformer's class but none of its swapped layers).
+            swapped = sparse is not None and _reached_by_swap(component, exporter.attention_modules, sparse_layers)
             key = (component_key(component, **export_options, attention=asdict(sparse) if swapped else None)
                    if cache is not None else None)
             cached = cache.load(key, folder) if cache is not None else None
@@ -243,7 +250,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])
             else:
                 # Swapped for the parity check too: torch then runs the operator's CPU reference.
-                with (attention_swapped(exporter.attention_modules, sparse, exporter.sparse_attention_layers(pipe))
+                with (attention_swapped(exporter.attention_modules, sparse, sparse_layers)
                       if sparse else contextlib.nullcontext()):
                     if target == "torch":
                         nodes = export_torch(component, folder, dtype, device,

@@ -90,7 +90,7 @@ class ServingOptions:
     # images at low concurrency want 0 (tiny model at 256x256: 1.75 s a
     # request with one thread, 1.01 s with two).
     intra_op_threads: int = 1
-    # Prompts whose text-encoder outputs each sampler instance keeps (0: none).
+    # Prompts whose text-encoder outputs the sampler keeps, shared by its requests (0: none).
     prompt_cache_size: int = 256
 
 
@@ -143,7 +143,7 @@ def _dynamic_batching(spec: ComponentSpec, options: ServingOptions) -> str:
         # A request sends one or two rows per step (true CFG), so no batch
         # size is "complete": run whatever has arrived once the delay is up.
         return f"dynamic_batching {{\n  max_queue_delay_microseconds: {options.step_queue_delay_us}\n}}\n"
-    # One row per request: when every sampler instance has a request here,
+    # One row per request: when every request in flight has one here,
     # nobody else can come, so the batch goes without waiting out the delay.
     preferred = min(options.in_flight, options.max_batch_size)
     return (f"dynamic_batching {{\n  preferred_batch_size: [ {preferred} ]\n"

@@ -4,6 +4,7 @@ the components a pipeline runs in the sampler's own process."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,14 +32,17 @@ class InSamplerComponents:
     manifest entry names a ``file`` under the sampler's folder
     instead of a Triton model). One single-threaded session each on the
     CPU: they are tiny, and the sampler shares the cores with the served
-    components."""
+    components. Request threads take turns on each (a runner is not made
+    to be called from two threads at once)."""
 
     def __init__(self, components: Mapping[str, ComponentEntry], sampler_dir: str | os.PathLike):
         self._runners = {name: open_component(Path(sampler_dir) / entry.file, intra_op_threads=1)
                          for name, entry in components.items() if entry.file is not None}
+        self._locks = {name: threading.Lock() for name in self._runners}
 
     def __contains__(self, component: str) -> bool:
         return component in self._runners
 
     def run(self, component: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        return self._runners[component].run(inputs)
+        with self._locks[component]:
+            return self._runners[component].run(inputs)

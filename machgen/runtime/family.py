@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
@@ -99,6 +100,7 @@ class FamilyRuntime:
         self.settings = settings
         self.assets_dir = assets_dir
         self.run_component = run_component
+        self._tokenizer_lock = threading.Lock()
 
     # --- what the builder copied beside the manifest (FamilyExport.sampler_assets)
     def load_tokenizer(self, folder: str, class_name: str) -> Any:
@@ -106,6 +108,14 @@ class FamilyRuntime:
         import transformers
 
         return getattr(transformers, class_name).from_pretrained(os.path.join(self.assets_dir, folder))
+
+    def tokenize(self, tokenizer: Any, prompts: list[str], **options: Any) -> Any:
+        """``tokenizer(prompts, **options)``, one request thread at a time: a
+        fast tokenizer keeps its padding and truncation on one shared Rust
+        object, and a call that changes them while another thread encodes
+        fails ("Already borrowed")."""
+        with self._tokenizer_lock:
+            return tokenizer(prompts, **options)
 
     def load_scheduler_config(self) -> dict[str, Any]:
         with open(os.path.join(self.assets_dir, "scheduler", "scheduler_config.json")) as f:
@@ -173,6 +183,13 @@ class FamilyRuntime:
     def decode_audio(self, latents: Any) -> Any:
         """The sound track [channels, samples] of ``finish``'s latents, or None."""
         return None
+
+
+def begin_at_first_step(scheduler: Any, request: GenerationRequest) -> Any:
+    """``scheduler`` with its begin index at the first step ``request`` runs
+    (image-to-image skips the start of the schedule); for ``scheduler`` hooks."""
+    scheduler.set_begin_index(request.num_inference_steps - request.denoising_steps)
+    return scheduler
 
 
 def decode_image(run_component: RunComponent, latents: Any) -> Any:

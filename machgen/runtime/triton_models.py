@@ -24,6 +24,7 @@ error responses of a decoupled model).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import threading
@@ -164,17 +165,37 @@ class PublicModel:
     with its result (see the module docstring)."""
 
     def initialize(self, args: dict) -> None:
+        faulthandler.enable(all_threads=True)  # a crash leaves the Python stacks in the server log
         config = json.loads(args["model_config"])
         self.input_names = [entry["name"] for entry in config["input"]]
         self.output_names = [entry["name"] for entry in config["output"]]
         self.sampler = model_name(config["name"], SAMPLER)
+        # The sampler's response streams, kept here until the stub has let go
+        # of them. The stub (Python backend 2.51 and still upstream in
+        # 2026-07) keeps each BLS response stream, and every response read
+        # from it, in a map that a background thread clears a moment after the
+        # final response, without the GIL. Were this model's reference gone by
+        # then, the responses' numpy arrays would be freed on that thread and
+        # corrupt the interpreter: measured here as a segfault in about one run
+        # in three of 8 requests of 250 steps. That thread also carries
+        # request.is_cancelled()'s round trip, in order: once one returns, the
+        # streams that ended before it are safe to free here.
+        self._streams: list = []
 
     def execute(self, requests):
         return [self._relay(request) for request in requests]
 
     def _relay(self, request) -> "pb_utils.InferenceResponse":
-        if request.is_cancelled():  # withdrawn while it waited in the queue
+        withdrawn = request.is_cancelled()  # a round trip: a request's first call is never cached
+        self._streams.clear()
+        if withdrawn:  # withdrawn while it waited in the queue
             return _error_response("cancelled before it started", pb_utils.TritonError.CANCELLED)
+        answer = self._answer(request)
+        if not request.is_cancelled():  # a round trip too: only True is cached
+            self._streams.clear()
+        return answer
+
+    def _answer(self, request) -> "pb_utils.InferenceResponse":
         key = uuid.uuid4().hex
         inputs = [tensor for tensor in (pb_utils.get_input_tensor_by_name(request, name) for name in self.input_names)
                   if tensor is not None]
@@ -184,8 +205,10 @@ class PublicModel:
             request_id=request.request_id())
         answer = None
         cancel_sent = False
+        stream = call.exec(decoupled=True)
+        self._streams.append(stream)
         # Every response is read to the last (the final flag): the sampler's stream must end.
-        for response in call.exec(decoupled=True):
+        for response in stream:
             if response.has_error():  # the sampler model itself failed (not loaded, stopping)
                 answer = _error_response(f"{self.sampler}: {response.error().message()}",
                                          pb_utils.TritonError.UNAVAILABLE)
@@ -201,7 +224,9 @@ class PublicModel:
                 cancel_sent = True
                 stop = pb_utils.InferenceRequest(model_name=self.sampler, requested_output_names=[],
                                                  inputs=[pb_utils.Tensor(CANCEL_INPUT, _text(key))])
-                for _ in stop.exec(decoupled=True):  # its one (empty) final response
+                stop_stream = stop.exec(decoupled=True)
+                self._streams.append(stop_stream)
+                for _ in stop_stream:  # its one (empty) final response
                     pass
         if answer is None:
             answer = _error_response(f"{self.sampler} ended the request without an answer",
@@ -241,6 +266,7 @@ class SamplerModel:
         self.logger = pb_utils.Logger
         # Requests running, by the key their public model gave them: set when it asks them to stop.
         self._stop: dict[str, threading.Event] = {}
+        self._threads: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
 
     def _run_component(self, name: str, inputs: dict):
@@ -260,21 +286,35 @@ class SamplerModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            cancel = pb_utils.get_input_tensor_by_name(request, CANCEL_INPUT)
-            if cancel is not None:
-                with self._lock:
-                    stop = self._stop.get(cancel.as_numpy()[0].decode())
-                if stop is not None:
-                    stop.set()
-                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                continue
-            key = pb_utils.get_input_tensor_by_name(request, REQUEST_KEY_INPUT)
-            key = uuid.uuid4().hex if key is None else key.as_numpy()[0].decode()
-            with self._lock:
-                self._stop[key] = threading.Event()
-            threading.Thread(target=self._serve, args=(request, sender, key), name=f"request-{key}",
-                             daemon=True).start()
+            try:
+                self._accept(request, sender)
+            except Exception as err:  # noqa: BLE001 - answer this request, keep the others
+                self.logger.log_error(f"sampler: {traceback.format_exc()}")
+                self._send_final(sender, self._error("INTERNAL", f"request not started: {err}"))
         return None
+
+    def _accept(self, request, sender) -> None:
+        """Start a request on its own thread, or pass on a cancellation."""
+        cancel = pb_utils.get_input_tensor_by_name(request, CANCEL_INPUT)
+        if cancel is not None:
+            with self._lock:
+                stop = self._stop.get(cancel.as_numpy()[0].decode())
+            if stop is not None:
+                stop.set()
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        key = pb_utils.get_input_tensor_by_name(request, REQUEST_KEY_INPUT)
+        key = uuid.uuid4().hex if key is None else key.as_numpy()[0].decode()
+        thread = threading.Thread(target=self._serve, args=(request, sender, key), name=f"request-{key}",
+                                  daemon=True)
+        with self._lock:
+            duplicate = key in self._stop  # a cancellation must reach the one request it names
+            if not duplicate:
+                self._stop[key], self._threads[key] = threading.Event(), thread
+        if duplicate:
+            self._send_final(sender, self._error("INVALID_ARG", f"{REQUEST_KEY_INPUT}: {key!r} is already running"))
+            return
+        thread.start()
 
     def _serve(self, request, sender, key: str) -> None:
         try:
@@ -288,9 +328,20 @@ class SamplerModel:
             self.logger.log_error(f"sampler: {traceback.format_exc()}")
             outputs = self._error("INTERNAL", f"generation failed: {err}")
         finally:
-            with self._lock:
+            with self._lock:  # the key is free by the time its answer is out
                 self._stop.pop(key, None)
-        sender.send(pb_utils.InferenceResponse(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self._threads.pop(key, None)
+        self._send_final(sender, outputs)
+
+    def _send_final(self, sender, outputs: list) -> None:
+        """The last response of a request; if that one cannot be sent (an
+        output Triton refuses), an error in its place, so the stream ends."""
+        try:
+            sender.send(pb_utils.InferenceResponse(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as err:  # noqa: BLE001
+            self.logger.log_error(f"sampler: answer not sent: {traceback.format_exc()}")
+            sender.send(pb_utils.InferenceResponse(self._error("INTERNAL", f"answer not sent: {err}")),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     @staticmethod
     def _error(status: str, message: str) -> list:
@@ -321,6 +372,15 @@ class SamplerModel:
         return outputs
 
     def finalize(self) -> None:
+        # Triton unloads the model once its requests have their final
+        # responses; what still runs (an unload forced by a timeout) stops at
+        # its next step, and answers CANCELLED rather than vanishing.
+        with self._lock:
+            stops, threads = list(self._stop.values()), list(self._threads.values())
+        for stop in stops:
+            stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
         # Tearing down an interpreter with torch and diffusers loaded spends
         # about a second in garbage collection; frozen objects are skipped
         # (exit of such a process measured 1.37 s, 0.39 s frozen).

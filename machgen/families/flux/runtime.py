@@ -17,7 +17,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.flux.spec import FLUX
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, decode_image
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, begin_at_first_step, decode_image
 from machgen.runtime.tensors import as_torch
 
 
@@ -55,10 +55,10 @@ class FluxRuntime(FamilyRuntime):
     def encode_prompts(self, prompts: list[str]) -> dict[str, Any]:
         """FluxPipeline.encode_prompt for a list of prompts, one row each
         (torch tensors, where the text encoders left them)."""
-        clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.settings["clip_max_length"],
-                                  truncation=True, return_tensors="np").input_ids.astype(np.int64)
-        t5_ids = self.tokenizer_2(prompts, padding="max_length", max_length=self.settings["max_sequence_length"],
-                                  truncation=True, return_tensors="np").input_ids.astype(np.int64)
+        clip_ids = self.tokenize(self.tokenizer, prompts, padding="max_length", truncation=True, return_tensors="np",
+                                 max_length=self.settings["clip_max_length"]).input_ids.astype(np.int64)
+        t5_ids = self.tokenize(self.tokenizer_2, prompts, padding="max_length", truncation=True, return_tensors="np",
+                               max_length=self.settings["max_sequence_length"]).input_ids.astype(np.int64)
         pooled = as_torch(self.run_component("text_encoder", {"input_ids": clip_ids})["pooled_prompt_embeds"])
         embeds = as_torch(self.run_component("text_encoder_2", {"input_ids": t5_ids})["prompt_embeds"])
         return {
@@ -90,8 +90,7 @@ class FluxRuntime(FamilyRuntime):
             scheduler.set_timesteps(steps, mu=mu)
         else:
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-        scheduler.set_begin_index(steps - request.denoising_steps)
-        return scheduler
+        return begin_at_first_step(scheduler, request)
 
     def initial_latents(self, state: RequestState):
         """Packed noise exactly as FluxPipeline.prepare_latents draws it; for

@@ -19,7 +19,7 @@ from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_s
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.hidream.spec import HIDREAM
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, decode_image
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, begin_at_first_step, decode_image
 from machgen.runtime.tensors import as_torch
 
 
@@ -58,8 +58,8 @@ class HiDreamRuntime(FamilyRuntime):
         return int(height * scale // division * division), int(width * scale // division * division)
 
     def _tokens(self, name: str, prompts: list[str], length: int) -> dict[str, Any]:
-        encoded = self.tokenizers[name](prompts, padding="max_length", max_length=length, truncation=True,
-                                        add_special_tokens=True, return_tensors="np")
+        encoded = self.tokenize(self.tokenizers[name], prompts, padding="max_length", max_length=length,
+                                truncation=True, add_special_tokens=True, return_tensors="np")
         return {"input_ids": encoded.input_ids.astype(np.int64),
                 "attention_mask": encoded.attention_mask.astype(np.int64)}
 
@@ -109,8 +109,7 @@ class HiDreamRuntime(FamilyRuntime):
         else:
             retrieve_timesteps(scheduler, request.num_inference_steps, "cpu",
                                mu=calculate_shift(self.settings["max_image_tokens"]))
-        scheduler.set_begin_index(0)
-        return scheduler
+        return begin_at_first_step(scheduler, request)
 
     def denoiser_inputs(self, state: RequestState, latents, timestep) -> dict[str, Any]:
         conditioning, request = state.conditioning, state.request

@@ -18,7 +18,7 @@ from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.ltx.spec import LTX, LTX_I2V
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, begin_at_first_step
 from machgen.runtime.tensors import as_numpy, as_torch
 
 
@@ -78,8 +78,9 @@ class LtxRuntime(FamilyRuntime):
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, Any]:
         """LTXPipeline._get_t5_prompt_embeds for a list of prompts, one row each, with their masks."""
-        tokens = self.tokenizer(prompts, padding="max_length", max_length=self.settings["max_sequence_length"],
-                                truncation=True, add_special_tokens=True, return_tensors="np")
+        tokens = self.tokenize(self.tokenizer, prompts, padding="max_length",
+                               max_length=self.settings["max_sequence_length"], truncation=True,
+                               add_special_tokens=True, return_tensors="np")
         mask = tokens.attention_mask.astype(np.int64)
         embeds = as_torch(self.run_component("text_encoder", {"input_ids": tokens.input_ids.astype(np.int64)})[
             "prompt_embeds"])
@@ -126,8 +127,7 @@ class LtxRuntime(FamilyRuntime):
         steps = request.num_inference_steps
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps),
                                 mu=self.shift(self.sequence_length(request), scheduler.config))
-        scheduler.set_begin_index(0)
-        return scheduler
+        return begin_at_first_step(scheduler, request)
 
     def request_conditioning(self, state: RequestState) -> dict[str, Any]:
         """The rotary positions of this video's tokens at its frame rate."""

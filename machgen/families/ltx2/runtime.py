@@ -111,9 +111,9 @@ class Ltx2Runtime(LtxRuntime):
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, Any]:
         """_get_gemma_prompt_embeds and the connectors, one row per prompt."""
-        tokens = self.tokenizer([p.strip() for p in prompts], padding="max_length",
-                                max_length=self.settings["max_sequence_length"], truncation=True,
-                                add_special_tokens=True, return_tensors="np")
+        tokens = self.tokenize(self.tokenizer, [p.strip() for p in prompts], padding="max_length",
+                               max_length=self.settings["max_sequence_length"], truncation=True,
+                               add_special_tokens=True, return_tensors="np")
         encoded = self.run_component("text_encoder", {"input_ids": tokens.input_ids.astype(np.int64),
                                                       "attention_mask": tokens.attention_mask.astype(np.int64)})
         return {name: as_torch(encoded[name]) for name in

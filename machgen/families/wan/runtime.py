@@ -19,7 +19,13 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.wan.spec import EXPERT_PREFIXES, WAN, WAN_I2V, WAN_VACE
-from machgen.runtime.family import ClassifierFreeGuidance, FamilyRuntime, RequestState, RunComponent
+from machgen.runtime.family import (
+    ClassifierFreeGuidance,
+    FamilyRuntime,
+    RequestState,
+    RunComponent,
+    begin_at_first_step,
+)
 from machgen.runtime.tensors import as_numpy, as_torch
 
 
@@ -77,9 +83,9 @@ class WanRuntime(FamilyRuntime):
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, Any]:
         """WanPipeline._get_t5_prompt_embeds for a list of prompts, one row each."""
-        tokens = self.tokenizer([prompt_clean(p) for p in prompts], padding="max_length",
-                                max_length=self.settings["max_sequence_length"], truncation=True,
-                                add_special_tokens=True, return_attention_mask=True, return_tensors="np")
+        tokens = self.tokenize(self.tokenizer, [prompt_clean(p) for p in prompts], padding="max_length",
+                               max_length=self.settings["max_sequence_length"], truncation=True,
+                               add_special_tokens=True, return_attention_mask=True, return_tensors="np")
         outputs = self.run_component("text_encoder", {"input_ids": tokens.input_ids.astype(np.int64),
                                                       "attention_mask": tokens.attention_mask.astype(np.int64)})
         return {"encoder_hidden_states": as_torch(outputs["prompt_embeds"])}
@@ -103,8 +109,7 @@ class WanRuntime(FamilyRuntime):
     def scheduler(self, request):
         scheduler = self._scheduler_class.from_config(self.scheduler_config)
         scheduler.set_timesteps(request.num_inference_steps)
-        scheduler.set_begin_index(0)
-        return scheduler
+        return begin_at_first_step(scheduler, request)
 
     def denoiser(self, state: RequestState, timestep) -> str:
         """Wan 2.2's high-noise expert from the start down to the boundary, the low-noise one after."""
