@@ -185,13 +185,6 @@ class FamilyRuntime:
         return None
 
 
-def begin_at_first_step(scheduler: Any, request: GenerationRequest) -> Any:
-    """``scheduler`` with its begin index at the first step ``request`` runs
-    (image-to-image skips the start of the schedule); for ``scheduler`` hooks."""
-    scheduler.set_begin_index(request.num_inference_steps - request.denoising_steps)
-    return scheduler
-
-
 def decode_image(run_component: RunComponent, latents: Any) -> Any:
     """An image model's decode: ``vae_decoder`` then ``postprocess`` (uint8 [1, H, W, 3])."""
     image = run_component("vae_decoder", {"latents": latents})["image"]

@@ -198,6 +198,7 @@ class Sampler:
         embeddings = self.prompt_cache.encode(prompts, runtime.encode_prompts, stats)
         scheduler = runtime.scheduler(request)
         first_step = request.num_inference_steps - request.denoising_steps
+        scheduler.set_begin_index(first_step)  # image-to-image starts into the schedule
         state = runtime.state_class(request=request, scheduler=scheduler, timesteps=scheduler.timesteps[first_step:],
                                     first_step=first_step, guidance=guidance,
                                     conditioning=gather_rows(embeddings, guidance.prompt_rows))

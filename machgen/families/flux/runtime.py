@@ -17,7 +17,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.flux.spec import FLUX
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, begin_at_first_step, decode_image
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, decode_image
 from machgen.runtime.tensors import as_torch
 
 
@@ -90,7 +90,7 @@ class FluxRuntime(FamilyRuntime):
             scheduler.set_timesteps(steps, mu=mu)
         else:
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-        return begin_at_first_step(scheduler, request)
+        return scheduler
 
     def initial_latents(self, state: RequestState):
         """Packed noise exactly as FluxPipeline.prepare_latents draws it; for

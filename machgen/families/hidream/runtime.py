@@ -19,7 +19,7 @@ from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_s
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.hidream.spec import HIDREAM
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, begin_at_first_step, decode_image
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, decode_image
 from machgen.runtime.tensors import as_torch
 
 
@@ -109,7 +109,7 @@ class HiDreamRuntime(FamilyRuntime):
         else:
             retrieve_timesteps(scheduler, request.num_inference_steps, "cpu",
                                mu=calculate_shift(self.settings["max_image_tokens"]))
-        return begin_at_first_step(scheduler, request)
+        return scheduler
 
     def denoiser_inputs(self, state: RequestState, latents, timestep) -> dict[str, Any]:
         conditioning, request = state.conditioning, state.request

@@ -18,7 +18,7 @@ from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.ltx.spec import LTX, LTX_I2V
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, begin_at_first_step
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent
 from machgen.runtime.tensors import as_numpy, as_torch
 
 
@@ -51,6 +51,9 @@ class KeepFirstFrame:
         self.frame_elements = frame_elements
         self.timesteps = scheduler.timesteps
         self.sigmas = scheduler.sigmas
+
+    def set_begin_index(self, index: int) -> None:
+        self.scheduler.set_begin_index(index)
 
     def step(self, model_output, timestep, sample, return_dict: bool = False):
         stepped = self.scheduler.step(model_output, timestep, sample, return_dict=False)[0]
@@ -127,7 +130,7 @@ class LtxRuntime(FamilyRuntime):
         steps = request.num_inference_steps
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps),
                                 mu=self.shift(self.sequence_length(request), scheduler.config))
-        return begin_at_first_step(scheduler, request)
+        return scheduler
 
     def request_conditioning(self, state: RequestState) -> dict[str, Any]:
         """The rotary positions of this video's tokens at its frame rate."""

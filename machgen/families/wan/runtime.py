@@ -19,13 +19,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.wan.spec import EXPERT_PREFIXES, WAN, WAN_I2V, WAN_VACE
-from machgen.runtime.family import (
-    ClassifierFreeGuidance,
-    FamilyRuntime,
-    RequestState,
-    RunComponent,
-    begin_at_first_step,
-)
+from machgen.runtime.family import ClassifierFreeGuidance, FamilyRuntime, RequestState, RunComponent
 from machgen.runtime.tensors import as_numpy, as_torch
 
 
@@ -109,7 +103,7 @@ class WanRuntime(FamilyRuntime):
     def scheduler(self, request):
         scheduler = self._scheduler_class.from_config(self.scheduler_config)
         scheduler.set_timesteps(request.num_inference_steps)
-        return begin_at_first_step(scheduler, request)
+        return scheduler
 
     def denoiser(self, state: RequestState, timestep) -> str:
         """Wan 2.2's high-noise expert from the start down to the boundary, the low-noise one after."""
