@@ -25,8 +25,13 @@ def serve(
     metrics_port: int = typer.Option(8002, "--metrics-port"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0 for all)"),
     verbose: bool = typer.Option(False, "--verbose", help="verbose server log (per-step progress)"),
+    api_port: Optional[int] = typer.Option(None, "--api-port", help="also run the HTTP API (machgen api) on this "
+                                                                    "port, talking to this server"),
+    api_data_dir: Path = typer.Option(Path("machgen-api"), "--api-data-dir", help="the API's jobs and results"),
+    api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file", help="the API's keys (machgen api-key)"),
 ) -> None:
-    """Start tritonserver on REPOSITORY; Ctrl-C or SIGTERM stops it cleanly."""
+    """Start tritonserver on REPOSITORY (and with --api-port the HTTP API);
+    Ctrl-C or SIGTERM stops it cleanly."""
     from machgen.server import Ports, ServerError, TritonServer
 
     server = TritonServer(repository, Ports(http_port, grpc_port, metrics_port), host=host, verbose=verbose)
@@ -36,6 +41,13 @@ def serve(
         server.start()
         typer.echo(f"ready: HTTP {host}:{http_port}  gRPC {host}:{grpc_port}  metrics {host}:{metrics_port}")
         typer.echo(f"server log: {server.log_file}")
+        if api_port is not None:
+            from machgen.api.app import ApiSettings
+
+            typer.echo(f"API: http://{host}:{api_port}")
+            _run_api(ApiSettings(triton_url=f"127.0.0.1:{grpc_port}", data_dir=api_data_dir,
+                                 keys_file=api_keys_file), host, api_port)
+            return
         code = server.wait()
         typer.secho(f"tritonserver exited with code {code}:\n{server.log_tail()}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code or 1)
@@ -46,6 +58,103 @@ def serve(
         raise typer.Exit(1) from None
     finally:
         server.stop()
+
+
+def _run_api(settings, host: str, port: int) -> None:
+    """The API under uvicorn until Ctrl-C or SIGTERM (uvicorn's own handlers)."""
+    import uvicorn
+
+    from machgen.api.app import create_app
+
+    uvicorn.Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level="info",
+                                  timeout_graceful_shutdown=10)).run()
+
+
+@app.command()
+def api(
+    triton: str = typer.Option("127.0.0.1:8001", "--triton", help="host:port of Triton's gRPC endpoint"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0 for all)"),
+    port: int = typer.Option(8080, "--port"),
+    data_dir: Path = typer.Option(Path("machgen-api"), "--data-dir", help="job records and results"),
+    database: Optional[Path] = typer.Option(None, "--database", help="the SQLite file (default: in --data-dir)"),
+    keys_file: Optional[Path] = typer.Option(None, "--keys-file", exists=True, dir_okay=False,
+                                             help="API keys (machgen api-key); without it no key is needed"),
+    max_jobs_per_key: int = typer.Option(16, "--max-jobs-per-key", min=1, help="jobs in flight per key; more: 429"),
+    max_upload_mb: float = typer.Option(25.0, "--max-upload-mb", min=0.001, help="largest request body"),
+    result_ttl_hours: float = typer.Option(24.0, "--result-ttl-hours", min=0.0, help="how long results are kept"),
+    webhook_secret: Optional[str] = typer.Option(None, "--webhook-secret", envvar="MACHGEN_WEBHOOK_SECRET",
+                                                 help="Standard Webhooks secret (whsec_...) that signs callbacks; "
+                                                      "without it jobs cannot ask for one"),
+    webhook_attempts: int = typer.Option(6, "--webhook-attempts", min=1),
+    webhook_retry_delay: float = typer.Option(1.0, "--webhook-retry-delay", min=0.0,
+                                              help="seconds before the first retry, doubling after"),
+    preview_interval: Optional[int] = typer.Option(None, "--preview-interval", min=0,
+                                                   help="steps between previews (default: each model's)"),
+) -> None:
+    """The HTTP API over a Triton server's models: OpenAI's /v1/images and
+    /v1/videos, jobs with live progress (/v1/jobs/ID/events), webhooks,
+    metrics (/metrics) and a playground page (/)."""
+    from machgen.api.app import ApiSettings
+
+    _run_api(ApiSettings(triton_url=triton, data_dir=data_dir, database=database, keys_file=keys_file,
+                         max_jobs_per_key=max_jobs_per_key, max_upload_bytes=int(max_upload_mb * 1024 * 1024),
+                         result_ttl_s=result_ttl_hours * 3600, webhook_secret=webhook_secret,
+                         webhook_attempts=webhook_attempts, webhook_first_delay_s=webhook_retry_delay,
+                         preview_interval=preview_interval), host, port)
+
+
+@app.command("api-key")
+def api_key(
+    keys_file: Path = typer.Argument(..., dir_okay=False, help="the keys file (created if absent)"),
+    name: str = typer.Argument(..., help="who the key is for (one word)"),
+    max_jobs: Optional[int] = typer.Option(None, "--max-jobs", min=1, help="this key's limit of jobs in flight"),
+) -> None:
+    """Make an API key: its hash goes into KEYS_FILE, the key is printed once."""
+    from machgen.api.keys import add_key
+
+    try:
+        typer.echo(add_key(keys_file, name, max_jobs))
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+class _ProgressDisplay:
+    """``machgen generate``'s progress bar (on stderr) and preview files."""
+
+    def __init__(self, preview_dir: Path | None):
+        self.preview_dir = preview_dir
+        self._bar = None
+        self._task = None
+        self.previews = 0
+
+    def __enter__(self) -> "_ProgressDisplay":
+        return self
+
+    def update(self, progress) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if self._bar is None:
+            self._bar = Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                                 TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("steps", total=progress.total)
+        self._bar.update(self._task, completed=progress.step)
+        if progress.preview is not None and self.preview_dir is not None:
+            from PIL import Image
+
+            import numpy as np
+
+            self.preview_dir.mkdir(parents=True, exist_ok=True)
+            picture = np.concatenate(list(progress.preview), axis=1)  # a video's frames side by side
+            Image.fromarray(picture).save(self.preview_dir / f"step-{progress.step:04d}.png")
+            self.previews += 1
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        if self.previews:
+            typer.echo(f"wrote {self.previews} previews to {self.preview_dir}", err=True)
 
 
 # An image model's frames written as MP4 (it reports no frame rate of its own).
@@ -143,6 +252,13 @@ def generate(
     inputs: Optional[list[str]] = typer.Option(None, "--input", help="NAME=VALUE: any input of the model, a "
                                                                      "vector as comma-separated values "
                                                                      "(repeatable)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress",
+                                  help="a progress bar (steps, ETA) where the model has a streaming twin (gRPC)"),
+    preview_dir: Optional[Path] = typer.Option(None, "--preview-dir", file_okay=False,
+                                               help="write the previews the model sends there "
+                                                    "(step-NNNN.png; needs the streaming twin)"),
+    preview_interval: Optional[int] = typer.Option(None, "--preview-interval", min=0,
+                                                   help="steps between previews (default: the model's)"),
 ) -> None:
     """Generate an image or a video through a served pipeline and save it (PNG, MP4; WAV: the sound alone)."""
     import time
@@ -169,10 +285,17 @@ def generate(
                   if reference_images else None)
 
     try:
-        with MachgenClient(url, protocol=protocol) as client:
+        with MachgenClient(url, protocol=protocol) as client, _ProgressDisplay(preview_dir) as display:
+            streamed = (progress or preview_dir is not None) and protocol == "grpc" and client.has_stream(model)
+            if preview_dir is not None and not streamed:
+                typer.secho(f"note: no previews: {model} has no streaming twin reachable over {protocol}",
+                            fg=typer.colors.YELLOW, err=True)
+            if streamed and preview_interval is not None:
+                family_options["preview_interval"] = preview_interval
             start = time.perf_counter()
             generated = client.generate_all(
-                model, prompt, negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
+                model, prompt, on_progress=display.update if streamed else None,
+                negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
                 guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width,
                 cache_policy=cache_policy, cache_threshold=cache_threshold, image=picture, strength=strength,
                 num_frames=num_frames, fps=fps, reference_images=references, **family_options)

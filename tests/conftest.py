@@ -367,3 +367,73 @@ def pytest_collection_modifyitems(items):
         if (any(name.endswith("_repository") or name.startswith("local") for name in fixtures)
                 or item.get_closest_marker("integration")):
             item.add_marker(pytest.mark.export)
+
+
+class ApiProcess:
+    """``machgen api`` as a user starts it, on a free port: ``url``, ``key`` (a valid API key), ``model``."""
+
+    def __init__(self, triton_url: str, data_dir: Path, keys_file: Path, key: str, webhook_secret: str,
+                 log_file: Path, *extra: str):
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.key, self.model, self.data_dir, self.webhook_secret = key, PIPELINE_NAME, data_dir, webhook_secret
+        self.log_file = log_file
+        with open(log_file, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "machgen.cli", "api", "--triton", triton_url, "--port", str(self.port),
+                 "--data-dir", str(data_dir), "--keys-file", str(keys_file), "--webhook-retry-delay", "0.2",
+                 "--webhook-secret", webhook_secret, *extra], stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> "ApiProcess":
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"machgen api exited:\n{self.log_file.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"machgen api not ready after {timeout} s:\n{self.log_file.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=30)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def api_keys(tmp_path_factory):
+    """(keys file, a valid key, another valid key whose limit is one job in flight)."""
+    from machgen.api.keys import add_key
+
+    keys_file = tmp_path_factory.mktemp("api-keys") / "keys.txt"
+    return keys_file, add_key(keys_file, "tester"), add_key(keys_file, "one-at-a-time", max_jobs=1)
+
+
+@pytest.fixture(scope="session")
+def api_server(triton_server, api_keys, tmp_path_factory):
+    """``machgen api`` on the session's Triton server (the tiny Flux, "flux"), keys required."""
+    from machgen.api.webhooks import new_secret
+
+    keys_file, key, _ = api_keys
+    folder = tmp_path_factory.mktemp("api")
+    api = ApiProcess(triton_server.grpc_url, folder / "data", keys_file, key, new_secret(), folder / "api.log")
+    try:
+        yield api.wait_ready()
+    finally:
+        api.stop()

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
+from conftest import ApiProcess, build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
 
-pytestmark = pytest.mark.export
+pytestmark = [pytest.mark.export,
+              pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "ti2v"
@@ -26,6 +27,26 @@ def tiny_ti2v_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ti2v_repository(tiny_ti2v_dir, tmp_path_factory):
     return build_tiny_repository(tmp_path_factory, tiny_ti2v_dir, NAME, in_flight=3)
+
+
+@pytest.fixture(scope="module")
+def ti2v_server(ti2v_repository):
+    with serving(ti2v_repository) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def ti2v_api(ti2v_server, api_keys, tmp_path_factory):
+    """``machgen api`` on the served TI2V: the suite's video model for the videos API."""
+    from machgen.api.webhooks import new_secret
+
+    keys_file, key, _ = api_keys
+    folder = tmp_path_factory.mktemp("ti2v-api")
+    api = ApiProcess(ti2v_server.grpc_url, folder / "data", keys_file, key, new_secret(), folder / "api.log")
+    try:
+        yield api.wait_ready()
+    finally:
+        api.stop()
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +139,12 @@ def test_requests_are_validated_against_the_model(local_ti2v):
 
 
 @pytest.mark.integration
-def test_served_text_and_image_to_video_equal_diffusers(ti2v_repository, local_ti2v, tiny_ti2v_dir):
+def test_served_text_and_image_to_video_equal_diffusers(ti2v_server, local_ti2v, tiny_ti2v_dir):
     from machgen.client import MachgenClient
 
     defaults = local_ti2v.manifest.defaults.to_json()
     image = picture(64, 64, seed=9)
-    with serving(ti2v_repository) as server, \
-            MachgenClient(server.grpc_url) as client:
+    with MachgenClient(ti2v_server.grpc_url) as client:
         text_frames, text_stats = client.generate_with_stats(NAME, PROMPT, seed=2, num_inference_steps=3)
         image_frames, image_stats = client.generate_with_stats(NAME, PROMPT, image=image, seed=2,
                                                                num_inference_steps=3)
@@ -132,3 +152,96 @@ def test_served_text_and_image_to_video_equal_diffusers(ti2v_repository, local_t
     assert max_diff(image_frames, diffusers_video(tiny_ti2v_dir, defaults, 2, image=image,
                                                   num_inference_steps=3)) <= MAX_PIXEL_DIFF
     assert text_stats["frames"] == image_stats["frames"] == defaults["num_frames"]
+
+
+def _video_bytes_frames(data: bytes, folder) -> np.ndarray:
+    from machgen.client.video import read_mp4
+
+    path = folder / "video.mp4"
+    path.write_bytes(data)
+    return read_mp4(path)[0]
+
+
+@pytest.mark.integration
+def test_the_openai_videos_api_makes_the_served_video_and_its_mp4(ti2v_server, ti2v_api, tmp_path):
+    """videos.create (text, and an input_reference picture), retrieve until completed, download_content:
+    the MP4's frames are those of the Triton output's own encoding."""
+    import io
+    import time
+
+    import openai
+    from PIL import Image
+
+    from machgen.client import MachgenClient
+    from machgen.client.video import read_mp4, write_mp4
+
+    client = openai.OpenAI(base_url=f"{ti2v_api.url}/v1", api_key=ti2v_api.key, max_retries=0)
+    start = picture(64, 64, seed=9)
+    buffer = io.BytesIO()
+    Image.fromarray(start).save(buffer, format="PNG")
+    text = client.videos.create(model=NAME, prompt=PROMPT, size="64x64", extra_body={"seed": 3,
+                                                                                      "num_inference_steps": 3})
+    from_image = client.videos.create(model=NAME, prompt=PROMPT, size="64x64",
+                                      input_reference=("start.png", buffer.getvalue(), "image/png"),
+                                      extra_body={"seed": 3, "num_inference_steps": 3})
+    assert text.status in ("queued", "in_progress") and text.object == "video"
+    expected_options = [{}, {"image": start}]
+    with MachgenClient(ti2v_server.grpc_url) as triton:
+        for video, options in zip((text, from_image), expected_options):
+            deadline = time.monotonic() + 120
+            while video.status not in ("completed", "failed") and time.monotonic() < deadline:
+                time.sleep(0.1)
+                video = client.videos.retrieve(video.id)
+            assert video.status == "completed" and video.progress == 100, video
+            frames, stats = triton.generate_with_stats(NAME, PROMPT, seed=3, num_inference_steps=3, **options)
+            write_mp4(frames, tmp_path / "expected.mp4", fps=stats["fps"])
+            expected = read_mp4(tmp_path / "expected.mp4")[0]
+            served = _video_bytes_frames(client.videos.download_content(video.id).content, tmp_path)
+            assert served.shape == expected.shape == frames.shape
+            assert np.abs(served.astype(int) - expected.astype(int)).max() <= MAX_PIXEL_DIFF
+            thumbnail = client.videos.download_content(video.id, variant="thumbnail").content
+            assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumbnail))), frames[0])
+    listed = [video.id for video in client.videos.list()]
+    assert listed[:2] == [from_image.id, text.id]
+
+
+@pytest.mark.integration
+def test_deleting_a_running_video_stops_it_within_two_steps(ti2v_server, ti2v_api):
+    import time
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{ti2v_api.url}/v1", api_key=ti2v_api.key, max_retries=0)
+    # 100 steps: the job's progress (percent) is the last step the API saw.
+    video = client.videos.create(model=NAME, prompt=PROMPT, extra_body={"num_inference_steps": 100})
+    deadline = time.monotonic() + 60
+    while client.videos.retrieve(video.id).progress < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    deleted = client.videos.delete(video.id)
+    progress_at_delete = deleted.progress
+    assert client.videos.retrieve(video.id).status == "cancelled"
+    marker = f"request {video.id}-0: cancelled after "
+    log = ""
+    while marker not in log and time.monotonic() < deadline:
+        time.sleep(0.1)
+        log = ti2v_server.log_file.read_text(errors="replace")
+    stopped_at = int(log.split(marker, 1)[1].split()[0])
+    assert progress_at_delete < 99 and stopped_at <= progress_at_delete + 2, (progress_at_delete, stopped_at)
+    # Its slot is free: the next video runs.
+    again = client.videos.create(model=NAME, prompt=PROMPT, extra_body={"num_inference_steps": 2})
+    while again.status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        again = client.videos.retrieve(again.id)
+    assert again.status == "completed"
+
+
+@pytest.mark.integration
+def test_a_video_request_the_model_refuses_is_400_naming_the_field(ti2v_api):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {ti2v_api.key}"}
+    for body, param in [({"num_frames": 6}, "num_frames"), ({"size": "60x64"}, "width"),
+                        ({"seconds": "-1"}, "seconds")]:
+        response = httpx.post(f"{ti2v_api.url}/v1/videos", headers=headers,
+                              json={"model": NAME, "prompt": PROMPT, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

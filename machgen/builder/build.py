@@ -176,11 +176,13 @@ def _reached_by_swap(component, module_names, layers) -> bool:
 def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
                      options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
                      target_options: TargetOptions = TargetOptions(), export_cache: Path | None = None,
-                     log: Callable[[str], None] = print) -> list[ComponentResult]:
+                     log: Callable[[str], None] = print, preview: bool = True) -> list[ComponentResult]:
     """Export, check and write every component of the model in ``model_dir``
     (with ``lora`` fused into its weights first), served with ``options``;
     components found in ``export_cache`` (default: $MACHGEN_EXPORT_CACHE,
-    builder/export_cache.py) are copied from there, not exported again."""
+    builder/export_cache.py) are copied from there, not exported again.
+    ``preview``: fit the latent-to-RGB preview projection on the built
+    repository's own decodes (builder/preview_fit.py)."""
     from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
@@ -279,6 +281,10 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                                   attention=asdict(sparse) if sparse else None, serving=serving)
         write_repository(out, name, files, exported,
                          {asset: model_dir / asset for asset in exporter.sampler_assets})
+    if preview:
+        from machgen.builder.preview_fit import fit_repository_preview
+
+        fit_repository_preview(out, name, log)
     log(f"wrote model repository {out} (public model '{name}', target {target})")
     return results
 

@@ -105,6 +105,9 @@ def build(
                                       help="a folder of exported, checked components: what is already there "
                                            "(same weights, code, options) is copied, not exported again "
                                            "(default: $MACHGEN_EXPORT_CACHE, else none)"),
+    preview: bool = typer.Option(True, "--preview/--no-preview",
+                                 help="fit the latent-to-RGB projection that draws progress previews without the "
+                                      "VAE (a few generations at the served defaults, stored in the repository)"),
 ) -> None:
     """Export every component, check it against torch, and write the model repository."""
     from machgen.builder.build import build_repository
@@ -124,7 +127,7 @@ def build(
                          target_options=TargetOptions(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                                       compile=compile_programs, precision=precision,
                                                       refittable=refittable, timing_cache=timing_cache),
-                         export_cache=export_cache)
+                         export_cache=export_cache, preview=preview)
     except (ParityError, ValueError, KeyError, FileNotFoundError, TensorRTUnavailable) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None

@@ -13,20 +13,21 @@ golden test can pin the rendered configs.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from machgen.contract.api import API_INPUTS, ApiTensor, public_outputs
+from machgen.contract.api import API_INPUTS, PROGRESS_OUTPUTS, STREAM_INPUTS, ApiTensor, public_outputs
 from machgen.contract.manifest import (
     CANCEL_INPUT,
     COMPONENT_FILES,
     ERROR_OUTPUT,
     MANIFEST_FILE,
-    PROGRESS_OUTPUT,
     REQUEST_KEY_INPUT,
     SAMPLER,
+    STREAM,
     ComponentEntry,
     PipelineManifest,
     in_sampler_file,
@@ -92,6 +93,10 @@ class ServingOptions:
     intra_op_threads: int = 1
     # Prompts whose text-encoder outputs the sampler keeps, shared by its requests (0: none).
     prompt_cache_size: int = 256
+    # Steps between the previews NAME_stream sends when a request does not
+    # say (0: none). A preview is a least-squares projection of the predicted
+    # clean latents (runtime/preview.py): well under a millisecond.
+    preview_interval: int = 4
 
 
 @dataclass(frozen=True)
@@ -171,8 +176,7 @@ def render_component_config(pipeline: str, spec: ComponentSpec, options: Serving
         + _tensor_block("input", _component_io(spec.inputs))
         + _tensor_block("output", _component_io(spec.outputs))
         + f"instance_group [\n  {{\n    count: {options.component_instances}\n    kind: {kind}\n  }}\n]\n"
-        + "".join(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}\n'
-                  for key, value in parameters.items())
+        + _parameters(parameters)
     )
 
 
@@ -202,20 +206,67 @@ def render_public_config(pipeline: str, family: Family, options: ServingOptions)
     )
 
 
+def _parameters(values: dict[str, str]) -> str:
+    return "".join(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}\n'
+                   for key, value in values.items())
+
+
+def _single_decoupled_instance(name: str) -> str:
+    return (f'name: "{name}"\n'
+            'backend: "python"\n'
+            "max_batch_size: 0\n"
+            "model_transaction_policy {\n  decoupled: true\n}\n")
+
+
 def render_sampler_config(pipeline: str, family: Family) -> str:
     """The sampler: decoupled (a progress response per step, then the
     result), one instance whose threads carry every request in flight."""
-    relay_inputs = (ApiTensor(REQUEST_KEY_INPUT, "BYTES", (1,), ""), ApiTensor(CANCEL_INPUT, "BYTES", (1,), ""))
-    relay_outputs = (ApiTensor(PROGRESS_OUTPUT, "INT32", (2,), ""), ApiTensor(ERROR_OUTPUT, "BYTES", (1,), ""))
+    relay_inputs = (ApiTensor(REQUEST_KEY_INPUT, "BYTES", (1,), ""), ApiTensor(CANCEL_INPUT, "BYTES", (1,), ""),
+                    *STREAM_INPUTS)
+    relay_outputs = PROGRESS_OUTPUTS + (ApiTensor(ERROR_OUTPUT, "BYTES", (1,), ""),)
     return (
-        f'name: "{model_name(pipeline, SAMPLER)}"\n'
-        'backend: "python"\n'
-        "max_batch_size: 0\n"
-        "model_transaction_policy {\n  decoupled: true\n}\n"
+        _single_decoupled_instance(model_name(pipeline, SAMPLER))
         + _tensor_block("input", _api_io(public_inputs(family) + relay_inputs, optional=True))
         + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio) + relay_outputs,
                                           optional=False))
         + "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
+    )
+
+
+def model_card(family: Family, defaults: ServedDefaults, family_settings: dict[str, Any],
+               options: ServingOptions) -> dict[str, Any]:
+    """What a client needs to know of the model before it asks, enough to
+    validate a request as the sampler will, but for its cache policy, which
+    a calibration may add (the HTTP API reads it from NAME_stream's config,
+    parameter "model")."""
+    video = any(task.endswith("-to-video") for task in family.capabilities.tasks)
+    return {"family": family.name, "kind": "video" if video else "image", "tasks": list(family.capabilities.tasks),
+            "audio": family.capabilities.audio, "size_multiple": int(family_settings["size_multiple"]),
+            "frame_multiple": int(family_settings.get("temporal_factor", 1)),
+            "preview_interval": options.preview_interval,
+            "defaults": defaults.to_json(), "family_settings": family_settings}
+
+
+def _escaped(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def render_stream_config(pipeline: str, family: Family, options: ServingOptions,
+                         card: dict[str, Any] | None = None) -> str:
+    """NAME_stream: the public model's requests, answered as a stream
+    (decoupled): progress responses, then the result. One instance runs every
+    request on a thread (a Python instance is a process, and Triton stops
+    them one after another, a second each); it bounds them itself, as the
+    public model's instances and queue do."""
+    return (
+        _single_decoupled_instance(model_name(pipeline, STREAM))
+        + _tensor_block("input", _api_io(public_inputs(family) + STREAM_INPUTS, optional=True))
+        + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio) + PROGRESS_OUTPUTS,
+                                          optional=False))
+        + "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
+        + _parameters({"sampler": model_name(pipeline, SAMPLER), "in_flight": str(options.in_flight),
+                       "max_queue_size": str(options.max_queue_size),
+                       **({"model": _escaped(json.dumps(card, sort_keys=True))} if card is not None else {})})
     )
 
 
@@ -240,7 +291,7 @@ def pipeline_manifest(pipeline: str, family: Family, specs: dict[str, ComponentS
         tasks=family.capabilities.tasks,
         components={name: entry(name, spec) for name, spec in specs.items()}, defaults=defaults,
         family_settings=family_settings, cache=cache.to_json(), prompt_cache_size=options.prompt_cache_size,
-        attention=attention)
+        attention=attention, preview_interval=options.preview_interval)
 
 
 def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
@@ -254,6 +305,9 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
     files = {
         f"{pipeline}/config.pbtxt": render_public_config(pipeline, family, options),
         f"{pipeline}/1/model.py": _SHIM.format(cls="PublicModel"),
+        f"{model_name(pipeline, STREAM)}/config.pbtxt": render_stream_config(
+            pipeline, family, options, model_card(family, defaults, family_settings, options)),
+        f"{model_name(pipeline, STREAM)}/1/model.py": _SHIM.format(cls="StreamModel"),
         f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family),
         f"{sampler}/1/model.py": _SHIM.format(cls="SamplerModel"),
         f"{sampler}/1/{MANIFEST_FILE}": manifest.render(),
@@ -277,7 +331,8 @@ def write_repository(out: Path, pipeline: str, files: dict[str, str], exported: 
     ``files`` renders no model for the component (it runs in the sampler).
     """
     out.mkdir(parents=True, exist_ok=True)
-    for model in [pipeline, model_name(pipeline, SAMPLER), *(model_name(pipeline, c) for c in exported)]:
+    for model in [pipeline, model_name(pipeline, SAMPLER), model_name(pipeline, STREAM),
+                  *(model_name(pipeline, c) for c in exported)]:
         shutil.rmtree(out / model, ignore_errors=True)
     for relative, text in files.items():
         path = out / relative

@@ -3,15 +3,48 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-from typing import Any
+import queue
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import numpy as np
 
-from machgen.contract.api import API_INPUTS, AUDIO_OUTPUT, ApiTensor, Generated, input_array
+from machgen.contract.api import (
+    API_INPUTS,
+    AUDIO_OUTPUT,
+    ELAPSED_OUTPUT,
+    PREVIEW_OUTPUT,
+    PROGRESS_OUTPUT,
+    STREAM_INPUTS,
+    ApiTensor,
+    Generated,
+    input_array,
+    stream_error_status,
+)
+from machgen.contract.manifest import STREAM, model_name
 
 PROTOCOLS = ("grpc", "http")
-_API = {tensor.name: tensor for tensor in API_INPUTS}
+_API = {tensor.name: tensor for tensor in API_INPUTS + STREAM_INPUTS}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One step of a streamed request: ``step`` of ``total`` done after
+    ``elapsed`` seconds, and every few steps a ``preview`` of the result
+    (uint8 [frames, height, width, 3] at the latents' size; else None)."""
+
+    step: int
+    total: int
+    elapsed: float
+    preview: np.ndarray | None = None
+
+
+ProgressCallback = Callable[[Progress], None]
+# A stream error's status as a unary gRPC call's error reports it.
+_GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "StatusCode.UNAVAILABLE",
+                "CANCELLED": "StatusCode.CANCELLED", "INTERNAL": "StatusCode.INTERNAL",
+                "NOT_FOUND": "StatusCode.NOT_FOUND", "UNSUPPORTED": "StatusCode.UNIMPLEMENTED",
+                "ALREADY_EXISTS": "StatusCode.ALREADY_EXISTS", "UNKNOWN": "StatusCode.UNKNOWN"}
 
 
 def _known_inputs() -> dict[str, ApiTensor]:
@@ -96,7 +129,13 @@ class MachgenClient:
         tensor.set_data_from_numpy(array)
         return tensor
 
-    def infer(self, model: str, inputs: list, outputs: tuple[str, ...] = ("images",)) -> dict[str, np.ndarray]:
+    def infer(self, model: str, inputs: list, outputs: tuple[str, ...] = ("images",),
+              on_progress: ProgressCallback | None = None) -> dict[str, np.ndarray]:
+        """``outputs`` of one request to ``model``; with ``on_progress``, the
+        request goes to the model's streaming twin (gRPC only), which calls it
+        after every step."""
+        if on_progress is not None:
+            return self._stream(model, inputs, outputs, on_progress)
         requested = [self._module.InferRequestedOutput(name) for name in outputs]
         kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" and self.timeout_s else {}
         from tritonclient.utils import InferenceServerException
@@ -107,27 +146,67 @@ class MachgenClient:
             raise GenerationError(str(err.status()), err.message()) from err
         return {name: result.as_numpy(name) for name in outputs}
 
-    def generate(self, model: str, prompt: str, **options: Any) -> np.ndarray:
+    def has_stream(self, model: str) -> bool:
+        """Whether ``model`` has a ready streaming twin (progress and previews)."""
+        return self.is_ready(model_name(model, STREAM))
+
+    def _stream(self, model: str, inputs: list, outputs: tuple[str, ...],
+                on_progress: ProgressCallback) -> dict[str, np.ndarray]:
+        if self.protocol != "grpc":
+            raise ValueError("progress needs the streaming model, which only gRPC reaches: use protocol='grpc'")
+        responses: queue.Queue = queue.Queue()
+        self._client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                                  stream_timeout=self.timeout_s)
+        try:
+            self._client.async_stream_infer(model_name(model, STREAM), inputs)
+            while True:
+                result, error = responses.get()
+                if error is not None:
+                    status, message = stream_error_status(error.message())
+                    raise GenerationError(_GRPC_STATUS.get(status, str(error.status())), message)
+                names = {output.name for output in result.get_response().outputs}
+                if "images" in names:
+                    return {name: result.as_numpy(name) for name in outputs}
+                step, total = (int(v) for v in result.as_numpy(PROGRESS_OUTPUT))
+                preview = result.as_numpy(PREVIEW_OUTPUT) if PREVIEW_OUTPUT in names else None
+                on_progress(Progress(step, total, float(result.as_numpy(ELAPSED_OUTPUT)[0]), preview))
+        except BaseException:
+            # Ctrl-C, a callback that raised, an error: the server stops the request at its next step.
+            self._client.stop_stream(cancel_requests=True)
+            raise
+        finally:
+            self._client.stop_stream()
+
+    def generate(self, model: str, prompt: str, on_progress: ProgressCallback | None = None,
+                 **options: Any) -> np.ndarray:
         """Generate images for ``prompt``; options are the API's optional inputs
         (negative_prompt, seed, num_inference_steps, guidance_scale, true_cfg_scale,
         height, width, cache_policy, cache_threshold, image, strength, num_frames,
-        fps, reference_images) and the model's family's own (``machgen-build
+        fps, reference_images, preview_interval) and the model's family's own (``machgen-build
         families`` lists them; another family's are refused by the server).
         Absent ones take the served model's defaults.
         A video model returns all its frames [F, H, W, 3]; ``client.video.write_mp4``
-        writes them as MP4."""
-        return self.infer(model, self._inputs(model, prompt, options))["images"]
+        writes them as MP4.
 
-    def generate_with_stats(self, model: str, prompt: str, **options: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        ``on_progress(Progress)`` is called after every step (the request
+        goes to the model's streaming twin, over gRPC); ``preview_interval``
+        sets how often it carries a preview (0: never). An exception it
+        raises, or Ctrl-C, cancels the request."""
+        return self.infer(model, self._inputs(model, prompt, options), on_progress=on_progress)["images"]
+
+    def generate_with_stats(self, model: str, prompt: str, on_progress: ProgressCallback | None = None,
+                            **options: Any) -> tuple[np.ndarray, dict[str, Any]]:
         """``generate`` plus the ``stats`` output (steps, tail calls, cache hits, ...)."""
-        result = self.infer(model, self._inputs(model, prompt, options), outputs=("images", "stats"))
+        result = self.infer(model, self._inputs(model, prompt, options), outputs=("images", "stats"),
+                            on_progress=on_progress)
         return result["images"], _stats(result["stats"])
 
-    def generate_all(self, model: str, prompt: str, **options: Any) -> Generated:
+    def generate_all(self, model: str, prompt: str, on_progress: ProgressCallback | None = None,
+                     **options: Any) -> Generated:
         """Everything a request gives back: frames, stats, and the sound track
         of a model that makes one (asked for only where the model declares it)."""
         outputs = ("images", "stats") + ((AUDIO_OUTPUT,) if self.makes_audio(model) else ())
-        result = self.infer(model, self._inputs(model, prompt, options), outputs=outputs)
+        result = self.infer(model, self._inputs(model, prompt, options), outputs=outputs, on_progress=on_progress)
         return Generated(result["images"], result.get(AUDIO_OUTPUT), _stats(result["stats"]))
 
     def model_metadata(self, model: str) -> dict[str, Any]:

@@ -108,6 +108,42 @@ API_OUTPUTS: tuple[ApiTensor, ...] = (
 )
 AUDIO_OUTPUT = "audio"
 
+# The streaming twin NAME_stream (decoupled): the public model's inputs plus
+# STREAM_INPUTS; before its final response (API_OUTPUTS) it sends one with
+# PROGRESS_OUTPUTS after every step, the preview every preview_interval steps.
+PREVIEW_INTERVAL_INPUT = "preview_interval"
+PROGRESS_OUTPUT = "progress"
+ELAPSED_OUTPUT = "elapsed"
+PREVIEW_OUTPUT = "preview"
+# A stream's error reaches a gRPC client as a message alone (no status):
+# NAME_stream starts it with its status, "[INVALID_ARG] invalid input ...".
+STREAM_ERROR_STATUSES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL", "UNKNOWN", "NOT_FOUND",
+                         "UNSUPPORTED", "ALREADY_EXISTS")
+
+
+def stream_error_message(status: str, message: str) -> str:
+    return f"[{status}] {message}"
+
+
+def stream_error_status(message: str) -> tuple[str | None, str]:
+    """(status, message) of a stream's error message (None: it names none)."""
+    status, separator, rest = message.partition("] ")
+    if separator and status.startswith("[") and status[1:] in STREAM_ERROR_STATUSES:
+        return status[1:], rest
+    return None, message
+
+
+STREAM_INPUTS: tuple[ApiTensor, ...] = (
+    ApiTensor(PREVIEW_INTERVAL_INPUT, "INT32", (1,), "steps between previews (0: none); the model's default "
+                                                     "when absent"),
+)
+PROGRESS_OUTPUTS: tuple[ApiTensor, ...] = (
+    ApiTensor(PROGRESS_OUTPUT, "INT32", (2,), "[step, steps]: the steps done and the steps the request runs"),
+    ApiTensor(ELAPSED_OUTPUT, "FP32", (1,), "seconds since the request started running"),
+    ApiTensor(PREVIEW_OUTPUT, "UINT8", (-1, -1, -1, 3), "the predicted result at the latents' size, [frames, "
+                                                         "height, width, RGB] (a few of a video's frames)"),
+)
+
 
 def public_outputs(audio: bool) -> tuple[ApiTensor, ...]:
     """The outputs a served model declares: ``audio`` only where it makes sound."""
@@ -224,6 +260,11 @@ def _real(field: str, value: np.ndarray, low: float, high: float) -> float:
     if not math.isfinite(number) or not low <= number <= high:
         raise InvalidArgument(field, f"{number} is outside [{low:g}, {high:g}]")
     return number
+
+
+def integer_input(field: str, value: np.ndarray, low: int, high: int) -> int:
+    """One integer in [low, high]."""
+    return _integer(field, value, low, high)
 
 
 def guidance_scale_input(field: str, value: np.ndarray) -> float:

@@ -7,6 +7,10 @@ hand-edited):
                             each request, relays it to NAME_sampler and
                             answers with its result; one instance per
                             request in flight, a bounded queue in front
+    NAME_stream/            the public model's decoupled twin: the same
+                            requests, answered with a progress response per
+                            step (and a preview every few) before the result;
+                            one instance running every request on a thread
     NAME_sampler/1/         the sampler: one decoupled Python model process
                             that runs every in-flight request's denoising
                             loop on its own thread, calling the components;
@@ -33,13 +37,13 @@ from machgen.contract.specs import ServedDefaults
 MANIFEST_FILE = "pipeline.json"
 MANIFEST_VERSION = 2
 SAMPLER = "sampler"
-# What the public model and the sampler say to each other besides the API's
-# tensors: the public model's key for the request, a key whose request must
-# stop (a request of its own), the sampler's [step, steps] after each step,
-# and an error as JSON {"status": a TritonError code's name, "message"}.
+STREAM = "stream"
+# What the public models and the sampler say to each other besides the API's
+# tensors (and the stream's, api.STREAM_INPUTS and PROGRESS_OUTPUTS): the
+# relay's key for the request, a key whose request must stop (a request of
+# its own), and an error as JSON {"status": a TritonError code's name, "message"}.
 REQUEST_KEY_INPUT = "request_key"
 CANCEL_INPUT = "cancel"
-PROGRESS_OUTPUT = "progress"
 ERROR_OUTPUT = "error"
 # The file each target's components are exported to.
 COMPONENT_FILES = {"onnxruntime": "model.onnx", "torch": "model.pt2", "tensorrt": "model.plan"}
@@ -120,6 +124,8 @@ class PipelineManifest:
     cache: Mapping[str, Any] = field(default_factory=dict)
     # Prompts whose text-encoder outputs the sampler keeps.
     prompt_cache_size: int = 256
+    # Steps between the previews of a streamed request that does not say.
+    preview_interval: int = 4
     # The SparseAttention attributes the denoiser was exported with (None: dense); for the record.
     attention: Mapping[str, Any] | None = None
     version: int = MANIFEST_VERSION
@@ -131,6 +137,7 @@ class PipelineManifest:
             "components": {name: entry.to_json() for name, entry in self.components.items()},
             "defaults": self.defaults.to_json(), "family_settings": dict(self.family_settings),
             "cache": dict(self.cache), "prompt_cache_size": self.prompt_cache_size, "attention": self.attention,
+            "preview_interval": self.preview_interval,
         }
 
     @classmethod
@@ -146,7 +153,8 @@ class PipelineManifest:
                                    for name, entry in data["components"].items()},
                        defaults=ServedDefaults.from_json(data["defaults"]),
                        family_settings=data["family_settings"], cache=data.get("cache") or {},
-                       prompt_cache_size=int(data.get("prompt_cache_size", 256)), attention=data.get("attention"))
+                       prompt_cache_size=int(data.get("prompt_cache_size", 256)), attention=data.get("attention"),
+                       preview_interval=int(data.get("preview_interval", 4)))
         except (KeyError, TypeError) as err:
             raise ManifestError(f"{source} is malformed: {err!r}") from err
 

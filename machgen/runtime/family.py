@@ -171,6 +171,14 @@ class FamilyRuntime:
         """The ``denoiser_head`` inputs of one step, one row per guidance row."""
         raise NotImplementedError
 
+    def predicted_clean(self, state: RequestState, latents: Any, noise: Any, timestep: Any) -> Any:
+        """The clean latents a step's (guided) prediction points to, in the
+        loop's layout: for a flow-matching model x0 = x_t - sigma_t v, with
+        sigma_t = timestep / num_train_timesteps (the schedulers here set
+        their timesteps so). For previews only."""
+        sigma = float(timestep) / float(state.scheduler.config.num_train_timesteps)
+        return latents - sigma * noise
+
     # --- after the loop
     def finish(self, state: RequestState, latents: Any) -> Any:
         """What the decoders take from the final latents."""
@@ -183,6 +191,12 @@ class FamilyRuntime:
     def decode_audio(self, latents: Any) -> Any:
         """The sound track [channels, samples] of ``finish``'s latents, or None."""
         return None
+
+    def preview_latents(self, latents: Any) -> Any:
+        """``finish``'s latents as a preview projection takes them (what the
+        image or video decoder takes, one row): [C, F, h, w], F 1 for an image."""
+        pictures = as_numpy(latents)[0]
+        return pictures[:, None] if pictures.ndim == 3 else pictures
 
 
 def decode_image(run_component: RunComponent, latents: Any) -> Any:

@@ -40,6 +40,8 @@ from machgen.runtime.family import FamilyRuntime, RunComponent, gather_rows
 from machgen.runtime.tensors import as_numpy, as_torch, concat
 
 StepCallback = Callable[[int, int], None]
+# (step, the predicted clean latents as FamilyRuntime.preview_latents gives them: [C, F, h, w])
+PreviewCallback = Callable[[int, Any], None]
 
 
 class GenerationCancelled(Exception):
@@ -182,11 +184,15 @@ class Sampler:
                                   _route(self._inputs_of(denoiser, "reuse"), available))["noise_pred"], False
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None,
-                 is_cancelled: Callable[[], bool] | None = None) -> Generation:
+                 is_cancelled: Callable[[], bool] | None = None, on_preview: PreviewCallback | None = None,
+                 preview_interval: int = 0) -> Generation:
         """The latents to decode and what they cost, for one validated request.
 
-        ``is_cancelled`` is asked before every step; when it answers True the
-        loop stops there with GenerationCancelled.
+        ``on_step(step, total)`` is called after every step. ``is_cancelled``
+        is asked before every step; when it answers True the loop stops there
+        with GenerationCancelled. Every ``preview_interval`` steps (0: never),
+        but not after the last, ``on_preview`` gets the clean latents the
+        step's prediction points to, just before that step's ``on_step``.
         """
         runtime = self.runtime
         policy = request.cache_policy or self.cache_settings.default_policy
@@ -221,9 +227,16 @@ class Sampler:
             stats.negative_rows_derived += len(noise) < guidance.rows
             noise = guidance.combine(cache.guidance_rows(index, noise, ran_tail, guidance.rows), state, latents)
             noise = as_torch(noise)
-            latents = scheduler.step(noise, timestep, latents.to(noise.device), return_dict=False)[0]
+            latents = latents.to(noise.device)
+            done = index + 1
+            preview_due = (on_preview is not None and preview_interval > 0 and done % preview_interval == 0
+                           and done < len(state.timesteps))
+            clean = runtime.predicted_clean(state, latents, noise, timestep) if preview_due else None
+            latents = scheduler.step(noise, timestep, latents, return_dict=False)[0]
+            if clean is not None:  # before on_step: a step's progress report can carry its preview
+                on_preview(done, runtime.preview_latents(runtime.finish(state, clean)))
             if on_step is not None:
-                on_step(index + 1, len(state.timesteps))
+                on_step(done, len(state.timesteps))
         return Generation(runtime.finish(state, latents), stats)
 
     def decode(self, latents) -> np.ndarray:

@@ -6,6 +6,9 @@ classes as ``TritonPythonModel``:
 - ``PublicModel``: the public model NAME, one instance per request in flight.
   It holds no model code (numpy only): it relays each request to the
   sampler and answers with its result, passing on a client's cancellation.
+- ``StreamModel``: NAME_stream, the public model's decoupled twin: the same
+  relay, on one instance's threads, passing on the sampler's progress
+  responses (and previews) before the result.
 - ``SamplerModel``: NAME_sampler, one decoupled instance running every
   in-flight request's denoising loop on its own thread (BLS calls to the
   components release the GIL, so the loops overlap), so the libraries the
@@ -28,6 +31,7 @@ import faulthandler
 import gc
 import json
 import threading
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -35,11 +39,20 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from machgen.contract.api import AUDIO_OUTPUT, InvalidArgument
+from machgen.contract.api import (
+    AUDIO_OUTPUT,
+    ELAPSED_OUTPUT,
+    PREVIEW_INTERVAL_INPUT,
+    PREVIEW_OUTPUT,
+    PROGRESS_OUTPUT,
+    STREAM_ERROR_STATUSES,
+    InvalidArgument,
+    integer_input,
+    stream_error_message,
+)
 from machgen.contract.manifest import (
     CANCEL_INPUT,
     ERROR_OUTPUT,
-    PROGRESS_OUTPUT,
     REQUEST_KEY_INPUT,
     SAMPLER,
     PipelineManifest,
@@ -196,42 +209,168 @@ class PublicModel:
         return answer
 
     def _answer(self, request) -> "pb_utils.InferenceResponse":
-        key = uuid.uuid4().hex
         inputs = [tensor for tensor in (pb_utils.get_input_tensor_by_name(request, name) for name in self.input_names)
                   if tensor is not None]
-        call = pb_utils.InferenceRequest(
-            model_name=self.sampler, inputs=[*inputs, pb_utils.Tensor(REQUEST_KEY_INPUT, _text(key))],
-            requested_output_names=[*self.output_names, PROGRESS_OUTPUT, ERROR_OUTPUT],
-            request_id=request.request_id())
-        answer = None
-        cancel_sent = False
-        stream = call.exec(decoupled=True)
-        self._streams.append(stream)
-        # Every response is read to the last (the final flag): the sampler's stream must end.
-        for response in stream:
-            if response.has_error():  # the sampler model itself failed (not loaded, stopping)
-                answer = _error_response(f"{self.sampler}: {response.error().message()}",
-                                         pb_utils.TritonError.UNAVAILABLE)
-                continue
-            outputs = {tensor.name(): tensor for tensor in response.output_tensors()}
-            if ERROR_OUTPUT in outputs:
-                error = json.loads(outputs[ERROR_OUTPUT].as_numpy()[0])
-                answer = _error_response(error["message"], getattr(pb_utils.TritonError, error["status"]))
-            elif "images" in outputs:
-                answer = pb_utils.InferenceResponse([outputs[name] for name in self.output_names if name in outputs])
-            elif not cancel_sent and request.is_cancelled():
-                # Stops the loop at its next step; its answer (CANCELLED) is still read.
-                cancel_sent = True
-                stop = pb_utils.InferenceRequest(model_name=self.sampler, requested_output_names=[],
-                                                 inputs=[pb_utils.Tensor(CANCEL_INPUT, _text(key))])
-                stop_stream = stop.exec(decoupled=True)
-                self._streams.append(stop_stream)
-                for _ in stop_stream:  # its one (empty) final response
-                    pass
-        if answer is None:
-            answer = _error_response(f"{self.sampler} ended the request without an answer",
-                                     pb_utils.TritonError.INTERNAL)
-        return answer
+        return _run_on_sampler(self.sampler, request, [*inputs, pb_utils.Tensor(PREVIEW_INTERVAL_INPUT,
+                                                                                np.zeros(1, np.int32))],
+                               self.output_names, is_cancelled=request.is_cancelled,
+                               keep_stream=self._streams.append)
+
+
+def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str], is_cancelled, keep_stream,
+                    on_progress=None) -> "pb_utils.InferenceResponse":
+    """``request`` (its ``inputs``) run by the sampler model: its final
+    answer, outputs ``output_names`` or an error. Every progress response
+    goes to ``on_progress(outputs by name)``; once ``is_cancelled()`` says so
+    the sampler is told to stop (at its next step, answering CANCELLED).
+    Every stream read goes to ``keep_stream`` (see PublicModel.initialize)."""
+    key = uuid.uuid4().hex
+    call = pb_utils.InferenceRequest(
+        model_name=sampler, inputs=[*inputs, pb_utils.Tensor(REQUEST_KEY_INPUT, _text(key))],
+        requested_output_names=[*output_names, PROGRESS_OUTPUT, ELAPSED_OUTPUT, PREVIEW_OUTPUT, ERROR_OUTPUT],
+        request_id=request.request_id())
+    answer = None
+    cancel_sent = False
+    stream = call.exec(decoupled=True)
+    keep_stream(stream)
+    # Every response is read to the last (the final flag): the sampler's stream must end.
+    for response in stream:
+        if response.has_error():  # the sampler model itself failed (not loaded, stopping)
+            answer = _error_response(f"{sampler}: {response.error().message()}", pb_utils.TritonError.UNAVAILABLE)
+            continue
+        outputs = {tensor.name(): tensor for tensor in response.output_tensors()}
+        if ERROR_OUTPUT in outputs:
+            error = json.loads(outputs[ERROR_OUTPUT].as_numpy()[0])
+            answer = _error_response(error["message"], getattr(pb_utils.TritonError, error["status"]))
+        elif "images" in outputs:
+            answer = pb_utils.InferenceResponse([outputs[name] for name in output_names if name in outputs])
+        elif cancel_sent:
+            continue
+        elif is_cancelled():
+            # Stops the loop at its next step; its answer (CANCELLED) is still read.
+            cancel_sent = True
+            stop = pb_utils.InferenceRequest(model_name=sampler, requested_output_names=[],
+                                             inputs=[pb_utils.Tensor(CANCEL_INPUT, _text(key))])
+            stop_stream = stop.exec(decoupled=True)
+            keep_stream(stop_stream)
+            for _ in stop_stream:  # its one (empty) final response
+                pass
+        elif on_progress is not None:
+            on_progress(outputs)
+    if answer is None:
+        answer = _error_response(f"{sampler} ended the request without an answer", pb_utils.TritonError.INTERNAL)
+    return answer
+
+
+class StreamModel:
+    """NAME_stream: the public model's decoupled twin. Each request runs on
+    its own thread, relayed to the sampler as the public model relays it,
+    and every progress response (step, steps, elapsed seconds, the preview
+    when one is due) is passed on before the result. A client that cancels
+    the stream stops the request at the next step. Requests beyond
+    ``in_flight`` wait, up to ``max_queue_size`` of them; more are refused
+    with UNAVAILABLE, as the public model's queue refuses them."""
+
+    def initialize(self, args: dict) -> None:
+        faulthandler.enable(all_threads=True)
+        config = json.loads(args["model_config"])
+        self.input_names = [entry["name"] for entry in config["input"]]
+        self.output_names = [entry["name"] for entry in config["output"]
+                             if entry["name"] not in (PROGRESS_OUTPUT, ELAPSED_OUTPUT, PREVIEW_OUTPUT)]
+        self.sampler = _parameter(config, "sampler", "")
+        self.max_queue_size = int(_parameter(config, "max_queue_size", "64"))
+        self._slots = threading.Semaphore(int(_parameter(config, "in_flight", "8")))
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._threads: set[threading.Thread] = set()
+        self._closing = threading.Event()
+        # Streams read to their end, with the count of streams ended before
+        # each, freed once an is_cancelled() round trip began after they ended
+        # (PublicModel.initialize says why).
+        self._ended: list[tuple[int, object]] = []
+        self._ended_count = 0
+        self._status_names = {getattr(pb_utils.TritonError, name): name for name in STREAM_ERROR_STATUSES
+                              if hasattr(pb_utils.TritonError, name)}
+        self.logger = pb_utils.Logger
+
+    def execute(self, requests):
+        for request in requests:
+            thread = threading.Thread(target=self._serve, args=(request,), name=f"stream-{request.request_id()}",
+                                      daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
+        return None
+
+    def _is_cancelled(self, request) -> bool:
+        with self._lock:
+            ended_before = self._ended_count
+        cancelled = request.is_cancelled()
+        if not cancelled:  # a round trip (only True is cached): what ended before it can go
+            with self._lock:
+                self._ended = [entry for entry in self._ended if entry[0] >= ended_before]
+        return cancelled
+
+    def _release(self, streams: list) -> None:
+        with self._lock:
+            for stream in streams:
+                self._ended.append((self._ended_count, stream))
+                self._ended_count += 1
+
+    def _serve(self, request) -> None:
+        sender = request.get_response_sender()
+        streams: list = []
+        try:
+            answer = self._run(request, sender, streams)
+        except Exception as err:  # noqa: BLE001 - every request gets an answer
+            self.logger.log_error(f"stream: {traceback.format_exc()}")
+            answer = _error_response(f"request failed: {err}", pb_utils.TritonError.INTERNAL)
+        finally:
+            self._release(streams)
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+        if answer.has_error():
+            answer = _error_response(stream_error_message(self._status_names.get(answer.error().code(), "UNKNOWN"),
+                                                          answer.error().message()), answer.error().code())
+        sender.send(answer, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _run(self, request, sender, streams: list) -> "pb_utils.InferenceResponse":
+        with self._lock:
+            full = self._waiting >= self.max_queue_size
+            if not full:
+                self._waiting += 1
+        if full:
+            return _error_response("Exceeds maximum queue size", pb_utils.TritonError.UNAVAILABLE)
+        try:
+            while not self._slots.acquire(timeout=0.25):
+                if self._closing.is_set() or self._is_cancelled(request):
+                    return _error_response("cancelled before it started", pb_utils.TritonError.CANCELLED)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+        try:
+            if self._is_cancelled(request):
+                return _error_response("cancelled before it started", pb_utils.TritonError.CANCELLED)
+            inputs = [tensor for tensor in (pb_utils.get_input_tensor_by_name(request, name)
+                                            for name in self.input_names) if tensor is not None]
+
+            def on_progress(outputs: dict) -> None:
+                sender.send(pb_utils.InferenceResponse(list(outputs.values())))
+
+            return _run_on_sampler(self.sampler, request, inputs, self.output_names,
+                                   is_cancelled=lambda: self._closing.is_set() or self._is_cancelled(request),
+                                   keep_stream=streams.append, on_progress=on_progress)
+        finally:
+            self._slots.release()
+
+    def finalize(self) -> None:
+        # Triton unloads the model once every request has its final response;
+        # a forced unload stops what still runs at its next step.
+        self._closing.set()
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=30)
 
 
 class SamplerModel:
@@ -250,6 +389,7 @@ class SamplerModel:
 
         from machgen.contract.engines import check_repository_engines, serving_host
         from machgen.runtime.components import InSamplerComponents
+        from machgen.runtime.preview import LatentPreview
         from machgen.runtime.sampler import load_sampler
 
         # The loop only steps the scheduler; the components own the cores.
@@ -263,6 +403,7 @@ class SamplerModel:
                                      serving_host())
         self.in_sampler = InSamplerComponents(self.manifest.components, model_dir)
         self.sampler = load_sampler(self.manifest, str(model_dir), self._run_component)
+        self.preview = LatentPreview.load(model_dir)  # None: the build fitted none (--no-preview)
         self.logger = pb_utils.Logger
         # Requests running, by the key their public model gave them: set when it asks them to stop.
         self._stop: dict[str, threading.Event] = {}
@@ -352,15 +493,28 @@ class SamplerModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
+        started = time.monotonic()
         parsed = self.sampler.parse_request(get_input, self.manifest.defaults)
+        interval = get_input(PREVIEW_INTERVAL_INPUT)
+        interval = (self.manifest.preview_interval if interval is None
+                    else integer_input(PREVIEW_INTERVAL_INPUT, interval, 0, parsed.num_inference_steps))
         request_id = request.request_id() or "-"
+        previews: list[np.ndarray] = []
+
+        def on_preview(step: int, latents) -> None:
+            previews.append(self.preview.render(latents))
 
         def on_step(step: int, total: int) -> None:
             self.logger.log_verbose(f"request {request_id}: step {step}/{total}")
-            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(PROGRESS_OUTPUT,
-                                                                    np.array([step, total], np.int32))]))
+            outputs = [pb_utils.Tensor(PROGRESS_OUTPUT, np.array([step, total], np.int32)),
+                       pb_utils.Tensor(ELAPSED_OUTPUT, np.array([time.monotonic() - started], np.float32))]
+            if previews:
+                outputs.append(pb_utils.Tensor(PREVIEW_OUTPUT, previews.pop()))
+            sender.send(pb_utils.InferenceResponse(outputs))
 
-        result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=stop.is_set)
+        result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=stop.is_set,
+                                       on_preview=on_preview if self.preview is not None else None,
+                                       preview_interval=interval)
         if stop.is_set():  # after the last step, before the decode
             raise GenerationCancelled(result.stats.steps, result.stats.steps)
         images = self.sampler.decode(result.latents)
@@ -387,4 +541,4 @@ class SamplerModel:
         gc.freeze()
 
 
-__all__ = ["OnnxComponentModel", "PublicModel", "SamplerModel", "TorchComponentModel"]
+__all__ = ["OnnxComponentModel", "PublicModel", "SamplerModel", "StreamModel", "TorchComponentModel"]

@@ -202,6 +202,10 @@ class Ltx2Runtime(LtxRuntime):
         _, audio = latents
         return as_numpy(self.run_component("audio_decoder", {"audio_latents": audio})["waveform"])[0]
 
+    def preview_latents(self, latents):
+        video, _ = latents
+        return super().preview_latents(video)
+
 
 class Ltx2ImageToVideoRuntime(Ltx2Runtime):
     """LTX2ImageToVideoPipeline: the picture, re-compressed as H.264 at the

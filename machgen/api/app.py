@@ -1,0 +1,662 @@
+"""The HTTP API (FastAPI): OpenAI's images and videos routes, machgen's
+jobs, events, the playground page and metrics. ``create_app(ApiSettings)``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from machgen.api.jobs import JobManager, JobMetrics, new_job_id
+from machgen.api.keys import KeyRing, read_keys
+from machgen.api.schemas import (
+    IGNORED_OPENAI_FIELDS,
+    MAX_VARIANTS,
+    MODEL_FIELDS,
+    SEED_LIMIT,
+    ApiError,
+    decode_picture,
+    invalid,
+    job_object,
+    parse_size,
+    public_object,
+    typed,
+    video_object,
+)
+from machgen.api.store import Job, JobStore
+from machgen.api.triton import ServedModel, TritonModels
+from machgen.api.webhooks import WebhookPolicy, WebhookSender, secret_key
+
+log = logging.getLogger("machgen.api")
+PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
+ANONYMOUS = "anonymous"
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """How ``machgen api`` runs (its CLI options, one for one)."""
+
+    triton_url: str = "127.0.0.1:8001"
+    # Job records (jobs.sqlite3 unless ``database`` says) and results/ live here.
+    data_dir: Path = Path("machgen-api")
+    database: Path | None = None
+    # API keys (keys.py); None: no key needed.
+    keys_file: Path | None = None
+    # Jobs in flight per key (a key's own limit in the file wins); more answer 429.
+    max_jobs_per_key: int = 16
+    # Largest request body (uploaded images included), bytes.
+    max_upload_bytes: int = 25 * 1024 * 1024
+    # How long results stay downloadable, seconds.
+    result_ttl_s: float = 24 * 3600.0
+    # Standard Webhooks secret ("whsec_..."); None: jobs cannot ask for webhooks.
+    webhook_secret: str | None = None
+    webhook_attempts: int = 6
+    webhook_first_delay_s: float = 1.0
+    # An asynchronous job finding Triton's queue full waits this long first, doubling, then asks again.
+    queue_retry_s: float = 1.0
+    # Steps between previews of a job that does not say (None: the model's default).
+    preview_interval: int | None = None
+
+
+@dataclass
+class _State:
+    settings: ApiSettings
+    store: JobStore
+    triton: TritonModels
+    keys: KeyRing
+    webhooks: WebhookSender
+    jobs: JobManager
+    registry: Any
+    tasks: list = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def _bearer(request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _caller(state: _State, request) -> tuple[str, int]:
+    """(the key's name, its limit of jobs in flight); 401 without a valid key where keys are needed."""
+    if not state.keys.required:
+        return ANONYMOUS, state.settings.max_jobs_per_key
+    key = state.keys.find(_bearer(request))
+    if key is None:
+        problem = "no API key given" if _bearer(request) is None else "the API key is not valid"
+        raise ApiError(401, f"{problem}: send 'Authorization: Bearer KEY'", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    return key.name, key.max_jobs or state.settings.max_jobs_per_key
+
+
+async def _read_fields(state: _State, request, form: bool, json_body: bool) -> tuple[dict[str, Any],
+                                                                                     dict[str, list[bytes]]]:
+    """The request's fields and uploaded files, from JSON or a multipart/urlencoded form."""
+    limit = state.settings.max_upload_bytes
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body is {int(length)} bytes; this API takes at most {limit}",
+                       code="request_too_large")
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if json_body and content_type in ("application/json", ""):
+        body = await request.body()
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        try:
+            fields = json.loads(body or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the body is not valid JSON: {err}", code="invalid_json") from None
+        if not isinstance(fields, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        return fields, {}
+    if form and content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            parsed = await request.form(max_files=16, max_fields=64, max_part_size=limit)
+        except Exception as err:  # noqa: BLE001 - starlette's parse errors, a part over the limit
+            raise ApiError(400, f"the form could not be read: {err}", code="invalid_form") from None
+        fields: dict[str, Any] = {}
+        files: dict[str, list[bytes]] = {}
+        total = 0
+        for name, value in parsed.multi_items():
+            name = name.removesuffix("[]")
+            if hasattr(value, "read"):
+                data = await value.read()
+                total += len(data)
+                if total > limit:
+                    raise ApiError(413, f"the uploaded files are over {limit} bytes", code="request_too_large")
+                files.setdefault(name, []).append(data)
+            else:
+                fields[name] = value
+        return fields, files
+    accepted = " or ".join(kind for kind, ok in (("application/json", json_body), ("multipart/form-data", form))
+                           if ok)
+    raise ApiError(415, f"content type {content_type or '(none)'} is not accepted here; send {accepted}",
+                   code="unsupported_media_type")
+
+
+async def _model(state: _State, name: Any, kind: str) -> ServedModel:
+    models = await state.triton.models()
+    if name is None:
+        of_kind = [m for m in models.values() if m.kind == kind]
+        if len(of_kind) == 1:
+            return of_kind[0]
+        raise invalid("model", f"'model' is required: one of {', '.join(sorted(models)) or '(none served)'}")
+    if not isinstance(name, str):
+        raise invalid("model", "'model' must be a string")
+    if name not in models:
+        raise ApiError(404, f"the model '{name}' does not exist; served: {', '.join(sorted(models)) or '(none)'}",
+                       param="model", code="model_not_found")
+    model = models[name]
+    if model.kind != kind:
+        raise invalid("model", f"'{name}' makes {model.kind}s, not {kind}s")
+    return model
+
+
+def _model_inputs(fields: dict[str, Any], model: ServedModel, used: set[str]) -> dict[str, Any]:
+    """The request's fields that are the model's inputs, typed; any other unknown field is refused."""
+    from machgen.families.registry import get_family
+
+    family_inputs = {}
+    with contextlib.suppress(KeyError):
+        family_inputs = {declared.name: declared for declared in get_family(model.card["family"]).inputs}
+    inputs = {}
+    for name, value in fields.items():
+        if name in used or name in IGNORED_OPENAI_FIELDS or value is None:
+            continue
+        if name in MODEL_FIELDS:
+            inputs[name] = typed(name, value, MODEL_FIELDS[name])
+        elif name in family_inputs:
+            inputs[name] = value
+        else:
+            raise invalid(name, f"unknown parameter '{name}'", code="unknown_parameter")
+    return inputs
+
+
+def _check_request(model: ServedModel, inputs: dict[str, Any]) -> None:
+    """The request checked as the sampler will check it: a bad field answers
+    400 naming it before any job exists (the server checks again)."""
+    from machgen.contract.api import API_INPUTS, InvalidArgument, input_array, parse_request
+    from machgen.contract.specs import Capabilities, ServedDefaults
+    from machgen.families.registry import get_family
+    from machgen.runtime.cache import POLICY_NAMES
+
+    try:
+        family = get_family(model.card["family"])
+    except KeyError:
+        return  # a family this machgen does not know: the server alone checks
+    declared = {t.name: t for t in API_INPUTS} | {d.name: d.tensor for d in family.inputs}
+    arrays = {}
+    for name, value in inputs.items():
+        if name in declared:
+            try:
+                arrays[name] = input_array(declared[name], value)
+            except (TypeError, ValueError, OverflowError) as err:
+                raise invalid(name, f"'{name}': {err}") from None
+    try:
+        parse_request(arrays.get, ServedDefaults.from_json(model.card["defaults"]),
+                      size_multiple=model.card["size_multiple"],
+                      capabilities=Capabilities(tuple(model.card["tasks"]), family.capabilities.guidance_is_cfg,
+                                                model.card["audio"]),
+                      cache_policies=POLICY_NAMES, frame_multiple=model.card["frame_multiple"],
+                      family_inputs=family.inputs, settings=model.card.get("family_settings", {}))
+    except InvalidArgument as err:
+        raise invalid(err.field, str(err)) from None
+    interval = inputs.get("preview_interval")
+    if interval is not None and interval < 0:
+        raise invalid("preview_interval", f"invalid input 'preview_interval': {interval} is negative")
+
+
+def _seed(fields: dict[str, Any]) -> int:
+    seed = fields.get("seed")
+    if seed is None:
+        return secrets.randbelow(SEED_LIMIT - MAX_VARIANTS)
+    return typed("seed", seed, int)
+
+
+def _callback(state: _State, fields: dict[str, Any]) -> str | None:
+    url = fields.get("callback_url")
+    if url is None:
+        return None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise invalid("callback_url", "'callback_url' must be an http:// or https:// URL")
+    if state.webhooks.policy is None:
+        raise invalid("callback_url", "this API sends no webhooks: it was started without a webhook secret",
+                      code="webhooks_disabled")
+    return url
+
+
+def _failure_error(job: Job) -> ApiError:
+    """A failed or cancelled job as the synchronous request's error answer."""
+    error = job.error or {"code": "internal", "message": "the job failed"}
+    code = error.get("code")
+    if code == "invalid_arg":
+        return invalid(error.get("param") or "", error["message"])
+    if code == "unavailable":
+        return ApiError(503, error["message"], code="server_busy", headers={"Retry-After": "1"})
+    if code == "cancelled":
+        return ApiError(409, f"job {job.id} was cancelled", code="cancelled")
+    return ApiError(500, error["message"], code=code)
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(settings: ApiSettings) -> FastAPI:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import GaugeMetricFamily
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    registry = CollectorRegistry()
+    if settings.webhook_secret is not None:
+        secret_key(settings.webhook_secret)  # refused at start, not at the first job
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        store = JobStore(settings.data_dir, settings.database)
+        interrupted = store.fail_interrupted()
+        if interrupted:
+            log.warning("%d jobs were running when the API last stopped: marked failed", len(interrupted))
+        triton = TritonModels(settings.triton_url)
+        webhooks = WebhookSender(WebhookPolicy(settings.webhook_secret, settings.webhook_attempts,
+                                               settings.webhook_first_delay_s)
+                                 if settings.webhook_secret else None)
+        state = _State(settings, store, triton,
+                       KeyRing(read_keys(settings.keys_file) if settings.keys_file is not None else None),
+                       webhooks, JobManager(store, triton, webhooks, JobMetrics(registry), settings.result_ttl_s,
+                                            settings.queue_retry_s), registry)
+        app.state.machgen = state
+        state.tasks.append(asyncio.get_running_loop().create_task(_expire_results(store)))
+        try:
+            yield
+        finally:
+            for task in state.tasks:
+                task.cancel()
+            await state.jobs.stop()
+            await webhooks.drain()
+            await triton.close()
+            store.close()
+
+    app = FastAPI(title="machgen", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+
+    class JobStates:
+        def collect(self):
+            gauge = GaugeMetricFamily("machgen_api_jobs", "Jobs by state", labels=["state"])
+            state = getattr(app.state, "machgen", None)
+            counts = state.store.counts() if state is not None else {}
+            for name in ("queued", "in_progress", "completed", "failed", "cancelled"):
+                gauge.add_metric([name], counts.get(name, 0))
+            yield gauge
+
+    registry.register(JobStates())
+
+    def state_of(request: Request) -> _State:
+        return request.app.state.machgen
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        message = f"no route {request.method} {request.url.path}" if error.status_code in (404, 405) \
+            else str(error.detail)
+        return JSONResponse(ApiError(error.status_code, message, code=code).body(), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(ApiError(500, f"internal error: {type(error).__name__}: {error}").body(),
+                            status_code=500)
+
+    # ---- pages, health, metrics
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return FileResponse(PLAYGROUND, media_type="text/html") if PLAYGROUND.exists() else HTMLResponse("machgen")
+
+    @app.get("/health")
+    async def health(request: Request):
+        ready = await state_of(request).triton.ready()
+        return JSONResponse({"status": "ok" if ready else "triton_unavailable", "triton": ready},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request):
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    # ---- models
+    def model_entry(model: ServedModel) -> dict[str, Any]:
+        defaults = model.defaults
+        return {"id": model.name, "object": "model", "created": 0, "owned_by": "machgen", "kind": model.kind,
+                "family": model.card["family"], "tasks": model.card["tasks"], "audio": model.card["audio"],
+                "size_multiple": model.card["size_multiple"], "frame_multiple": model.card["frame_multiple"],
+                "defaults": {name: defaults.get(name) for name in
+                             ("width", "height", "num_inference_steps", "guidance_scale", "num_frames", "fps",
+                              "max_width", "max_height", "max_frames", "max_inference_steps")}}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        state = state_of(request)
+        _caller(state, request)
+        return {"object": "list", "data": [model_entry(m) for m in (await state.triton.models()).values()]}
+
+    @app.get("/v1/models/{name}")
+    async def get_model(name: str, request: Request):
+        state = state_of(request)
+        _caller(state, request)
+        models = await state.triton.models()
+        if name not in models:
+            raise ApiError(404, f"the model '{name}' does not exist", param="model", code="model_not_found")
+        return model_entry(models[name])
+
+    # ---- jobs in common
+    async def submit(request: Request, state: _State, kind: str, model: ServedModel, variants: list[dict[str, Any]],
+                     recorded: dict[str, Any], callback_url: str | None, waits_in_queue: bool) -> tuple[Job, bool]:
+        """(the job, whether it is new): an Idempotency-Key its owner used before gives that job back."""
+        owner, limit = _caller(state, request)
+        idempotency = request.headers.get("idempotency-key")
+        if idempotency:
+            existing = state.store.find_idempotent(owner, idempotency)
+            if existing is not None:
+                return existing, False
+        if state.jobs.in_flight(owner) >= limit:
+            raise ApiError(429, f"{limit} jobs of this key are in flight already; wait for one to finish",
+                           code="too_many_jobs", headers={"Retry-After": "2"})
+        new = Job(new_job_id(kind), kind, model.name, owner, recorded, idempotency_key=idempotency or None)
+        job = state.store.insert(new)
+        if job.id != new.id:  # the same key, sent twice at once
+            return job, False
+        state.jobs.start(job, model, variants, callback_url, waits_in_queue)
+        return job, True
+
+    def job_for(state: _State, request: Request, job_id: str, kind: str | None = None) -> Job:
+        owner, _ = _caller(state, request)
+        job = state.store.get(job_id)
+        if job is None or (state.keys.required and job.owner != owner) or (kind is not None and job.kind != kind):
+            raise ApiError(404, f"no {kind or 'job'} with id '{job_id}'", param="id", code="not_found")
+        running = state.jobs.running.get(job_id)
+        return running.job if running is not None else job
+
+    def with_defaults(model: ServedModel, inputs: dict[str, Any]) -> None:
+        if "preview_interval" not in inputs and settings.preview_interval is not None:
+            inputs["preview_interval"] = settings.preview_interval
+
+    # ---- images
+    async def image_job(request: Request, edit: bool):
+        state = state_of(request)
+        _caller(state, request)
+        fields, files = await _read_fields(state, request, form=edit, json_body=not edit)
+        model = await _model(state, fields.get("model"), "image")
+        prompt = fields.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise invalid("prompt", "'prompt' is required: a non-empty string")
+        n = typed("n", fields.get("n", 1), int)
+        if not 1 <= n <= MAX_VARIANTS:
+            raise invalid("n", f"'n' must be in [1, {MAX_VARIANTS}], not {n}")
+        response_format = fields.get("response_format") or "b64_json"
+        if response_format not in ("b64_json", "url"):
+            raise invalid("response_format", "'response_format' must be 'b64_json' or 'url'")
+        stream = typed("stream", fields.get("stream", False), bool)
+        background = fields.get("background")  # OpenAI's is a transparency choice; true here: answer at once
+        run_async = typed("async", fields.get("async", False), bool) or background is True
+        if isinstance(background, str) and background == "transparent":
+            raise invalid("background", "transparent backgrounds are not supported", code="unsupported_value")
+        seed = _seed(fields)
+        inputs = {"prompt": prompt}
+        if edit:
+            pictures = files.get("image") or files.get("image[]")
+            if not pictures:
+                raise invalid("image", "'image' is required: the picture to edit (a file)")
+            if len(pictures) > 1:
+                raise invalid("image", "one picture is edited at a time")
+            if files.get("mask"):
+                raise invalid("mask", "masks are not supported: the whole picture is redrawn by 'strength'",
+                              code="unsupported_value")
+            inputs["image"] = decode_picture("image", pictures[0])
+            if fields.get("size") not in (None, "auto"):
+                inputs["width"], inputs["height"] = parse_size(fields["size"], model.defaults)
+            else:
+                inputs["height"], inputs["width"] = inputs["image"].shape[:2]
+        else:
+            inputs["width"], inputs["height"] = parse_size(fields.get("size"), model.defaults)
+        used = {"model", "prompt", "n", "response_format", "stream", "background", "async", "size", "seed",
+                "callback_url", "image", "mask"}
+        inputs.update(_model_inputs(fields, model, used))
+        with_defaults(model, inputs)
+        callback_url = _callback(state, fields)
+        _check_request(model, {**inputs, "seed": seed})
+        variants = [{**inputs, "seed": seed + index} for index in range(n)]
+        recorded = {name: value for name, value in inputs.items() if name != "image"}
+        recorded.update(n=n, seeds=[seed + index for index in range(n)], response_format=response_format,
+                        edit=edit)
+        job, _ = await submit(request, state, "image", model, variants, recorded, callback_url,
+                              waits_in_queue=run_async)
+        if run_async:
+            return job_object(job)
+        if stream:
+            return StreamingResponse(_image_stream(state, job, response_format, str(request.base_url)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        job = await state.jobs.wait(job.id)
+        if job.status != "completed":
+            raise _failure_error(job)
+        return image_answer(state, job, response_format, str(request.base_url))
+
+    def image_answer(state: _State, job: Job, response_format: str, base_url: str) -> dict[str, Any]:
+        data = []
+        for index, name in enumerate(job.outputs):
+            if response_format == "url":
+                data.append({"url": base_url.rstrip("/") + f"/v1/jobs/{job.id}/content?index={index}"})
+            else:
+                data.append({"b64_json": base64.b64encode((state.store.result_dir(job.id) / name).read_bytes())
+                             .decode()})
+        return {"created": job.created_at, "data": data, "output_format": "png",
+                "size": f"{job.request['width']}x{job.request['height']}",
+                "machgen": {"job_id": job.id, "seeds": job.request["seeds"], "stats": job.stats}}
+
+    async def _image_stream(state: _State, job: Job, response_format: str, base_url: str) -> AsyncIterator[bytes]:
+        events = state.jobs.events(job.id)
+        if events is not None:
+            async for event, data in events.follow():
+                if event in ("completed", "failed", "cancelled"):
+                    break
+                yield _sse(event, data)
+                if event == "preview":
+                    yield _sse("image_generation.partial_image",
+                               {"type": "image_generation.partial_image", "partial_image_index": data["index"],
+                                "b64_json": data["image"].split(",", 1)[1]})
+        job = await state.jobs.wait(job.id)
+        if job.status != "completed":
+            yield _sse(job.status, job_object(job))
+            return
+        for index, entry in enumerate(image_answer(state, job, response_format, base_url)["data"]):
+            yield _sse("image_generation.completed", {"type": "image_generation.completed", "index": index,
+                                                      "created_at": job.created_at, **entry})
+        yield _sse("completed", job_object(job))
+
+    @app.post("/v1/images/generations")
+    async def images_generations(request: Request):
+        return await image_job(request, edit=False)
+
+    @app.post("/v1/images/edits")
+    async def images_edits(request: Request):
+        return await image_job(request, edit=True)
+
+    # ---- videos
+    @app.post("/v1/videos")
+    async def create_video(request: Request):
+        state = state_of(request)
+        _caller(state, request)
+        fields, files = await _read_fields(state, request, form=True, json_body=True)
+        model = await _model(state, fields.get("model"), "video")
+        prompt = fields.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise invalid("prompt", "'prompt' is required: a non-empty string")
+        defaults = model.defaults
+        inputs: dict[str, Any] = {"prompt": prompt}
+        inputs["width"], inputs["height"] = parse_size(fields.get("size"), defaults)
+        fps = typed("fps", fields["fps"], int) if fields.get("fps") is not None else int(defaults.get("fps") or 16)
+        if fields.get("seconds") is not None and fields.get("num_frames") is not None:
+            raise invalid("seconds", "give 'seconds' or 'num_frames', not both")
+        if fields.get("seconds") is not None:
+            seconds = typed("seconds", fields["seconds"], float)
+            if seconds <= 0:
+                raise invalid("seconds", f"'seconds' must be positive, not {seconds:g}")
+            multiple = model.card["frame_multiple"]
+            inputs["num_frames"] = max(round(seconds * fps / multiple), 1) * multiple + 1
+        elif fields.get("num_frames") is not None:
+            inputs["num_frames"] = typed("num_frames", fields["num_frames"], int)
+        else:
+            inputs["num_frames"] = int(defaults["num_frames"])
+        inputs["fps"] = fps
+        reference = files.get("input_reference") or ([] if fields.get("input_reference") is None else None)
+        if reference is None:
+            reference = [_data_url_bytes("input_reference", fields["input_reference"])]
+        if len(reference) > 1:
+            raise invalid("input_reference", "one picture starts a video")
+        if reference:
+            inputs["image"] = decode_picture("input_reference", reference[0])
+        if files.get("reference_images"):
+            import numpy as np
+
+            pictures = [decode_picture("reference_images", data) for data in files["reference_images"]]
+            if len({p.shape for p in pictures}) != 1:
+                raise invalid("reference_images", "every reference picture must have one size")
+            inputs["reference_images"] = np.stack(pictures)
+        seed = _seed(fields)
+        used = {"model", "prompt", "size", "seconds", "num_frames", "fps", "input_reference", "reference_images",
+                "seed", "callback_url"}
+        inputs.update(_model_inputs(fields, model, used))
+        with_defaults(model, inputs)
+        callback_url = _callback(state, fields)
+        _check_request(model, {**inputs, "seed": seed})
+        recorded = {name: value for name, value in inputs.items() if name not in ("image", "reference_images")}
+        recorded.update(n=1, seeds=[seed], image_to_video="image" in inputs)
+        job, _ = await submit(request, state, "video", model, [{**inputs, "seed": seed}], recorded, callback_url,
+                              waits_in_queue=True)
+        return video_object(job)
+
+    @app.get("/v1/videos")
+    async def list_videos(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
+        state = state_of(request)
+        owner, _ = _caller(state, request)
+        jobs = state.store.list("video", owner if state.keys.required else None, min(max(limit, 1), 100), after)
+        data = [video_object(state.jobs.running[j.id].job if j.id in state.jobs.running else j) for j in jobs]
+        if order == "asc":
+            data.reverse()
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) == limit}
+
+    @app.get("/v1/videos/{video_id}")
+    async def get_video(video_id: str, request: Request):
+        return video_object(job_for(state_of(request), request, video_id, "video"))
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(video_id: str, request: Request):
+        state = state_of(request)
+        job = job_for(state, request, video_id, "video")
+        await state.jobs.cancel(job.id)
+        return video_object(state.store.get(job.id) or job)
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str, request: Request, variant: str = "video"):
+        state = state_of(request)
+        job = job_for(state, request, video_id, "video")
+        names = {"video": ("video.mp4", "video/mp4"), "thumbnail": ("thumbnail.png", "image/png")}
+        if variant not in names:
+            raise invalid("variant", f"'variant' must be video or thumbnail, not {variant!r}")
+        return result_file(state, job, *names[variant])
+
+    def result_file(state: _State, job: Job, name: str, media_type: str):
+        if job.status != "completed":
+            raise ApiError(409 if not job.finished else 404, f"job {job.id} is {job.status}: it has no content"
+                           + (" yet" if not job.finished else ""), code="not_ready")
+        path = state.store.result_dir(job.id) / name
+        if name not in job.outputs or not path.exists():
+            raise ApiError(404, f"the results of job {job.id} have expired", code="expired")
+        return FileResponse(path, media_type=media_type)
+
+    # ---- jobs
+    @app.get("/v1/jobs")
+    async def list_jobs(request: Request, limit: int = 20, after: str | None = None, kind: str | None = None):
+        state = state_of(request)
+        owner, _ = _caller(state, request)
+        jobs = state.store.list(kind, owner if state.keys.required else None, min(max(limit, 1), 100), after)
+        return {"object": "list", "data": [job_object(state.jobs.running[j.id].job if j.id in state.jobs.running
+                                                      else j) for j in jobs]}
+
+    @app.get("/v1/jobs/{job_id}")
+    async def get_job(job_id: str, request: Request):
+        return job_object(job_for(state_of(request), request, job_id))
+
+    @app.delete("/v1/jobs/{job_id}")
+    async def cancel_job(job_id: str, request: Request):
+        state = state_of(request)
+        job = job_for(state, request, job_id)
+        await state.jobs.cancel(job.id)
+        return job_object(state.store.get(job.id) or job)
+
+    @app.get("/v1/jobs/{job_id}/content")
+    async def job_content(job_id: str, request: Request, index: int = 0):
+        state = state_of(request)
+        job = job_for(state, request, job_id)
+        if job.kind == "video":
+            return result_file(state, job, "video.mp4", "video/mp4")
+        if not 0 <= index < max(job.request.get("n", 1), 1):
+            raise invalid("index", f"'index' must be in [0, {job.request.get('n', 1) - 1}]")
+        return result_file(state, job, f"image-{index}.png", "image/png")
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def job_events(job_id: str, request: Request):
+        state = state_of(request)
+        job = job_for(state, request, job_id)
+
+        async def events() -> AsyncIterator[bytes]:
+            followed = state.jobs.events(job.id)
+            if followed is None:  # finished before this process kept its events: its end alone
+                yield _sse(job.status if job.finished else "failed", job_object(job))
+                return
+            async for event, data in followed.follow():
+                yield _sse(event, data)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+def _data_url_bytes(name: str, value: Any) -> bytes:
+    """An image given in JSON: a data URL or {"image_url": data URL} (no fetching of remote URLs)."""
+    if isinstance(value, dict):
+        value = value.get("image_url")
+    if not isinstance(value, str) or not value.startswith("data:") or ";base64," not in value:
+        raise invalid(name, f"'{name}' in JSON must be a base64 data URL (or upload it as a file with "
+                            f"multipart/form-data)")
+    try:
+        return base64.b64decode(value.split(";base64,", 1)[1], validate=True)
+    except ValueError:
+        raise invalid(name, f"'{name}' is not valid base64") from None
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+async def _expire_results(store: JobStore, every_s: float = 60.0) -> None:
+    while True:
+        expired = await asyncio.to_thread(store.expire, time.time())
+        if expired:
+            log.info("results of %d jobs expired", len(expired))
+        await asyncio.sleep(every_s)

@@ -1,0 +1,253 @@
+"""Jobs run: each variant of a job (one of ``n`` images, or the video) is a
+request to the model's streaming twin; their progress and previews become
+the job's events (replayed to a late listener), their results files in the
+job's results folder, and the job's end a webhook when it asked for one."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from machgen.api.store import Job, JobStore
+from machgen.api.triton import ServedModel, StepReport, TritonFailure, TritonModels
+from machgen.api.webhooks import WebhookSender
+
+log = logging.getLogger("machgen.api.jobs")
+TERMINAL_EVENTS = ("completed", "failed", "cancelled")
+
+
+def new_job_id(kind: str) -> str:
+    return f"{'video' if kind == 'video' else 'img'}_{uuid.uuid4().hex}"
+
+
+def png_bytes(picture: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(picture).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def preview_picture(preview: np.ndarray) -> np.ndarray:
+    """A preview's frames side by side (a video's few frames in one picture)."""
+    return preview[0] if len(preview) == 1 else np.concatenate(list(preview), axis=1)
+
+
+class JobEvents:
+    """One job's events: kept for a late listener (only the latest preview of
+    each variant), handed to every listener as they come."""
+
+    def __init__(self):
+        self.history: list[tuple[int, str, dict[str, Any]]] = []  # (sequence number, event, data)
+        self.closed = False
+        self._count = 0
+        self._changed = asyncio.Condition()
+
+    async def emit(self, event: str, data: dict[str, Any]) -> None:
+        if event == "preview":
+            self.history = [entry for entry in self.history
+                            if not (entry[1] == "preview" and entry[2]["index"] == data["index"])]
+        self._count += 1
+        self.history.append((self._count, event, data))
+        self.closed = self.closed or event in TERMINAL_EVENTS
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def follow(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        last = 0
+        while True:
+            for number, event, data in list(self.history):
+                if number > last:
+                    last = number
+                    yield event, data
+            if self.closed:
+                return
+            async with self._changed:
+                if not self.closed and (not self.history or self.history[-1][0] == last):
+                    await self._changed.wait()
+
+
+@dataclass
+class Running:
+    job: Job
+    task: asyncio.Task | None = None
+    events: JobEvents = field(default_factory=JobEvents)
+    steps: dict[int, tuple[int, int]] = field(default_factory=dict)  # variant: (step, total)
+    started: float | None = None
+    callback_url: str | None = None
+
+
+class JobMetrics:
+    """What /metrics reports of jobs besides their count by state."""
+
+    def __init__(self, registry):
+        from prometheus_client import Counter, Histogram
+
+        self.queue_seconds = Histogram("machgen_api_job_queue_seconds", "Seconds from a job's submission to its "
+                                       "first denoising step", registry=registry,
+                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.steps = Counter("machgen_api_denoising_steps", "Denoising steps run by the API's jobs (rate: "
+                             "steps per second)", registry=registry)
+        self.previews = Counter("machgen_api_previews_sent", "Preview pictures sent as job events",
+                                registry=registry)
+        self.finished = Counter("machgen_api_jobs_finished", "Jobs finished, by final state", ["state"],
+                                registry=registry)
+
+
+class JobManager:
+    """Starts, follows and cancels the jobs of one API process."""
+
+    def __init__(self, store: JobStore, triton: TritonModels, webhooks: WebhookSender, metrics: JobMetrics,
+                 result_ttl_s: float, queue_retry_s: float = 1.0):
+        self.store = store
+        self.triton = triton
+        self.webhooks = webhooks
+        self.metrics = metrics
+        self.result_ttl_s = result_ttl_s
+        self.queue_retry_s = queue_retry_s
+        self.running: dict[str, Running] = {}
+        # Finished jobs' events, kept a while for a listener that comes late.
+        self._finished_events: dict[str, JobEvents] = {}
+
+    def in_flight(self, owner: str) -> int:
+        return sum(1 for running in self.running.values() if running.job.owner == owner)
+
+    def start(self, job: Job, model: ServedModel, variants: list[dict[str, Any]], callback_url: str | None,
+              wait_when_queue_full: bool) -> Running:
+        running = Running(job, callback_url=callback_url)
+        self.running[job.id] = running
+        running.task = asyncio.get_running_loop().create_task(
+            self._run(running, model, variants, wait_when_queue_full), name=f"job-{job.id}")
+        return running
+
+    def events(self, job_id: str) -> JobEvents | None:
+        running = self.running.get(job_id)
+        return running.events if running is not None else self._finished_events.get(job_id)
+
+    async def cancel(self, job_id: str) -> None:
+        running = self.running.get(job_id)
+        if running is not None and running.task is not None:
+            running.task.cancel()
+            await asyncio.wait([running.task])
+
+    async def wait(self, job_id: str) -> Job:
+        running = self.running.get(job_id)
+        if running is not None and running.task is not None:
+            await asyncio.wait([running.task])
+        job = self.store.get(job_id)
+        assert job is not None
+        return job
+
+    async def stop(self) -> None:
+        """At shutdown: every running job cancelled (its record says so)."""
+        tasks = [running.task for running in self.running.values() if running.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+
+    async def _run(self, running: Running, model: ServedModel, variants: list[dict[str, Any]],
+                   wait_when_queue_full: bool) -> None:
+        job = running.job
+        try:
+            tasks = [asyncio.ensure_future(self._variant(running, model, index, inputs, wait_when_queue_full))
+                     for index, inputs in enumerate(variants)]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:  # one failed: the others stop too
+                    task.cancel()
+                await asyncio.wait(tasks)
+            job.outputs, job.stats = await asyncio.to_thread(self._write_results, job, results)
+            job.status, job.progress = "completed", 100
+            job.expires_at = int(time.time() + self.result_ttl_s)
+        except asyncio.CancelledError:
+            job.status = "cancelled"
+            job.error = {"code": "cancelled", "message": "cancelled by the caller"}
+        except TritonFailure as failure:
+            job.status = "failed"
+            job.error = {"code": failure.status.lower(), "message": str(failure), "param": failure.field}
+        except Exception as err:  # noqa: BLE001 - a job's failure must be recorded, never lost
+            log.exception("job %s failed", job.id)
+            job.status = "failed"
+            job.error = {"code": "internal", "message": f"{type(err).__name__}: {err}"}
+        finally:
+            job.completed_at = int(time.time())
+            self.store.update(job)
+            self.metrics.finished.labels(job.status).inc()
+            from machgen.api.schemas import job_object
+
+            await running.events.emit(job.status, job_object(job))
+            self._finished_events[job.id] = running.events
+            while len(self._finished_events) > 256:
+                self._finished_events.pop(next(iter(self._finished_events)))
+            self.running.pop(job.id, None)
+            if running.callback_url:
+                from machgen.api.schemas import public_object
+
+                self.webhooks.send(running.callback_url, f"{job.kind}.{job.status}", public_object(job))
+
+    async def _variant(self, running: Running, model: ServedModel, index: int, inputs: dict[str, Any],
+                       wait_when_queue_full: bool) -> dict[str, Any]:
+        job = running.job
+        running.steps[index] = (0, 1)
+
+        async def on_step(report: StepReport) -> None:
+            if running.started is None:
+                running.started = time.monotonic()
+                self.metrics.queue_seconds.observe(max(time.time() - job.created_at, 0.0))
+                job.status = "in_progress"
+            running.steps[index] = (report.step, report.total)
+            done = sum(step / total for step, total in running.steps.values()) / len(running.steps)
+            job.progress = min(99, int(100 * done))
+            self.metrics.steps.inc()
+            await running.events.emit("progress", {"job_id": job.id, "index": index, "step": report.step,
+                                                   "total": report.total, "progress": job.progress,
+                                                   "elapsed": round(report.elapsed, 3)})
+            if report.preview is not None:
+                png = await asyncio.to_thread(png_bytes, preview_picture(report.preview))
+                self.metrics.previews.inc()
+                await running.events.emit("preview", {"job_id": job.id, "index": index, "step": report.step,
+                                                      "image": data_url(png)})
+
+        delay = self.queue_retry_s
+        while True:
+            try:
+                return await self.triton.run(model, inputs, f"{job.id}-{index}", on_step)
+            except TritonFailure as failure:
+                if not (failure.queue_full and wait_when_queue_full):
+                    raise
+            await asyncio.sleep(delay)  # the server's queue is full: the job stays queued
+            delay = min(delay * 2, 30.0)
+
+    def _write_results(self, job: Job, results: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+        folder = self.store.result_dir(job.id)
+        folder.mkdir(parents=True, exist_ok=True)
+        names = []
+        if job.kind == "video":
+            from machgen.client.video import write_mp4
+
+            (result,) = results
+            fps = int(result["stats"].get("fps") or job.request.get("fps") or 16)
+            write_mp4(result["images"], folder / "video.mp4", fps=fps, audio=result.get("audio"),
+                      sample_rate=result["stats"].get("sample_rate"))
+            (folder / "thumbnail.png").write_bytes(png_bytes(result["images"][0]))
+            names = ["video.mp4", "thumbnail.png"]
+        else:
+            for index, result in enumerate(results):
+                name = f"image-{index}.png"
+                (folder / name).write_bytes(png_bytes(result["images"][0]))
+                names.append(name)
+        return names, [result["stats"] for result in results]

@@ -1,0 +1,161 @@
+"""The API's side of Triton: which models are served, and one request run
+on a model's streaming twin with its progress (tritonclient's asyncio gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from machgen.contract.api import (
+    API_INPUTS,
+    AUDIO_OUTPUT,
+    ELAPSED_OUTPUT,
+    PREVIEW_OUTPUT,
+    PROGRESS_OUTPUT,
+    STREAM_INPUTS,
+    ApiTensor,
+    input_array,
+    stream_error_status,
+)
+from machgen.contract.manifest import STREAM, model_name
+
+QUEUE_FULL = "Exceeds maximum queue size"
+
+
+class TritonFailure(Exception):
+    """Triton refused or failed a request: ``status`` is its code's name
+    (INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL, ...), ``field`` the input
+    an INVALID_ARG names."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.field = None
+        if status == "INVALID_ARG" and "invalid input '" in message:
+            self.field = message.split("invalid input '", 1)[1].split("'", 1)[0]
+
+    @property
+    def queue_full(self) -> bool:
+        return self.status == "UNAVAILABLE" and QUEUE_FULL in str(self)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    total: int
+    elapsed: float
+    preview: np.ndarray | None  # uint8 [frames, h, w, 3]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model the API can run: its name and its card (builder/repository.py model_card)."""
+
+    name: str
+    card: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.card["kind"]
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.card["defaults"]
+
+
+def _known_inputs() -> dict[str, ApiTensor]:
+    from machgen.families.registry import family_inputs
+
+    return {**{t.name: t for t in API_INPUTS + STREAM_INPUTS},
+            **{name: declared.tensor for name, (declared, _) in family_inputs().items()}}
+
+
+class TritonModels:
+    """The served models (asked again at most every ``refresh_s``) and requests to them."""
+
+    def __init__(self, url: str, refresh_s: float = 5.0):
+        import tritonclient.grpc.aio as grpcaio
+
+        self.url = url
+        self._client = grpcaio.InferenceServerClient(url)
+        self._known = _known_inputs()
+        self._models: dict[str, ServedModel] = {}
+        self._asked = 0.0
+        self.refresh_s = refresh_s
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self._client.is_server_ready())
+        except Exception:  # noqa: BLE001 - a server that is down is not ready
+            return False
+
+    async def models(self) -> dict[str, ServedModel]:
+        """Every ready model that has a streaming twin with a model card."""
+        if time.monotonic() - self._asked < self.refresh_s and self._models:
+            return self._models
+        index = await self._client.get_model_repository_index(as_json=True)
+        ready = {entry["name"] for entry in index.get("models", []) if entry.get("state") == "READY"}
+        found = {}
+        for name in sorted(ready):
+            if not name.endswith(f"_{STREAM}") or name.removesuffix(f"_{STREAM}") not in ready:
+                continue
+            config = (await self._client.get_model_config(name, as_json=True))["config"]
+            card = config.get("parameters", {}).get("model", {}).get("string_value")
+            if card:
+                public = name.removesuffix(f"_{STREAM}")
+                found[public] = ServedModel(public, json.loads(card))
+        self._models, self._asked = found, time.monotonic()
+        return found
+
+    def tensor(self, name: str, value: Any):
+        import tritonclient.grpc as grpcclient
+
+        declared = self._known[name]
+        array = input_array(declared, value)
+        tensor = grpcclient.InferInput(name, list(array.shape), declared.triton_dtype)
+        tensor.set_data_from_numpy(array)
+        return tensor
+
+    async def run(self, model: ServedModel, inputs: dict[str, Any], request_id: str,
+                  on_step: Callable[[StepReport], Awaitable[None]]) -> dict[str, Any]:
+        """One request on ``model``'s streaming twin: its outputs (images,
+        stats, audio where the model makes it) once done, ``on_step`` awaited
+        after every step. Cancelling the calling task cancels the request
+        (Triton stops it at its next step). Raises TritonFailure."""
+        tensors = [self.tensor(name, value) for name, value in inputs.items() if value is not None]
+        finished = asyncio.Event()
+
+        async def one_request():
+            yield {"model_name": model_name(model.name, STREAM), "inputs": tensors, "request_id": request_id}
+            await finished.wait()  # the stream stays open until the final response is in
+
+        responses = self._client.stream_infer(one_request())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    status, message = stream_error_status(error.message())
+                    raise TritonFailure(status or "UNKNOWN", message)
+                names = {output.name for output in result.get_response().outputs}
+                if "images" in names:
+                    outputs = {"images": result.as_numpy("images"),
+                               "stats": json.loads(result.as_numpy("stats")[0])}
+                    if AUDIO_OUTPUT in names:
+                        outputs[AUDIO_OUTPUT] = result.as_numpy(AUDIO_OUTPUT)
+                    return outputs
+                step, total = (int(v) for v in result.as_numpy(PROGRESS_OUTPUT))
+                preview = result.as_numpy(PREVIEW_OUTPUT) if PREVIEW_OUTPUT in names else None
+                await on_step(StepReport(step, total, float(result.as_numpy(ELAPSED_OUTPUT)[0]), preview))
+            raise TritonFailure("UNAVAILABLE", "the server ended the stream without an answer")
+        except asyncio.CancelledError:
+            responses.cancel()
+            raise
+        finally:
+            finished.set()
