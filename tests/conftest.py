@@ -425,15 +425,22 @@ def api_keys(tmp_path_factory):
     return keys_file, add_key(keys_file, "tester"), add_key(keys_file, "one-at-a-time", max_jobs=1)
 
 
-@pytest.fixture(scope="session")
-def api_server(triton_server, api_keys, tmp_path_factory):
-    """``machgen api`` on the session's Triton server (the tiny Flux, "flux"), keys required."""
+@contextlib.contextmanager
+def api_on(triton_url: str, api_keys, tmp_path_factory, name: str):
+    """``machgen api`` on the Triton server at ``triton_url``, keys required, a fresh data folder."""
     from machgen.api.webhooks import new_secret
 
     keys_file, key, _ = api_keys
-    folder = tmp_path_factory.mktemp("api")
-    api = ApiProcess(triton_server.grpc_url, folder / "data", keys_file, key, new_secret(), folder / "api.log")
+    folder = tmp_path_factory.mktemp(name)
+    api = ApiProcess(triton_url, folder / "data", keys_file, key, new_secret(), folder / "api.log")
     try:
         yield api.wait_ready()
     finally:
         api.stop()
+
+
+@pytest.fixture(scope="session")
+def api_server(triton_server, api_keys, tmp_path_factory):
+    """``machgen api`` on the session's Triton server (the tiny Flux, "flux")."""
+    with api_on(triton_server.grpc_url, api_keys, tmp_path_factory, "api") as api:
+        yield api

@@ -175,3 +175,41 @@ def test_the_sampler_refuses_a_key_already_running_and_stops_the_one_a_cancel_na
         finally:
             stream.stop_stream()
             stream.close()
+
+
+def test_through_the_api_a_full_queue_is_503_and_a_waiting_job_runs_once_there_is_room(variant_server, api_keys,
+                                                                                        tmp_path):
+    """The streaming twin keeps the public model's bounds (one in flight and one waiting for flux_queue): a
+    synchronous image request past them answers 503 with Retry-After; an asynchronous job stays queued and
+    runs once the running one is cancelled."""
+    import httpx
+
+    from machgen.api.webhooks import new_secret
+
+    from conftest import ApiProcess
+
+    queue_model = "flux_queue"
+    keys_file, key, _ = api_keys
+    api = ApiProcess(variant_server.grpc_url, tmp_path / "data", keys_file, key, new_secret(), tmp_path / "api.log",
+                     "--preview-interval", "0").wait_ready()
+    headers = {"Authorization": f"Bearer {key}"}
+    url = f"{api.url}/v1/images/generations"
+    try:
+        running = httpx.post(url, headers=headers, json={"model": queue_model, "prompt": "a cat",
+                                                         "num_inference_steps": 1000, "background": True}).json()
+        wait_until(lambda: httpx.get(f"{api.url}/v1/jobs/{running['id']}", headers=headers).json()["progress"] > 0,
+                   what="the first job's steps")
+        waiting = httpx.post(url, headers=headers, json={"model": queue_model, "prompt": "a dog", "seed": 2,
+                                                         "num_inference_steps": 2, "background": True}).json()
+        # A decoupled model's execute takes each request as it comes: two, one running and one waiting.
+        wait_until(lambda: metric(variant_server, "nv_inference_exec_count", f"{queue_model}_stream") >= 2,
+                   what="the second job at the streaming model")
+        refused = httpx.post(url, headers=headers, timeout=60, json={"model": queue_model, "prompt": "x"})
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "server_busy"
+        assert httpx.get(f"{api.url}/v1/jobs/{waiting['id']}", headers=headers).json()["status"] == "queued"
+        httpx.delete(f"{api.url}/v1/jobs/{running['id']}", headers=headers, timeout=60)
+        wait_until(lambda: httpx.get(f"{api.url}/v1/jobs/{waiting['id']}", headers=headers).json()["status"]
+                   == "completed", what="the waiting job to run")
+    finally:
+        api.stop()

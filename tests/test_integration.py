@@ -13,7 +13,7 @@ from PIL import Image
 from machgen.client import GenerationError, MachgenClient
 from machgen.contract.manifest import PipelineManifest, pipeline_dir
 
-from conftest import PIPELINE_NAME, free_port
+from conftest import PIPELINE_NAME, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -204,12 +204,16 @@ def test_generate_cli_writes_the_served_image(triton_server, tmp_path):
     assert refused.returncode == 2 and "'num_frames'" in refused.stderr and not (tmp_path / "no.mp4").exists()
 
 
-def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository):
+def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository, tmp_path):
+    """machgen serve, with the HTTP API beside it (--api-port): both answer, and SIGTERM stops both."""
+    import httpx
+
     repository, _ = built_repository
-    http = free_port()
+    http, api = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(http),
-         "--grpc-port", str(free_port()), "--metrics-port", str(free_port())],
+         "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--api-port", str(api),
+         "--api-data-dir", str(tmp_path / "api")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -222,10 +226,21 @@ def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository):
         assert lines[-1].startswith("ready:") and f"HTTP 127.0.0.1:{http}" in lines[-1], "".join(lines)
         with MachgenClient(f"127.0.0.1:{http}", "http") as client:
             assert client.is_ready(PIPELINE_NAME)
+
+        def api_answers() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{api}/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(api_answers, what="the API beside the server")
+        models = httpx.get(f"http://127.0.0.1:{api}/v1/models").json()["data"]
+        assert [model["id"] for model in models] == [PIPELINE_NAME]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=90) == 0
         with MachgenClient(f"127.0.0.1:{http}", "http") as client:
             assert not client.is_ready(PIPELINE_NAME)
+        assert not api_answers()
     finally:
         if process.poll() is None:
             process.kill()

@@ -62,8 +62,9 @@ def test_a_bad_stream_request_is_invalid_argument_naming_the_field(triton_server
 
 
 def test_cancelling_a_stream_stops_the_request_at_the_next_step(triton_server):
-    """The client cancels after the third step: the sampler reports stopping within the next step or two, and
-    the next stream request runs."""
+    """The client cancels after the third step: the sampler reports stopping within the next two steps, and
+    the next stream request runs. At the model's largest size a step takes long enough (tens of ms on the CPU)
+    that the cancellation's own way through gRPC and the relay is not several steps of a 64x64 image."""
     import tritonclient.grpc as grpcclient
 
     client = MachgenClient(triton_server.grpc_url)
@@ -71,7 +72,8 @@ def test_cancelling_a_stream_stops_the_request_at_the_next_step(triton_server):
     responses: queue.Queue = queue.Queue()
     triton.start_stream(callback=lambda result, error: responses.put((result, error)))
     inputs = [client.make_input("prompt", "a long cat"), client.make_input("seed", 1),
-              client.make_input("num_inference_steps", 400)]
+              client.make_input("num_inference_steps", 400), client.make_input("height", 256),
+              client.make_input("width", 256)]
     triton.async_stream_infer(STREAM, inputs, request_id="stream-to-cancel")
     steps = []
     while len(steps) < 3:
@@ -86,7 +88,7 @@ def test_cancelling_a_stream_stops_the_request_at_the_next_step(triton_server):
         log = triton_server.log_file.read_text(errors="replace")
     line = next(line for line in log.splitlines() if "request stream-to-cancel: cancelled after" in line)
     stopped_at = int(line.split("cancelled after ")[1].split()[0])
-    assert stopped_at <= steps[-1] + 3, line
+    assert stopped_at <= steps[-1] + 2, line
     with client:
         assert client.generate(PIPELINE_NAME, "a cat", seed=1, num_inference_steps=2,
                                on_progress=lambda p: None).shape[0] == 1

@@ -51,8 +51,9 @@ def test_rendered_tensorrt_repository_serves_engines_on_the_gpu(flux):
     assert {"flux_denoiser_reuse/config.pbtxt", "flux_postprocess/config.pbtxt"} <= set(files)
     tail = files["flux_denoiser_tail/config.pbtxt"]
     assert 'platform: "tensorrt_plan"' in tail and "kind: KIND_GPU" in tail and "backend" not in tail
+    # Python models: the public one, its streaming twin and the sampler only.
     assert not [path for path in files if path.startswith("flux_") and path.endswith("model.py")
-                and not path.startswith("flux_sampler/")]
+                and not path.startswith(("flux_sampler/", "flux_stream/"))]
     assert '"target": "tensorrt"' in files["flux_sampler/1/pipeline.json"]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import ApiProcess, build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
+from conftest import api_on, build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
 
 pytestmark = [pytest.mark.export,
               pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
@@ -38,15 +38,8 @@ def ti2v_server(ti2v_repository):
 @pytest.fixture(scope="module")
 def ti2v_api(ti2v_server, api_keys, tmp_path_factory):
     """``machgen api`` on the served TI2V: the suite's video model for the videos API."""
-    from machgen.api.webhooks import new_secret
-
-    keys_file, key, _ = api_keys
-    folder = tmp_path_factory.mktemp("ti2v-api")
-    api = ApiProcess(ti2v_server.grpc_url, folder / "data", keys_file, key, new_secret(), folder / "api.log")
-    try:
-        yield api.wait_ready()
-    finally:
-        api.stop()
+    with api_on(ti2v_server.grpc_url, api_keys, tmp_path_factory, "ti2v-api") as api:
+        yield api
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +205,10 @@ def test_deleting_a_running_video_stops_it_within_two_steps(ti2v_server, ti2v_ap
     import openai
 
     client = openai.OpenAI(base_url=f"{ti2v_api.url}/v1", api_key=ti2v_api.key, max_retries=0)
-    # 100 steps: the job's progress (percent) is the last step the API saw.
-    video = client.videos.create(model=NAME, prompt=PROMPT, extra_body={"num_inference_steps": 100})
+    # 100 steps: the job's progress (percent) is the last step the API saw. The model's largest video: a step
+    # takes long enough that the cancellation's own way (API, gRPC, relay) is not several steps of a small one.
+    video = client.videos.create(model=NAME, prompt=PROMPT, size="128x128",
+                                 extra_body={"num_inference_steps": 100, "num_frames": 17})
     deadline = time.monotonic() + 60
     while client.videos.retrieve(video.id).progress < 1 and time.monotonic() < deadline:
         time.sleep(0.05)

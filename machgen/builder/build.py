@@ -235,6 +235,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     sparse_nodes = 0
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
         exported: dict[str, Path] = {}
+        onnx_files: dict[str, Path] = {}  # the tensorrt target's checked ONNX files, beside its engines
         for index, component in enumerate(components, start=1):
             spec = component.spec
             start = time.perf_counter()
@@ -266,6 +267,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             log(f"[{index}/{len(components)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
                 f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention calls' if nodes else ''}, "
                 f"{time.perf_counter() - start:.1f} s{' (export cache)' if cached is not None else ''}")
+            onnx_files[spec.name] = path
             if target == "tensorrt":
                 path = _engine(exporter, component, path, defaults, settings, options, target_options, sparse, log)
             exported[spec.name] = path
@@ -279,12 +281,20 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         files = render_repository(name, family, specs, defaults, settings, options=options,
                                   cache=model_cache_settings(model_dir),
                                   attention=asdict(sparse) if sparse else None, serving=serving)
-        write_repository(out, name, files, exported,
-                         {asset: model_dir / asset for asset in exporter.sampler_assets})
-    if preview:
-        from machgen.builder.preview_fit import fit_repository_preview
+        assets = {asset: model_dir / asset for asset in exporter.sampler_assets}
+        write_repository(out, name, files, exported, assets)
+        if preview:
+            from machgen.builder.preview_fit import fit_repository_preview
+            from machgen.contract.manifest import pipeline_dir
 
-        fit_repository_preview(out, name, log)
+            fit_on = out
+            if target == "tensorrt":
+                # Engines run only inside Triton: the projection is fitted on the same components' ONNX files.
+                fit_on = Path(scratch) / "onnxruntime-repository"
+                write_repository(fit_on, name, render_repository(
+                    name, family, specs, defaults, settings, options=options, cache=model_cache_settings(model_dir),
+                    serving=TargetServing("onnxruntime")), onnx_files, assets)
+            fit_repository_preview(fit_on, name, log).save(pipeline_dir(out, name))
     log(f"wrote model repository {out} (public model '{name}', target {target})")
     return results
 

@@ -1,0 +1,82 @@
+"""The HTTP API's parts that need no server: keys, the job store, webhook signatures, request fields."""
+
+import json
+import time
+
+import pytest
+
+from machgen.api.keys import KeyRing, add_key, read_keys
+from machgen.api.schemas import ApiError, parse_size, typed
+from machgen.api.store import Job, JobStore
+from machgen.api.webhooks import new_secret, signed_headers
+
+
+def test_a_keys_file_keeps_hashes_only_and_finds_each_key(tmp_path):
+    path = tmp_path / "keys.txt"
+    alice, bob = add_key(path, "alice"), add_key(path, "bob", max_jobs=2)
+    text = path.read_text()
+    assert alice not in text and bob not in text and "sha256:" in text
+    ring = KeyRing(read_keys(path))
+    assert ring.find(alice).name == "alice" and ring.find(bob).max_jobs == 2
+    assert ring.find("mg-nope") is None and ring.find(None) is None
+    with pytest.raises(ValueError, match="already has a key named 'alice'"):
+        add_key(path, "alice")
+    (tmp_path / "bad.txt").write_text("alice 1234\n")
+    with pytest.raises(ValueError, match="bad.txt:1"):
+        read_keys(tmp_path / "bad.txt")
+    assert not KeyRing(None).required and KeyRing(None).find(alice) is None
+
+
+def test_the_store_keeps_jobs_newest_first_and_fails_those_left_running(tmp_path):
+    store = JobStore(tmp_path)
+    jobs = [store.insert(Job(f"img_{i}", "image", "flux", "alice", {"prompt": str(i)})) for i in range(3)]
+    jobs[0].status, jobs[0].outputs, jobs[0].expires_at = "completed", ["image-0.png"], int(time.time()) - 1
+    store.result_dir("img_0").mkdir()
+    (store.result_dir("img_0") / "image-0.png").write_bytes(b"png")
+    store.update(jobs[0])
+    jobs[1].status = "in_progress"
+    store.update(jobs[1])
+    assert [job.id for job in store.list()] == ["img_2", "img_1", "img_0"]
+    assert [job.id for job in store.list(after="img_2", limit=1)] == ["img_1"]
+    store.close()
+
+    reopened = JobStore(tmp_path)  # as after a restart
+    assert sorted(reopened.fail_interrupted()) == ["img_1", "img_2"]
+    interrupted = reopened.get("img_1")
+    assert interrupted.status == "failed" and interrupted.error["code"] == "interrupted"
+    assert reopened.get("img_0").status == "completed"
+    assert reopened.expire() == ["img_0"] and not reopened.result_dir("img_0").exists()
+    assert reopened.get("img_0").outputs == [] and reopened.counts() == {"completed": 1, "failed": 2}
+
+
+def test_an_idempotency_key_gives_back_its_owners_job(tmp_path):
+    store = JobStore(tmp_path)
+    first = store.insert(Job("img_a", "image", "flux", "alice", {}, idempotency_key="k"))
+    assert store.insert(Job("img_b", "image", "flux", "alice", {}, idempotency_key="k")).id == first.id
+    assert store.insert(Job("img_c", "image", "flux", "bob", {}, idempotency_key="k")).id == "img_c"
+
+
+def test_webhook_headers_verify_with_the_standardwebhooks_package():
+    from standardwebhooks import Webhook
+
+    secret = new_secret()
+    body = json.dumps({"type": "video.completed", "data": {"id": "video_1"}}).encode()
+    headers = signed_headers(secret, "msg_1", int(time.time()), body)
+    assert Webhook(secret).verify(body, headers)["data"]["id"] == "video_1"
+    with pytest.raises(Exception):
+        Webhook(new_secret()).verify(body, headers)
+
+
+def test_request_fields_are_typed_and_sizes_read_as_width_by_height():
+    assert parse_size("96x32", {}) == (96, 32) and parse_size(None, {"width": 8, "height": 4}) == (8, 4)
+    assert typed("seed", "12", int) == 12 and typed("strength", 0.5, float) == 0.5
+    assert typed("stream", "true", bool) is True
+    for name, value, kind in [("seed", 1.5, int), ("seed", True, int), ("steps", "x", int),
+                              ("guidance_scale", float("nan"), float), ("prompt", 3, str)]:
+        with pytest.raises(ApiError) as error:
+            typed(name, value, kind)
+        assert error.value.status == 400 and error.value.param == name
+    for size in ("1024", "0x64", "ax64", "64x64x3"):
+        with pytest.raises(ApiError) as error:
+            parse_size(size, {})
+        assert error.value.param == "size"
