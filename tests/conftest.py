@@ -67,16 +67,19 @@ def load_diffusers(model_dir: Path):
     return pipe
 
 
-def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, in_flight: int = 2, **options) -> Path:
+def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, in_flight: int = 2, preview: bool = False,
+                          **options) -> Path:
     """A model repository of ``model_dir`` served as ``name`` (one instance per
-    component; ``options``: other ServingOptions)."""
+    component; ``options``: other ServingOptions). Without the preview
+    projection unless asked (``preview``): fitting it runs a few generations,
+    seconds per build that only the tests of previews need."""
     from machgen.builder.build import build_repository
     from machgen.builder.repository import ServingOptions
 
     out = tmp_path_factory.mktemp(f"{name}-repository")
     build_repository(model_dir, name, out, options=ServingOptions(in_flight=in_flight, component_instances=1,
                                                                   **options),
-                     log=lambda line: None)
+                     log=lambda line: None, preview=preview)
     return out
 
 
@@ -297,7 +300,8 @@ def variant_repository(tiny_flux_dir, built_repository, tmp_path_factory) -> Pat
 
     out = tmp_path_factory.mktemp("variants")
     for name, options in VARIANTS.items():
-        build_repository(tiny_flux_dir, name, out, options=ServingOptions(**{"component_instances": 1, **options}),
+        build_repository(tiny_flux_dir, name, out, preview=False,
+                         options=ServingOptions(**{"component_instances": 1, **options}),
                          log=lambda line: None)
     folder = pipeline_dir(out, "flux_calibrated")
     manifest = PipelineManifest.read(folder)

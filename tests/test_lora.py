@@ -32,7 +32,8 @@ def test_lora_trains_saves_and_fuses_into_the_exported_denoiser(tiny_flux_dir, t
     assert np.abs(lora_output - base_output).max() > 1e-4  # the adapter changes the model
 
     repository = tmp_path / "repository"
-    build_repository(tiny_flux_dir, "fused", repository, lora=adapter, log=lambda line: None)
+    build_repository(tiny_flux_dir, "fused", repository, lora=adapter, log=lambda line: None,
+                     preview=False)
     session = OnnxSession(repository / "fused_denoiser_head" / "1" / "model.onnx")
     served = session.run({k: v.numpy() for k, v in inputs.items()})["image_hidden"]
     assert np.abs(served - lora_output).max() <= 1e-4

@@ -129,7 +129,7 @@ def test_torch_target_serves_the_video_in_process(tiny_ltx_dir, ltx_pipeline, tm
     from machgen.runtime.local import LocalPipeline
 
     build_repository(tiny_ltx_dir, NAME, tmp_path, target="torch", target_options=TargetOptions(device="cpu"),
-                     log=lambda line: None)
+                     log=lambda line: None, preview=False)
     local = LocalPipeline(tmp_path, NAME)
     frames, _ = local.generate(PROMPT, seed=8, num_frames=5, fps=20, cache_policy="none")
     expected = diffusers_video(ltx_pipeline, local.manifest.defaults.to_json(), 8, num_frames=5, fps=20)

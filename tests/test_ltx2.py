@@ -340,7 +340,7 @@ def sparse_ltx2_build(tiny_ltx2_dir, ltx2_repository, tmp_path_factory):
     out = tmp_path_factory.mktemp("ltx2-sparse-repository")
     attention = AttentionOptions("sparse-fp8", block=4, mask_method="topk", topk_ratio=0.25)
     logs: list[str] = []
-    build_repository(tiny_ltx2_dir, SPARSE_NAME, out, attention=attention, log=logs.append)
+    build_repository(tiny_ltx2_dir, SPARSE_NAME, out, attention=attention, log=logs.append, preview=False)
     return out, attention, logs
 
 

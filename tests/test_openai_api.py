@@ -197,6 +197,7 @@ def test_a_webhook_is_signed_per_standard_webhooks_and_retried_after_a_failure(a
 
     receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    _Receiver.deliveries = []
     try:
         job = httpx.post(f"{api_server.url}/v1/images/generations", headers=auth(api_server), timeout=30, json={
             "model": PIPELINE_NAME, "prompt": "a cat", "seed": 1, "num_inference_steps": 2, "background": True,
@@ -218,25 +219,39 @@ def test_a_webhook_is_signed_per_standard_webhooks_and_retried_after_a_failure(a
 
 
 def test_jobs_outlive_the_api_process_and_those_it_was_running_are_failed(triton_server, api_keys, tmp_path):
+    """Finished jobs are listed and downloadable after a restart; the one running when the process died is
+    failed with code interrupted, and its webhook says so."""
+    from standardwebhooks import Webhook
+
     from machgen.api.webhooks import new_secret
 
     keys_file, key, _ = api_keys
     data = tmp_path / "data"
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    _Receiver.deliveries = [(None, b"")]  # every delivery answered 200
     first = ApiProcess(triton_server.grpc_url, data, keys_file, key, new_secret(), tmp_path / "api.log").wait_ready()
+    long_job = {"model": PIPELINE_NAME, "prompt": "a dog", "num_inference_steps": 1000, "background": True,
+                "callback_url": f"http://127.0.0.1:{receiver.server_address[1]}/hook"}
     try:
         done = httpx.post(f"{first.url}/v1/images/generations", headers=auth(first), timeout=60, json={
             "model": PIPELINE_NAME, "prompt": "a cat", "seed": 4, "num_inference_steps": 2}).json()
         running = httpx.post(f"{first.url}/v1/images/generations", headers={**auth(first), "Idempotency-Key": "k1"},
-                             json={"model": PIPELINE_NAME, "prompt": "a dog", "num_inference_steps": 1000,
-                                   "background": True}).json()
+                             json=long_job).json()
         again = httpx.post(f"{first.url}/v1/images/generations", headers={**auth(first), "Idempotency-Key": "k1"},
-                           json={"model": PIPELINE_NAME, "prompt": "a dog", "num_inference_steps": 1000,
-                                 "background": True}).json()
+                           json=long_job).json()
         assert again["id"] == running["id"]
     finally:
         first.kill()  # no clean stop: as a crash or the OOM killer leaves it
     second = ApiProcess(triton_server.grpc_url, data, keys_file, key, new_secret(), tmp_path / "api.log").wait_ready()
     try:
+        deadline = time.monotonic() + 30
+        while len(_Receiver.deliveries) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        receiver.shutdown()
+        headers, body = _Receiver.deliveries[1]
+        payload = Webhook(second.webhook_secret).verify(body, {k.lower(): v for k, v in headers.items()})
+        assert payload["type"] == "image.failed" and payload["data"]["id"] == running["id"]
         jobs = {job["id"]: job for job in httpx.get(f"{second.url}/v1/jobs", headers=auth(second)).json()["data"]}
         completed = jobs[done["machgen"]["job_id"]]
         assert completed["status"] == "completed"

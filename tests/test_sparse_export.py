@@ -27,7 +27,7 @@ def sparse_build(built_repository, tiny_flux_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("sparse-repository")
     logs = []
-    build_repository(tiny_flux_dir, NAME, out, attention=SPARSE, log=logs.append)
+    build_repository(tiny_flux_dir, NAME, out, attention=SPARSE, log=logs.append, preview=False)
     return out, logs
 
 

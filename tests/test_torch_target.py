@@ -24,7 +24,7 @@ def torch_repository(tiny_flux_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("torch-repository")
     # One process per model: what is checked here is the path of a tensor, not concurrency (test_batching).
-    build_repository(tiny_flux_dir, PIPELINE_NAME, out, target="torch", log=lambda line: None,
+    build_repository(tiny_flux_dir, PIPELINE_NAME, out, target="torch", log=lambda line: None, preview=False,
                      options=ServingOptions(in_flight=1, component_instances=1))
     return out
 

@@ -26,7 +26,7 @@ def tiny_ti2v_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ti2v_repository(tiny_ti2v_dir, tmp_path_factory):
-    return build_tiny_repository(tmp_path_factory, tiny_ti2v_dir, NAME, in_flight=3)
+    return build_tiny_repository(tmp_path_factory, tiny_ti2v_dir, NAME, in_flight=3, preview=True)
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +137,20 @@ def test_served_text_and_image_to_video_equal_diffusers(ti2v_server, local_ti2v,
 
     defaults = local_ti2v.manifest.defaults.to_json()
     image = picture(64, 64, seed=9)
+    progress = []
     with MachgenClient(ti2v_server.grpc_url) as client:
-        text_frames, text_stats = client.generate_with_stats(NAME, PROMPT, seed=2, num_inference_steps=3)
+        text_frames, text_stats = client.generate_with_stats(NAME, PROMPT, seed=2, num_inference_steps=3,
+                                                             on_progress=progress.append, preview_interval=1)
         image_frames, image_stats = client.generate_with_stats(NAME, PROMPT, image=image, seed=2,
                                                                num_inference_steps=3)
     assert max_diff(text_frames, diffusers_video(tiny_ti2v_dir, defaults, 2, num_inference_steps=3)) <= MAX_PIXEL_DIFF
     assert max_diff(image_frames, diffusers_video(tiny_ti2v_dir, defaults, 2, image=image,
                                                   num_inference_steps=3)) <= MAX_PIXEL_DIFF
     assert text_stats["frames"] == image_stats["frames"] == defaults["num_frames"]
+    # A video's preview: a few of its latent frames (first and last among them), the latents' size.
+    previews = [p.preview for p in progress if p.preview is not None]
+    assert [p.step for p in progress] == [1, 2, 3] and len(previews) == 2
+    assert 1 < len(previews[0]) <= 4 and previews[0].shape[1] < text_frames.shape[1]
 
 
 def _video_bytes_frames(data: bytes, folder) -> np.ndarray:

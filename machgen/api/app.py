@@ -273,13 +273,16 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         store = JobStore(settings.data_dir, settings.database)
-        interrupted = store.fail_interrupted()
-        if interrupted:
-            log.warning("%d jobs were running when the API last stopped: marked failed", len(interrupted))
         triton = TritonModels(settings.triton_url)
         webhooks = WebhookSender(WebhookPolicy(settings.webhook_secret, settings.webhook_attempts,
                                                settings.webhook_first_delay_s)
                                  if settings.webhook_secret else None)
+        interrupted = [store.get(job_id) for job_id in store.fail_interrupted()]
+        if interrupted:
+            log.warning("%d jobs were running when the API last stopped: marked failed", len(interrupted))
+        for job in interrupted:  # their callers still learn of it
+            if job is not None and job.request.get("callback_url"):
+                webhooks.send(job.request["callback_url"], f"{job.kind}.failed", public_object(job))
         state = _State(settings, store, triton,
                        KeyRing(read_keys(settings.keys_file) if settings.keys_file is not None else None),
                        webhooks, JobManager(store, triton, webhooks, JobMetrics(registry), settings.result_ttl_s,
@@ -371,7 +374,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     # ---- jobs in common
     async def submit(request: Request, state: _State, kind: str, model: ServedModel, variants: list[dict[str, Any]],
-                     recorded: dict[str, Any], callback_url: str | None, waits_in_queue: bool) -> tuple[Job, bool]:
+                     recorded: dict[str, Any], waits_in_queue: bool) -> tuple[Job, bool]:
         """(the job, whether it is new): an Idempotency-Key its owner used before gives that job back."""
         owner, limit = _caller(state, request)
         idempotency = request.headers.get("idempotency-key")
@@ -386,7 +389,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         job = state.store.insert(new)
         if job.id != new.id:  # the same key, sent twice at once
             return job, False
-        state.jobs.start(job, model, variants, callback_url, waits_in_queue)
+        state.jobs.start(job, model, variants, waits_in_queue)
         return job, True
 
     def job_for(state: _State, request: Request, job_id: str, kind: str | None = None) -> Job:
@@ -448,9 +451,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
         variants = [{**inputs, "seed": seed + index} for index in range(n)]
         recorded = {name: value for name, value in inputs.items() if name != "image"}
         recorded.update(n=n, seeds=[seed + index for index in range(n)], response_format=response_format,
-                        edit=edit)
-        job, _ = await submit(request, state, "image", model, variants, recorded, callback_url,
-                              waits_in_queue=run_async)
+                        edit=edit, callback_url=callback_url)
+        job, _ = await submit(request, state, "image", model, variants, recorded, waits_in_queue=run_async)
         if run_async:
             return job_object(job)
         if stream:
@@ -551,8 +553,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
         callback_url = _callback(state, fields)
         _check_request(model, {**inputs, "seed": seed})
         recorded = {name: value for name, value in inputs.items() if name not in ("image", "reference_images")}
-        recorded.update(n=1, seeds=[seed], image_to_video="image" in inputs)
-        job, _ = await submit(request, state, "video", model, [{**inputs, "seed": seed}], recorded, callback_url,
+        recorded.update(n=1, seeds=[seed], image_to_video="image" in inputs, callback_url=callback_url)
+        job, _ = await submit(request, state, "video", model, [{**inputs, "seed": seed}], recorded,
                               waits_in_queue=True)
         return video_object(job)
 

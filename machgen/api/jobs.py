@@ -86,7 +86,6 @@ class Running:
     events: JobEvents = field(default_factory=JobEvents)
     steps: dict[int, tuple[int, int]] = field(default_factory=dict)  # variant: (step, total)
     started: float | None = None
-    callback_url: str | None = None
 
 
 class JobMetrics:
@@ -124,9 +123,11 @@ class JobManager:
     def in_flight(self, owner: str) -> int:
         return sum(1 for running in self.running.values() if running.job.owner == owner)
 
-    def start(self, job: Job, model: ServedModel, variants: list[dict[str, Any]], callback_url: str | None,
+    def start(self, job: Job, model: ServedModel, variants: list[dict[str, Any]],
               wait_when_queue_full: bool) -> Running:
-        running = Running(job, callback_url=callback_url)
+        """Run ``job``: a request per variant (their inputs), POSTing its end to
+        the job's ``callback_url`` when it names one."""
+        running = Running(job)
         self.running[job.id] = running
         running.task = asyncio.get_running_loop().create_task(
             self._run(running, model, variants, wait_when_queue_full), name=f"job-{job.id}")
@@ -194,10 +195,10 @@ class JobManager:
             while len(self._finished_events) > 256:
                 self._finished_events.pop(next(iter(self._finished_events)))
             self.running.pop(job.id, None)
-            if running.callback_url:
+            if job.request.get("callback_url"):
                 from machgen.api.schemas import public_object
 
-                self.webhooks.send(running.callback_url, f"{job.kind}.{job.status}", public_object(job))
+                self.webhooks.send(job.request["callback_url"], f"{job.kind}.{job.status}", public_object(job))
 
     async def _variant(self, running: Running, model: ServedModel, index: int, inputs: dict[str, Any],
                        wait_when_queue_full: bool) -> dict[str, Any]:
