@@ -81,6 +81,8 @@ class TritonServer:
         self.host = host
         self.verbose = verbose
         self._work = tempfile.TemporaryDirectory(prefix="machgen-triton-")
+        # The Python backend's shared-memory regions (/dev/shm) of this server alone start with this.
+        self.shm_prefix = f"machgen_{os.getpid()}_{os.path.basename(self._work.name)}_"
         self.log_file = log_file or Path(self._work.name) / "tritonserver.log"
         self.process: subprocess.Popen | None = None
 
@@ -104,6 +106,7 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             f"--log-verbose={1 if self.verbose else 0}",
             "--exit-timeout-secs=30",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
 
     def start(self, timeout: float = 180.0) -> "TritonServer":
@@ -154,6 +157,20 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        self._work.cleanup()
+
+    def shm_regions(self) -> list[Path]:
+        """This server's shared-memory regions that are there now."""
+        return sorted(Path("/dev/shm").glob(f"{self.shm_prefix}*"))
+
+    def kill(self) -> None:
+        """Stop at once (SIGKILL to the server and its stubs), without
+        Triton's second per model instance; its shared memory is removed."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        for region in self.shm_regions():
+            region.unlink(missing_ok=True)
         self._work.cleanup()
 
     def __enter__(self) -> "TritonServer":

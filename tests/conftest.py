@@ -222,7 +222,9 @@ def built_repository(tiny_flux_dir, tmp_path_factory):
     return out, results
 
 
-_STOPPING: list = []  # the threads of servers stopping while the tests go on
+_STOPPING: list = []  # (server, the thread stopping it) while the tests go on
+# At the end of the session a server still stopping gets this long to finish what it runs, then is killed.
+_LAST_GRACE_S = 3.0
 
 
 def stop_in_background(server) -> None:
@@ -232,14 +234,25 @@ def stop_in_background(server) -> None:
 
     thread = threading.Thread(target=server.stop, name="stop-server", daemon=True)
     thread.start()
-    _STOPPING.append(thread)
+    _STOPPING.append((server, thread))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def servers_stopped():
+    """Every server stopped by the end of the session. The session's own servers stop last, when no test
+    needs them: after a short grace they are killed (their shared memory removed), not waited for (up to half
+    a minute of Triton unloading instances one by one, the tail of every xdist worker's run)."""
     yield
-    for thread in _STOPPING:
-        thread.join()
+    import time
+
+    deadline = time.monotonic() + _LAST_GRACE_S
+    for server, thread in _STOPPING:
+        thread.join(timeout=max(deadline - time.monotonic(), 0))
+        if thread.is_alive():
+            server.kill()
+            thread.join()
+    leftover = [region for server, _ in _STOPPING for region in server.shm_regions()]
+    assert not leftover, f"shared memory left by the test servers: {leftover}"
 
 
 @contextlib.contextmanager
@@ -326,6 +339,27 @@ def metric(server, name: str, model: str) -> float:
         text = response.read().decode()
     found = re.search(rf'^{name}{{model="{model}",version="1"}} (\S+)$', text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+def steps_after_stop_asked(server, request_id: str, timeout: float = 30.0) -> int:
+    """How many steps the sampler ran after its relay (NAME or NAME_stream) asked it to stop request
+    ``request_id``, from the server's log. A client's cancellation reaches the sampler within milliseconds
+    (the relay sees it at the next progress response, a step of a real model later at most); the tiny
+    models' steps take milliseconds too, so what is checked in steps is the sampler's own promise: it stops
+    at its next step boundary."""
+    import re
+    import time
+
+    pattern = (rf"request {re.escape(request_id)}: asked to stop after step (\d+).*"
+               rf"request {re.escape(request_id)}: cancelled after (\d+) of")
+    deadline = time.monotonic() + timeout
+    while True:
+        found = re.search(pattern, server.log_file.read_text(errors="replace"), re.DOTALL)
+        if found:
+            return int(found.group(2)) - int(found.group(1))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no stop of request {request_id} in the server log")
+        time.sleep(0.1)
 
 
 def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:

@@ -120,6 +120,15 @@ def test_a_streamed_image_request_sends_progress_then_the_images(api_server):
 
 
 def test_bad_requests_get_openais_error_body_with_the_field(api_server):
+    import openai
+
+    client = openai_client(api_server)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(model=PIPELINE_NAME, prompt="a cat", size="66x64")
+    assert refused.value.param == "width" and "multiple of 4" in refused.value.message
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.images.generate(model="dall-e-3", prompt="a cat")
+    assert unknown.value.code == "model_not_found"
     url = f"{api_server.url}/v1/images/generations"
     cases = [
         ({"model": PIPELINE_NAME, "prompt": "a cat", "size": "63x64"}, 400, "width"),
@@ -169,6 +178,8 @@ def test_without_a_valid_key_401_and_over_a_keys_limit_429(api_server, api_keys)
                             headers=auth(api_server, limited_key))
         assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
         assert second.json()["error"]["code"] == "too_many_jobs"
+        with pytest.raises(openai.RateLimitError):
+            openai_client(api_server, key=limited_key).images.generate(model=PIPELINE_NAME, prompt="a cat")
         # Another key's jobs are not counted against this one; nor is the job visible to it.
         assert httpx.get(f"{api_server.url}/v1/jobs/{first.json()['id']}", headers=auth(api_server)).status_code == 404
     finally:

@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +232,7 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
         request_id=request.request_id())
     answer = None
     cancel_sent = False
+    last_step = 0
     stream = call.exec(decoupled=True)
     keep_stream(stream)
     # Every response is read to the last (the final flag): the sampler's stream must end.
@@ -248,6 +250,8 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
             continue
         elif is_cancelled():
             # Stops the loop at its next step; its answer (CANCELLED) is still read.
+            pb_utils.Logger.log_info(f"request {request.request_id() or '-'}: withdrawn by its client after step "
+                                     f"{last_step}; stopping it")
             cancel_sent = True
             stop = pb_utils.InferenceRequest(model_name=sampler, requested_output_names=[],
                                              inputs=[pb_utils.Tensor(CANCEL_INPUT, _text(key))])
@@ -255,8 +259,10 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
             keep_stream(stop_stream)
             for _ in stop_stream:  # its one (empty) final response
                 pass
-        elif on_progress is not None:
-            on_progress(outputs)
+        else:
+            last_step = int(outputs[PROGRESS_OUTPUT].as_numpy()[0])
+            if on_progress is not None:
+                on_progress(outputs)
     if answer is None:
         answer = _error_response(f"{sampler} ended the request without an answer", pb_utils.TritonError.INTERNAL)
     return answer
@@ -373,6 +379,16 @@ class StreamModel:
             thread.join(timeout=30)
 
 
+@dataclass
+class _RunningRequest:
+    """A request the sampler runs: set ``stop`` and it stops at its next step."""
+
+    request_id: str
+    thread: threading.Thread
+    stop: threading.Event = field(default_factory=threading.Event)
+    steps_done: int = 0
+
+
 class SamplerModel:
     """NAME_sampler: every in-flight request start to finish (text encoders,
     denoising loop, decoders) by BLS calls to the components, each on its
@@ -405,9 +421,8 @@ class SamplerModel:
         self.sampler = load_sampler(self.manifest, str(model_dir), self._run_component)
         self.preview = LatentPreview.load(model_dir)  # None: the build fitted none (--no-preview)
         self.logger = pb_utils.Logger
-        # Requests running, by the key their public model gave them: set when it asks them to stop.
-        self._stop: dict[str, threading.Event] = {}
-        self._threads: dict[str, threading.Thread] = {}
+        # Requests running, by the key their relay gave them.
+        self._running: dict[str, _RunningRequest] = {}
         self._lock = threading.Lock()
 
     def _run_component(self, name: str, inputs: dict):
@@ -439,9 +454,11 @@ class SamplerModel:
         cancel = pb_utils.get_input_tensor_by_name(request, CANCEL_INPUT)
         if cancel is not None:
             with self._lock:
-                stop = self._stop.get(cancel.as_numpy()[0].decode())
-            if stop is not None:
-                stop.set()
+                running = self._running.get(cancel.as_numpy()[0].decode())
+            if running is not None:
+                steps_done = running.steps_done
+                running.stop.set()  # then the log (a message to the server): the loop checks it between steps
+                self.logger.log_info(f"request {running.request_id}: asked to stop after step {steps_done}")
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         key = pb_utils.get_input_tensor_by_name(request, REQUEST_KEY_INPUT)
@@ -449,9 +466,9 @@ class SamplerModel:
         thread = threading.Thread(target=self._serve, args=(request, sender, key), name=f"request-{key}",
                                   daemon=True)
         with self._lock:
-            duplicate = key in self._stop  # a cancellation must reach the one request it names
+            duplicate = key in self._running  # a cancellation must reach the one request it names
             if not duplicate:
-                self._stop[key], self._threads[key] = threading.Event(), thread
+                self._running[key] = _RunningRequest(request.request_id() or "-", thread)
         if duplicate:
             self._send_final(sender, self._error("INVALID_ARG", f"{REQUEST_KEY_INPUT}: {key!r} is already running"))
             return
@@ -459,7 +476,7 @@ class SamplerModel:
 
     def _serve(self, request, sender, key: str) -> None:
         try:
-            outputs = self._generate(request, sender, self._stop[key])
+            outputs = self._generate(request, sender, self._running[key])
         except InvalidArgument as err:
             outputs = self._error("INVALID_ARG", str(err))
         except GenerationCancelled as err:
@@ -470,8 +487,7 @@ class SamplerModel:
             outputs = self._error("INTERNAL", f"generation failed: {err}")
         finally:
             with self._lock:  # the key is free by the time its answer is out
-                self._stop.pop(key, None)
-                self._threads.pop(key, None)
+                self._running.pop(key, None)
         self._send_final(sender, outputs)
 
     def _send_final(self, sender, outputs: list) -> None:
@@ -488,7 +504,7 @@ class SamplerModel:
     def _error(status: str, message: str) -> list:
         return [pb_utils.Tensor(ERROR_OUTPUT, _text(json.dumps({"status": status, "message": message})))]
 
-    def _generate(self, request, sender, stop: threading.Event) -> list:
+    def _generate(self, request, sender, running: "_RunningRequest") -> list:
         def get_input(name: str):
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
@@ -505,6 +521,7 @@ class SamplerModel:
             previews.append(self.preview.render(latents))
 
         def on_step(step: int, total: int) -> None:
+            running.steps_done = step
             self.logger.log_verbose(f"request {request_id}: step {step}/{total}")
             outputs = [pb_utils.Tensor(PROGRESS_OUTPUT, np.array([step, total], np.int32)),
                        pb_utils.Tensor(ELAPSED_OUTPUT, np.array([time.monotonic() - started], np.float32))]
@@ -512,10 +529,10 @@ class SamplerModel:
                 outputs.append(pb_utils.Tensor(PREVIEW_OUTPUT, previews.pop()))
             sender.send(pb_utils.InferenceResponse(outputs))
 
-        result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=stop.is_set,
+        result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=running.stop.is_set,
                                        on_preview=on_preview if self.preview is not None else None,
                                        preview_interval=interval)
-        if stop.is_set():  # after the last step, before the decode
+        if running.stop.is_set():  # after the last step, before the decode
             raise GenerationCancelled(result.stats.steps, result.stats.steps)
         images = self.sampler.decode(result.latents)
         audio = self.sampler.decode_audio(result.latents)
@@ -530,11 +547,11 @@ class SamplerModel:
         # responses; what still runs (an unload forced by a timeout) stops at
         # its next step, and answers CANCELLED rather than vanishing.
         with self._lock:
-            stops, threads = list(self._stop.values()), list(self._threads.values())
-        for stop in stops:
-            stop.set()
-        for thread in threads:
-            thread.join(timeout=30)
+            running = list(self._running.values())
+        for request in running:
+            request.stop.set()
+        for request in running:
+            request.thread.join(timeout=30)
         # Tearing down an interpreter with torch and diffusers loaded spends
         # about a second in garbage collection; frozen objects are skipped
         # (exit of such a process measured 1.37 s, 0.39 s frozen).
