@@ -224,7 +224,7 @@ def built_repository(tiny_flux_dir, tmp_path_factory):
 
 _STOPPING: list = []  # (server, the thread stopping it) while the tests go on
 # At the end of the session a server still stopping gets this long to finish what it runs, then is killed.
-_LAST_GRACE_S = 3.0
+_LAST_GRACE_S = 1.0
 
 
 def stop_in_background(server) -> None:

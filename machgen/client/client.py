@@ -189,9 +189,10 @@ class MachgenClient:
         writes them as MP4.
 
         ``on_progress(Progress)`` is called after every step (the request
-        goes to the model's streaming twin, over gRPC); ``preview_interval``
-        sets how often it carries a preview (0: never). An exception it
-        raises, or Ctrl-C, cancels the request."""
+        goes to the model's streaming twin, over gRPC; one such request at a
+        time per client, as tritonclient has one stream per client);
+        ``preview_interval`` sets how often it carries a preview (0: never).
+        An exception it raises, or Ctrl-C, cancels the request."""
         return self.infer(model, self._inputs(model, prompt, options), on_progress=on_progress)["images"]
 
     def generate_with_stats(self, model: str, prompt: str, on_progress: ProgressCallback | None = None,
