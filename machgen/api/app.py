@@ -76,7 +76,6 @@ class _State:
     keys: KeyRing
     webhooks: WebhookSender
     jobs: JobManager
-    registry: Any
     tasks: list = field(default_factory=list)
 
 
@@ -242,7 +241,7 @@ def _failure_error(job: Job) -> ApiError:
     error = job.error or {"code": "internal", "message": "the job failed"}
     code = error.get("code")
     if code == "invalid_arg":
-        return invalid(error.get("param") or "", error["message"])
+        return ApiError(400, error["message"], param=error.get("param"), code="invalid_value")
     if code == "unavailable":
         return ApiError(503, error["message"], code="server_busy", headers={"Retry-After": "1"})
     if code == "cancelled":
@@ -286,7 +285,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         state = _State(settings, store, triton,
                        KeyRing(read_keys(settings.keys_file) if settings.keys_file is not None else None),
                        webhooks, JobManager(store, triton, webhooks, JobMetrics(registry), settings.result_ttl_s,
-                                            settings.queue_retry_s), registry)
+                                            settings.queue_retry_s))
         app.state.machgen = state
         state.tasks.append(asyncio.get_running_loop().create_task(_expire_results(store)))
         try:
@@ -374,23 +373,22 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     # ---- jobs in common
     async def submit(request: Request, state: _State, kind: str, model: ServedModel, variants: list[dict[str, Any]],
-                     recorded: dict[str, Any], waits_in_queue: bool) -> tuple[Job, bool]:
-        """(the job, whether it is new): an Idempotency-Key its owner used before gives that job back."""
+                     recorded: dict[str, Any], waits_in_queue: bool) -> Job:
+        """The job started; an Idempotency-Key its owner used before gives that job back instead."""
         owner, limit = _caller(state, request)
         idempotency = request.headers.get("idempotency-key")
         if idempotency:
             existing = state.store.find_idempotent(owner, idempotency)
             if existing is not None:
-                return existing, False
+                return existing
         if state.jobs.in_flight(owner) >= limit:
             raise ApiError(429, f"{limit} jobs of this key are in flight already; wait for one to finish",
                            code="too_many_jobs", headers={"Retry-After": "2"})
         new = Job(new_job_id(kind), kind, model.name, owner, recorded, idempotency_key=idempotency or None)
         job = state.store.insert(new)
-        if job.id != new.id:  # the same key, sent twice at once
-            return job, False
-        state.jobs.start(job, model, variants, waits_in_queue)
-        return job, True
+        if job.id == new.id:  # else the same key, sent twice at once
+            state.jobs.start(job, model, variants, waits_in_queue)
+        return job
 
     def job_for(state: _State, request: Request, job_id: str, kind: str | None = None) -> Job:
         owner, _ = _caller(state, request)
@@ -400,7 +398,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         running = state.jobs.running.get(job_id)
         return running.job if running is not None else job
 
-    def with_defaults(model: ServedModel, inputs: dict[str, Any]) -> None:
+    def with_preview_default(inputs: dict[str, Any]) -> None:
         if "preview_interval" not in inputs and settings.preview_interval is not None:
             inputs["preview_interval"] = settings.preview_interval
 
@@ -445,14 +443,14 @@ def create_app(settings: ApiSettings) -> FastAPI:
         used = {"model", "prompt", "n", "response_format", "stream", "background", "async", "size", "seed",
                 "callback_url", "image", "mask"}
         inputs.update(_model_inputs(fields, model, used))
-        with_defaults(model, inputs)
+        with_preview_default(inputs)
         callback_url = _callback(state, fields)
         _check_request(model, {**inputs, "seed": seed})
         variants = [{**inputs, "seed": seed + index} for index in range(n)]
         recorded = {name: value for name, value in inputs.items() if name != "image"}
         recorded.update(n=n, seeds=[seed + index for index in range(n)], response_format=response_format,
                         edit=edit, callback_url=callback_url)
-        job, _ = await submit(request, state, "image", model, variants, recorded, waits_in_queue=run_async)
+        job = await submit(request, state, "image", model, variants, recorded, waits_in_queue=run_async)
         if run_async:
             return job_object(job)
         if stream:
@@ -549,12 +547,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
         used = {"model", "prompt", "size", "seconds", "num_frames", "fps", "input_reference", "reference_images",
                 "seed", "callback_url"}
         inputs.update(_model_inputs(fields, model, used))
-        with_defaults(model, inputs)
+        with_preview_default(inputs)
         callback_url = _callback(state, fields)
         _check_request(model, {**inputs, "seed": seed})
         recorded = {name: value for name, value in inputs.items() if name not in ("image", "reference_images")}
         recorded.update(n=1, seeds=[seed], image_to_video="image" in inputs, callback_url=callback_url)
-        job, _ = await submit(request, state, "video", model, [{**inputs, "seed": seed}], recorded,
+        job = await submit(request, state, "video", model, [{**inputs, "seed": seed}], recorded,
                               waits_in_queue=True)
         return video_object(job)
 

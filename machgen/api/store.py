@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ACTIVE = ("queued", "in_progress")
 FINISHED = ("completed", "failed", "cancelled")
@@ -183,6 +183,3 @@ class JobStore:
             row[name] = json.loads(row[name])
         row["error"] = None if row["error"] is None else json.loads(row["error"])
         return Job(**row)
-
-    def __iter__(self) -> Iterator[Job]:
-        return iter(self.list(limit=1_000_000))

@@ -11,14 +11,12 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
+from machgen.client.client import known_inputs
 from machgen.contract.api import (
-    API_INPUTS,
     AUDIO_OUTPUT,
     ELAPSED_OUTPUT,
     PREVIEW_OUTPUT,
     PROGRESS_OUTPUT,
-    STREAM_INPUTS,
-    ApiTensor,
     input_array,
     stream_error_status,
 )
@@ -68,13 +66,6 @@ class ServedModel:
         return self.card["defaults"]
 
 
-def _known_inputs() -> dict[str, ApiTensor]:
-    from machgen.families.registry import family_inputs
-
-    return {**{t.name: t for t in API_INPUTS + STREAM_INPUTS},
-            **{name: declared.tensor for name, (declared, _) in family_inputs().items()}}
-
-
 class TritonModels:
     """The served models (asked again at most every ``refresh_s``) and requests to them."""
 
@@ -83,7 +74,7 @@ class TritonModels:
 
         self.url = url
         self._client = grpcaio.InferenceServerClient(url)
-        self._known = _known_inputs()
+        self._known = known_inputs()
         self._models: dict[str, ServedModel] = {}
         self._asked = 0.0
         self.refresh_s = refresh_s

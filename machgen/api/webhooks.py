@@ -56,13 +56,11 @@ class WebhookPolicy:
 
 
 class WebhookSender:
-    """Delivers events in the background; ``deliveries`` counts outcomes (for metrics and tests)."""
+    """Delivers events in the background."""
 
     def __init__(self, policy: WebhookPolicy | None):
         self.policy = policy
         self._tasks: set[asyncio.Task] = set()
-        self.delivered = 0
-        self.failed = 0
 
     def send(self, url: str, event_type: str, data: dict[str, Any]) -> None:
         if self.policy is None:
@@ -86,7 +84,6 @@ class WebhookSender:
                 try:
                     response = await client.post(url, content=body, headers=headers)
                     if 200 <= response.status_code < 300:
-                        self.delivered += 1
                         return True
                     problem = f"HTTP {response.status_code}"
                 except httpx.HTTPError as err:
@@ -96,7 +93,6 @@ class WebhookSender:
                     log.info("webhook %s to %s: %s; retry in %.1f s", message_id, url, problem, delay)
                     await asyncio.sleep(delay * (1 + random.random() / 2))
         log.warning("webhook %s to %s: gave up after %d attempts (%s)", message_id, url, policy.attempts, problem)
-        self.failed += 1
         return False
 
     async def drain(self, timeout_s: float = 5.0) -> None:

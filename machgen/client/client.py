@@ -47,8 +47,9 @@ _GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "St
                 "ALREADY_EXISTS": "StatusCode.ALREADY_EXISTS", "UNKNOWN": "StatusCode.UNKNOWN"}
 
 
-def _known_inputs() -> dict[str, ApiTensor]:
-    """Every model's inputs and every family's own, by name (the families' declarations)."""
+def known_inputs() -> dict[str, ApiTensor]:
+    """Every model's inputs (the streaming twin's too) and every family's own, by name (the families'
+    declarations)."""
     from machgen.families.registry import family_inputs
 
     return {**_API, **{name: declared.tensor for name, (declared, _) in family_inputs().items()}}
@@ -87,7 +88,7 @@ class MachgenClient:
                                                         connection_timeout=timeout_s or 600.0)
         self._module = module
         self._metadata: dict[str, dict[str, Any]] = {}
-        self._known = _known_inputs()
+        self._known = known_inputs()
 
     def close(self) -> None:
         self._client.close()
