@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -29,35 +31,77 @@ def serve(
                                                                     "port, talking to this server"),
     api_data_dir: Path = typer.Option(Path("machgen-api"), "--api-data-dir", help="the API's jobs and results"),
     api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file", help="the API's keys (machgen api-key)"),
+    supervisor_metrics_port: int = typer.Option(8003, "--supervisor-metrics-port", min=0,
+                                                help="the supervisor's Prometheus metrics (model recoveries, "
+                                                     "server restarts) at /metrics; 0: none"),
+    drain_timeout: float = typer.Option(60.0, "--drain-timeout", min=0.0,
+                                        help="on a stop: seconds requests in flight get to finish before they are "
+                                             "stopped at their next step (answering UNAVAILABLE)"),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0,
+                                     help="times a server that died is started again within a minute; one more "
+                                          "and machgen serve exits with code 1"),
 ) -> None:
-    """Start tritonserver on REPOSITORY (and with --api-port the HTTP API);
-    Ctrl-C or SIGTERM stops it cleanly."""
+    """Start tritonserver on REPOSITORY (and with --api-port the HTTP API) and
+    keep it serving: a model whose stub process died is loaded again (the
+    others untouched), a server that died is started again. Ctrl-C or SIGTERM
+    drains it: no new request is taken, those in flight finish, then it stops."""
     from machgen.server import Ports, ServerError, TritonServer
+    from machgen.supervisor import Supervisor, SupervisorSettings
 
-    server = TritonServer(repository, Ports(http_port, grpc_port, metrics_port), host=host, verbose=verbose)
+    def say(line: str) -> None:
+        typer.echo(line, err=line.startswith("supervisor:"))
+
+    # Triton must not give up on requests in flight before the drain does.
+    server = TritonServer(repository, Ports(http_port, grpc_port, metrics_port), host=host, verbose=verbose,
+                          exit_timeout_s=int(drain_timeout) + 60)
+    supervisor = Supervisor(server, SupervisorSettings(max_restarts=max_restarts, drain_timeout_s=drain_timeout),
+                            log=say)
+    metrics = None
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         typer.echo(f"starting tritonserver on {repository} ...")
         server.start()
-        typer.echo(f"ready: HTTP {host}:{http_port}  gRPC {host}:{grpc_port}  metrics {host}:{metrics_port}")
+        supervisor.start()
+        if supervisor_metrics_port:
+            try:
+                metrics = supervisor.serve_metrics(host, supervisor_metrics_port)
+            except OSError as err:
+                raise ServerError(f"--supervisor-metrics-port {supervisor_metrics_port}: {err}") from None
+        typer.echo(f"ready: HTTP {host}:{http_port}  gRPC {host}:{grpc_port}  metrics {host}:{metrics_port}"
+                   + (f"  supervisor metrics {host}:{supervisor_metrics_port}" if metrics else ""))
         typer.echo(f"server log: {server.log_file}")
         if api_port is not None:
             from machgen.api.app import ApiSettings
 
             typer.echo(f"API: http://{host}:{api_port}")
+
+            def stop_api_if_given_up() -> None:  # the API must not outlive a server that cannot be kept up
+                if supervisor.wait():
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+            threading.Thread(target=stop_api_if_given_up, daemon=True).start()
             _run_api(ApiSettings(triton_url=f"127.0.0.1:{grpc_port}", data_dir=api_data_dir,
                                  keys_file=api_keys_file), host, api_port)
+            if supervisor.exit_code:
+                raise typer.Exit(supervisor.exit_code)
             return
-        code = server.wait()
-        typer.secho(f"tritonserver exited with code {code}:\n{server.log_tail()}", fg=typer.colors.RED, err=True)
+        code = supervisor.wait()
+        typer.secho(f"tritonserver could not be kept serving:\n{server.log_tail()}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code or 1)
     except KeyboardInterrupt:
-        typer.echo("stopping tritonserver ...")
+        pass
     except ServerError as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     finally:
-        server.stop()
+        # A second Ctrl-C or SIGTERM must not cut the drain short and leave the server running.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        typer.echo(f"stopping tritonserver: requests in flight get {drain_timeout:.0f} s to finish ...")
+        supervisor.drain()
+        if metrics is not None:
+            metrics.shutdown()
+        typer.echo("stopped")
 
 
 def _run_api(settings, host: str, port: int) -> None:
@@ -259,6 +303,10 @@ def generate(
                                                     "(step-NNNN.png; needs the streaming twin)"),
     preview_interval: Optional[int] = typer.Option(None, "--preview-interval", min=0,
                                                    help="steps between previews (default: the model's)"),
+    retries: int = typer.Option(4, "--retries", min=0,
+                                help="times a request that failed for want of a server (UNAVAILABLE, no "
+                                     "connection, a stub that died) is sent again, with growing waits; without "
+                                     "--seed a random seed is sent, so every try makes the same image"),
 ) -> None:
     """Generate an image or a video through a served pipeline and save it (PNG, MP4; WAV: the sound alone)."""
     import time
@@ -266,7 +314,7 @@ def generate(
     import numpy as np
     from PIL import Image
 
-    from machgen.client import GenerationError, MachgenClient
+    from machgen.client import GenerationError, MachgenClient, RetryPolicy
 
     if task is not None:
         if task not in TASKS:
@@ -285,7 +333,12 @@ def generate(
                   if reference_images else None)
 
     try:
-        with MachgenClient(url, protocol=protocol) as client, _ProgressDisplay(preview_dir) as display:
+        def retrying(attempt: int, error: GenerationError, delay: float) -> None:
+            typer.secho(f"{error.status}: {error}; sending it again in {delay:.1f} s (retry {attempt} of {retries})",
+                        fg=typer.colors.YELLOW, err=True)
+
+        with MachgenClient(url, protocol=protocol, retry=RetryPolicy(attempts=retries + 1),
+                           on_retry=retrying) as client, _ProgressDisplay(preview_dir) as display:
             streamed = (progress or preview_dir is not None) and protocol == "grpc" and client.has_stream(model)
             if preview_dir is not None and not streamed:
                 typer.secho(f"note: no previews: {model} has no streaming twin reachable over {protocol}",

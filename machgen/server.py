@@ -6,12 +6,20 @@ ships one per version; we copy the right one into a backend folder), the
 interpreter's own libpython must come first on LD_LIBRARY_PATH, and this
 environment's ``bin`` must lead PATH so that the stub's embedded Python picks
 up this virtual environment (and the installed machgen package).
+
+The server runs in explicit model-control mode with every model loaded, so
+that one model can be reloaded without touching the others (a Python stub
+that dies is not restarted by Triton itself); its model-repository and
+shared-memory APIs answer only requests carrying ``CONTROL_KEY_HEADER`` with
+this server's own key, which only the process that started it holds.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -24,9 +32,22 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from machgen.contract.manifest import STOP_FILE_ENV
+from machgen.runtime.processes import Stub, stub_of
+
+# The header that Triton's restricted APIs (model repository, shared memory) ask for; gRPC clients send it
+# as GRPC_CONTROL_KEY_HEADER (Triton prefixes a restricted protocol's header).
+CONTROL_KEY_HEADER = "machgen-control-key"
+GRPC_CONTROL_KEY_HEADER = f"triton-grpc-protocol-{CONTROL_KEY_HEADER}"
+RESTRICTED_APIS = "model-repository,shared-memory"
+
 
 class ServerError(RuntimeError):
     pass
+
+
+class ServerTimeout(ServerError):
+    """The server did not answer a call in time."""
 
 
 def _pytriton_dir() -> Path:
@@ -75,16 +96,21 @@ class TritonServer:
     """
 
     def __init__(self, model_repository: Path, ports: Ports = Ports(), host: str = "127.0.0.1",
-                 log_file: Path | None = None, verbose: bool = False):
+                 log_file: Path | None = None, verbose: bool = False, exit_timeout_s: int = 30):
         self.model_repository = Path(model_repository).resolve()
         self.ports = ports
         self.host = host
         self.verbose = verbose
+        self.exit_timeout_s = exit_timeout_s
         self._work = tempfile.TemporaryDirectory(prefix="machgen-triton-")
         # The Python backend's shared-memory regions (/dev/shm) of this server alone start with this.
         self.shm_prefix = f"machgen_{os.getpid()}_{os.path.basename(self._work.name)}_"
         self.log_file = log_file or Path(self._work.name) / "tritonserver.log"
+        self.stop_file = Path(self._work.name) / "stop-requests"
+        self.control_key = secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
+        self._server_dir: Path | None = None
+        self._stubs_seen: dict[int, Stub] = {}
 
     @property
     def http_url(self) -> str:
@@ -105,17 +131,26 @@ class TritonServer:
             f"--metrics-address={self.host}", f"--metrics-port={self.ports.metrics}",
             "--allow-gpu-metrics=false",
             f"--log-verbose={1 if self.verbose else 0}",
-            "--exit-timeout-secs=30",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            "--model-control-mode=explicit", "--load-model=*", "--strict-readiness=true",
+            f"--http-restricted-api={RESTRICTED_APIS}:{CONTROL_KEY_HEADER}={self.control_key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{CONTROL_KEY_HEADER}={self.control_key}",
         ]
 
     def start(self, timeout: float = 180.0) -> "TritonServer":
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist")
-        server_dir = prepare_server_dir(Path(self._work.name))
-        log = open(self.log_file, "wb")
-        self.process = subprocess.Popen(self.command(server_dir), stdout=log, stderr=subprocess.STDOUT,
-                                        env=server_environment(), start_new_session=True)
+        restart = self._server_dir is not None
+        if not restart:
+            self._server_dir = prepare_server_dir(Path(self._work.name))
+        self.stop_file.unlink(missing_ok=True)
+        self.remove_shm_regions()  # a killed server's
+        log = open(self.log_file, "ab" if restart else "wb")  # a restarted server's log goes on
+        log_start = log.tell()
+        self.process = subprocess.Popen(self.command(self._server_dir), stdout=log, stderr=subprocess.STDOUT,
+                                        env={**server_environment(), STOP_FILE_ENV: os.fspath(self.stop_file)},
+                                        start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -124,12 +159,91 @@ class TritonServer:
             # The metrics service starts last: a server whose metrics port is taken reports ready, then exits.
             if self.ready() and self._answers(f"http://{self.host}:{self.ports.metrics}/metrics"):
                 return self
+            # In explicit mode a model that fails to load leaves the server up, and never ready.
+            if b"failed to load '" in self._log_since(log_start):
+                self.kill_process()
+                raise ServerError(f"a model failed to load:\n{self.log_tail()}")
             time.sleep(0.25)
-        self.stop()
+        self.kill_process()
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _log_since(self, offset: int) -> bytes:
+        try:
+            with open(self.log_file, "rb") as log:
+                log.seek(offset)
+                return log.read()
+        except OSError:
+            return b""
 
     def ready(self) -> bool:
         return self._answers(f"http://{self.http_url}/v2/health/ready")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def control_headers(self, protocol: str = "http") -> dict[str, str]:
+        """The headers that open the restricted APIs to a tritonclient of ``protocol``."""
+        return {CONTROL_KEY_HEADER if protocol == "http" else GRPC_CONTROL_KEY_HEADER: self.control_key}
+
+    def control(self, path: str, body: dict | None = None, timeout: float = 300.0):
+        """A call to the server's HTTP API with the control key (POST with
+        ``body``, else GET): its decoded JSON answer (None when empty)."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://{self.http_url}{path}", data=data,
+                                         method="GET" if body is None else "POST",
+                                         headers={**self.control_headers(), "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read()
+        except urllib.error.HTTPError as err:
+            raise ServerError(f"{path}: HTTP {err.code}: {err.read().decode(errors='replace')}") from None
+        except (TimeoutError, urllib.error.URLError, OSError) as err:  # no answer in time, no connection
+            timed_out = isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError)
+            raise (ServerTimeout if timed_out else ServerError)(f"{path}: {err}") from None
+        return json.loads(text) if text else None
+
+    def model_states(self) -> dict[str, str]:
+        """Every model of the repository and its state (READY, UNLOADING, UNAVAILABLE, ...)."""
+        return {entry["name"]: entry.get("state", "") for entry in self.control("/v2/repository/index", {})}
+
+    def reload_model(self, model: str, generation: int, timeout: float = 300.0) -> None:
+        """Load ``model`` again, new instances (stub processes) for all of
+        its own, the others untouched. Triton skips a load whose config did
+        not change, so the config carries ``generation`` as a parameter."""
+        config = self.control(f"/v2/models/{model}/config")
+        config.setdefault("parameters", {})["machgen_generation"] = {"string_value": str(generation)}
+        self.control(f"/v2/repository/models/{model}/load", {"parameters": {"config": json.dumps(config)}},
+                     timeout=timeout)
+
+    def unload_model(self, model: str) -> None:
+        """Unload ``model``: it takes no new request at once and goes once
+        those in flight have their answers (this call does not wait)."""
+        self.control(f"/v2/repository/models/{model}/unload", {})
+
+    def stubs(self) -> list[Stub]:
+        """The server's live Python-backend stub processes (not those that died and wait to be reaped)."""
+        import psutil
+
+        if not self.alive():
+            return []
+        try:
+            children = psutil.Process(self.process.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        live = []
+        for child in children:
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                stub = self._stubs_seen.get(child.pid)  # a stub's command line is read once
+                if stub is None or stub.started != child.create_time():  # (a pid can come back as another)
+                    stub = stub_of(child)
+            except psutil.NoSuchProcess:
+                continue
+            if stub is not None:  # (a child not yet exec'd is no stub yet: asked again next time)
+                self._stubs_seen[child.pid] = stub
+                live.append(stub)
+        return live
 
     @staticmethod
     def _answers(url: str) -> bool:
@@ -157,7 +271,14 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        self.remove_shm_regions()
         self._work.cleanup()
+
+    def remove_shm_regions(self) -> None:
+        """Remove what the server's instances left in /dev/shm (a stub that
+        died, or a server that did not stop cleanly, leaves its regions)."""
+        for region in self.shm_regions():
+            region.unlink(missing_ok=True)
 
     def shm_regions(self) -> list[Path]:
         """This server's shared-memory regions that are there now."""
@@ -166,12 +287,18 @@ class TritonServer:
     def kill(self) -> None:
         """Stop at once (SIGKILL to the server and its stubs), without
         Triton's second per model instance; its shared memory is removed."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        for region in self.shm_regions():
-            region.unlink(missing_ok=True)
+        self.kill_process()
+        self.remove_shm_regions()
         self._work.cleanup()
+
+    def kill_process(self) -> None:
+        """SIGKILL to the server and its stubs (the work folder stays: it can start again)."""
+        if self.process is not None:
+            try:  # the whole group: stubs can outlive the server itself
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
 
     def __enter__(self) -> "TritonServer":
         return self.start()

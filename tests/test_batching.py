@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from machgen.builder.repository import ServingOptions
-from machgen.client import GenerationError, MachgenClient
+from machgen.client import NO_RETRY, GenerationError, MachgenClient
 
 from conftest import PIPELINE_NAME, metric, wait_until
 
@@ -111,7 +111,7 @@ def test_a_full_queue_answers_unavailable_and_keeps_serving(variant_server):
     queue_model = "flux_queue"  # conftest.VARIANTS: one request in flight, one waiting
     calls = _Calls(variant_server.grpc_url)
     try:
-        with MachgenClient(variant_server.grpc_url) as client:
+        with MachgenClient(variant_server.grpc_url, retry=NO_RETRY) as client:
             calls.start("running", 300, queue_model)
             wait_until(lambda: client.rows_and_forwards(f"{queue_model}_denoiser_tail")[0] > 0,
                        what="the first request's steps")

@@ -31,3 +31,24 @@ def test_help_lists_every_family_input_with_its_families():
     for flag, families in (("--stg-block INT32 (repeatable)", "ltx2, ltx2-i2v"),
                            ("--guidance-scale-2 FP32", "wan")):
         assert flag in text and families in text
+
+
+@pytest.mark.parametrize("weights", ["transformer/diffusion_pytorch_model.bin", "vae/model.pt", "lora.ckpt"])
+def test_build_refuses_pickled_weights_by_name(weights, tmp_path):
+    """A model folder with pickle-based weights is refused before anything loads (loading a pickle runs
+    its code); the message names the file."""
+    import shutil
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from machgen.builder.cli import app
+
+    model = tmp_path / "model"
+    shutil.copytree(Path(__file__).parent.parent / "models" / "shapes-flux", model)
+    (model / weights).parent.mkdir(parents=True, exist_ok=True)
+    (model / weights).write_bytes(b"not loaded")
+    result = CliRunner().invoke(app, ["build", str(model), "--name", "shapes", "--out", str(tmp_path / "repo")])
+    assert result.exit_code != 0
+    assert "pickle-based weights" in result.output and Path(weights).name in result.output
+    assert not (tmp_path / "repo").exists()

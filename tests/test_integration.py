@@ -58,40 +58,127 @@ def test_served_image_equals_diffusers(settings, triton_server, tiny_flux_pipeli
         assert expected.std() > 10  # a real image, not a constant one
 
 
+def raw(client, name: str, value, triton_dtype: str):
+    """An input exactly as given: any shape, any data type (the client's own typing bypassed)."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    array = np.asarray(value, dtype=object if triton_dtype == "BYTES" else None)
+    if triton_dtype != "BYTES":
+        array = array.astype({"FP32": np.float32, "FP64": np.float64, "INT32": np.int32, "INT64": np.int64,
+                              "UINT8": np.uint8, "UINT64": np.uint64, "INT8": np.int8}[triton_dtype])
+        assert np_to_triton_dtype(array.dtype) == triton_dtype
+    tensor = client._module.InferInput(name, list(array.shape), triton_dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+NAN, INF = float("nan"), float("inf")
+NOT_UTF8 = b"\xff\xfe a \xc3\x28"
+# (the field the answer must name, the inputs besides a valid prompt, words the answer holds or None). Every
+# input of the tiny Flux: wrong data types and shapes, NaN and infinities for every float, integers out of
+# range or overflowing, sizes zero, negative, off the factor or over the maximum, bad images, inputs of
+# other families and tasks, names no model has, text that is not UTF-8.
 BAD_REQUESTS = [
     ("prompt", lambda c: [c.make_input("seed", 1)], "missing"),
-    ("prompt", lambda c: [c.make_input("prompt", 5, dtype="INT64")], "data-type"),
-    ("height", lambda c: [c.make_input("prompt", "x"), c.make_input("height", 64.0, dtype="FP32")], "data-type"),
-    ("height", lambda c: [c.make_input("prompt", "x"), c.make_input("height", 66)], "multiple of 4"),
-    ("width", lambda c: [c.make_input("prompt", "x"), c.make_input("width", 4096)], "outside"),
-    ("num_inference_steps", lambda c: [c.make_input("prompt", "x"), c.make_input("num_inference_steps", 0)], "outside"),
-    ("num_inference_steps", lambda c: [c.make_input("prompt", "x"), c.make_input("num_inference_steps", 1001)],
-     "outside"),
-    ("cache_policy", lambda c: [c.make_input("prompt", "x"), c.make_input("cache_policy", "magcache")],
-     "not one of none, fbcache"),  # MagCache is offered only once calibrated
-    ("cache_threshold", lambda c: [c.make_input("prompt", "x"), c.make_input("cache_threshold", -1.0)], "outside"),
-    ("image", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 3)), dtype="FP32")],
-     "data-type"),
-    ("image", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 4)))], "shape"),
-    ("image", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 3))),
-                         c.make_input("width", 16)], "width asks for 16"),
-    ("strength", lambda c: [c.make_input("prompt", "x"), c.make_input("image", np.zeros((8, 8, 3))),
-                            c.make_input("strength", 2.0)], "outside"),
-    ("num_frames", lambda c: [c.make_input("prompt", "x"), c.make_input("num_frames", 5)], "makes images, not video"),
-    ("reference_images", lambda c: [c.make_input("prompt", "x"),
-                                    c.make_input("reference_images", np.zeros((1, 64, 64, 3)))], "not video"),
+    ("prompt", lambda c: [raw(c, "prompt", [5], "INT64")], None),
+    ("prompt", lambda c: [raw(c, "prompt", [b"a", b"b"], "BYTES")], None),
+    ("prompt", lambda c: [raw(c, "prompt", [NOT_UTF8], "BYTES")], "UTF-8"),
+    ("negative_prompt", lambda c: [raw(c, "negative_prompt", [NOT_UTF8], "BYTES")], "UTF-8"),
+    ("negative_prompt", lambda c: [raw(c, "negative_prompt", [1.0], "FP32")], None),
+    ("seed", lambda c: [raw(c, "seed", [-1], "INT64")], "outside"),
+    ("seed", lambda c: [raw(c, "seed", [1.5], "FP32")], None),
+    ("seed", lambda c: [raw(c, "seed", [2**64 - 1], "UINT64")], None),
+    ("seed", lambda c: [raw(c, "seed", [1, 2], "INT64")], None),
+    ("num_inference_steps", lambda c: [c.make_input("num_inference_steps", 0)], "outside"),
+    ("num_inference_steps", lambda c: [c.make_input("num_inference_steps", -5)], "outside"),
+    ("num_inference_steps", lambda c: [c.make_input("num_inference_steps", 1001)], "outside"),
+    ("num_inference_steps", lambda c: [c.make_input("num_inference_steps", 2**31 - 1)], "outside"),
+    ("num_inference_steps", lambda c: [raw(c, "num_inference_steps", [4], "INT64")], None),
+    ("num_inference_steps", lambda c: [raw(c, "num_inference_steps", [[4]], "INT32")], None),
+    *[(field, lambda c, field=field, bad=bad: [c.make_input(field, bad)], "outside")
+      for field in ("guidance_scale", "true_cfg_scale", "cache_threshold")
+      for bad in (NAN, INF, -INF, -1.0)],
+    *[("strength", lambda c, bad=bad: [c.make_input("image", np.zeros((8, 8, 3))), c.make_input("strength", bad)],
+       "outside") for bad in (NAN, INF, -INF, -1.0)],
+    ("guidance_scale", lambda c: [raw(c, "guidance_scale", [3], "INT32")], None),
+    ("guidance_scale", lambda c: [raw(c, "guidance_scale", [3.0], "FP64")], None),
+    ("guidance_scale", lambda c: [c.make_input("guidance_scale", 1e9)], "outside"),
+    ("true_cfg_scale", lambda c: [raw(c, "true_cfg_scale", [2.0, 3.0], "FP32")], None),
+    *[(field, lambda c, field=field, bad=bad: [c.make_input(field, bad)], words)
+      for field in ("height", "width")
+      for bad, words in ((0, "outside"), (-64, "outside"), (66, "multiple of 4"), (4096, "outside"),
+                         (2**31 - 1, "outside"))],
+    ("height", lambda c: [raw(c, "height", [64.0], "FP32")], None),
+    ("width", lambda c: [raw(c, "width", [64], "INT8")], None),
+    ("cache_policy", lambda c: [c.make_input("cache_policy", "bogus")], "not one of"),
+    ("cache_policy", lambda c: [c.make_input("cache_policy", "magcache")], "not one of none, fbcache"),
+    ("cache_policy", lambda c: [raw(c, "cache_policy", [NOT_UTF8], "BYTES")], "UTF-8"),
+    ("image", lambda c: [raw(c, "image", np.zeros((8, 8, 3)), "FP32")], None),
+    ("image", lambda c: [raw(c, "image", np.zeros((8, 8, 4)), "UINT8")], None),
+    ("image", lambda c: [raw(c, "image", np.zeros((8, 8, 1)), "UINT8")], None),
+    ("image", lambda c: [raw(c, "image", np.zeros((8, 8)), "UINT8")], None),
+    ("image", lambda c: [raw(c, "image", np.zeros((1, 8, 8, 3)), "UINT8")], None),
+    ("image", lambda c: [raw(c, "image", np.zeros((0, 8, 3)), "UINT8")], None),
+    ("image", lambda c: [raw(c, "image", np.zeros((4100, 8, 3)), "UINT8")], None),
+    ("image", lambda c: [c.make_input("image", np.zeros((8, 8, 3))), c.make_input("width", 16)],
+     "width asks for 16"),
+    ("strength", lambda c: [c.make_input("strength", 0.5)], "image"),
+    ("strength", lambda c: [c.make_input("image", np.zeros((8, 8, 3))), c.make_input("strength", 2.0)], "outside"),
+    ("num_frames", lambda c: [c.make_input("num_frames", 5)], "makes images, not video"),
+    ("fps", lambda c: [c.make_input("fps", 24)], None),
+    ("reference_images", lambda c: [c.make_input("reference_images", np.zeros((1, 64, 64, 3)))], "not video"),
+    ("stg_scale", lambda c: [raw(c, "stg_scale", [1.0], "FP32")], None),  # LTX-2's
+    ("guidance_scale_2", lambda c: [raw(c, "guidance_scale_2", [3.0], "FP32")], None),  # Wan's
+    ("bogus_input", lambda c: [raw(c, "bogus_input", [1], "INT32")], None),
 ]
 
 
-@pytest.mark.parametrize("field, make_inputs, words", BAD_REQUESTS,
-                         ids=[f"{f}-{w.split()[0]}" for f, _, w in BAD_REQUESTS])
-def test_bad_input_is_invalid_argument_naming_the_field(field, make_inputs, words, triton_server):
+def _valid_prompt(make_inputs):
+    def inputs(client):
+        made = make_inputs(client)
+        if not any(tensor.name() == "prompt" for tensor in made) and make_inputs is not BAD_REQUESTS[0][1]:
+            made = [client.make_input("prompt", "a red cat"), *made]
+        return made
+    return inputs
+
+
+def test_bad_input_corpus_is_invalid_argument_naming_the_field(triton_server):
+    """Every bad request of the corpus, over gRPC and HTTP, is answered INVALID_ARGUMENT (HTTP 400) naming
+    its field; the server then makes the same image as before the corpus."""
+    assert len(BAD_REQUESTS) >= 40
+    valid = dict(seed=21, num_inference_steps=3)
+    with MachgenClient(triton_server.grpc_url) as client:
+        before = client.generate(PIPELINE_NAME, "a red cat", **valid)
+    misanswered = []
+    for field, make_inputs, words in BAD_REQUESTS:
+        for client in clients(triton_server):
+            with client:
+                try:
+                    client.infer(PIPELINE_NAME, _valid_prompt(make_inputs)(client))
+                    misanswered.append(f"{client.protocol} {field}: served")
+                    continue
+                except GenerationError as err:
+                    answer = err
+            named = f"'{field}'" in str(answer) and (words is None or words in str(answer))
+            if answer.status not in ("400", "StatusCode.INVALID_ARGUMENT") or not named:
+                misanswered.append(f"{client.protocol} {field} ({words}): {answer.status} {answer}")
+    assert not misanswered, "\n".join(misanswered)
+    with MachgenClient(triton_server.grpc_url) as client:
+        assert np.array_equal(client.generate(PIPELINE_NAME, "a red cat", **valid), before)
+
+
+def test_a_prompt_of_a_megabyte_is_served_truncated_or_refused_by_name(triton_server):
+    """diffusers truncates a long prompt to the text encoders' lengths; so does the server, or it refuses
+    the prompt by name: never a crash."""
+    huge = "a red cat " * 100_000
     for client in clients(triton_server):
         with client:
-            with pytest.raises(GenerationError) as err:
-                client.infer(PIPELINE_NAME, make_inputs(client))
-            assert err.value.status in ("400", "StatusCode.INVALID_ARGUMENT")
-            assert f"'{field}'" in str(err.value) and words in str(err.value)
+            try:
+                images = client.generate(PIPELINE_NAME, huge, seed=5, num_inference_steps=2)
+            except GenerationError as err:
+                assert err.status in ("400", "StatusCode.INVALID_ARGUMENT") and "'prompt'" in str(err)
+            else:
+                assert images.shape == (1, 64, 64, 3)
             assert client.is_ready(PIPELINE_NAME)
     # the server keeps serving
     with MachgenClient(triton_server.grpc_url) as client:
@@ -213,7 +300,7 @@ def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository, tmp_path
     process = subprocess.Popen(
         [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(http),
          "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--api-port", str(api),
-         "--api-data-dir", str(tmp_path / "api")],
+         "--api-data-dir", str(tmp_path / "api"), "--supervisor-metrics-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -244,3 +331,32 @@ def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository, tmp_path
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_control_apis_answer_only_the_key_machgen_serve_holds(triton_server):
+    """The model-repository (load, unload) and shared-memory APIs refuse a caller without the server's key,
+    or with another, on both protocols; with it they answer."""
+    import tritonclient.grpc as grpc_client
+    import tritonclient.http as http_client
+    from tritonclient.utils import InferenceServerException
+
+    from machgen.server import CONTROL_KEY_HEADER
+
+    for module, url, protocol in ((http_client, triton_server.http_url, "http"),
+                                  (grpc_client, triton_server.grpc_url, "grpc")):
+        client = module.InferenceServerClient(url)
+        calls = {"repository index": lambda headers: client.get_model_repository_index(headers=headers),
+                 "unload": lambda headers: client.unload_model(PIPELINE_NAME, headers=headers),
+                 "load": lambda headers: client.load_model(PIPELINE_NAME, headers=headers),
+                 "shared memory": lambda headers: client.get_system_shared_memory_status(headers=headers),
+                 "shared memory registration": lambda headers: client.register_system_shared_memory(
+                     "region", "/machgen_test", 64, headers=headers)}
+        for what, call in calls.items():
+            wrong_key = {name: "not-the-key" for name in triton_server.control_headers(protocol)}
+            for headers in (None, wrong_key):
+                with pytest.raises(InferenceServerException, match="restricted") as refused:
+                    call(headers)
+                assert CONTROL_KEY_HEADER in str(refused.value), f"{module.__name__} {what}"
+        assert client.get_model_repository_index(headers=triton_server.control_headers(protocol))
+        assert client.is_model_ready(PIPELINE_NAME)
+        client.close()

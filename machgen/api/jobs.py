@@ -9,6 +9,7 @@ import asyncio
 import base64
 import io
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import numpy as np
 from machgen.api.store import Job, JobStore
 from machgen.api.triton import ServedModel, StepReport, TritonFailure, TritonModels
 from machgen.api.webhooks import WebhookSender
+from machgen.client import RetryPolicy
 
 log = logging.getLogger("machgen.api.jobs")
 TERMINAL_EVENTS = ("completed", "failed", "cancelled")
@@ -116,6 +118,8 @@ class JobManager:
         self.metrics = metrics
         self.result_ttl_s = result_ttl_s
         self.queue_retry_s = queue_retry_s
+        self.retry = RetryPolicy()  # as MachgenClient's
+        self._rng = random.Random()
         self.running: dict[str, Running] = {}
         # Finished jobs' events, kept a while for a listener that comes late.
         self._finished_events: dict[str, JobEvents] = {}
@@ -224,14 +228,24 @@ class JobManager:
                                                       "image": data_url(png)})
 
         delay = self.queue_retry_s
+        retries = 0
         while True:
             try:
                 return await self.triton.run(model, inputs, f"{job.id}-{index}", on_step)
             except TritonFailure as failure:
-                if not (failure.queue_full and wait_when_queue_full):
+                if failure.queue_full:
+                    if not wait_when_queue_full:
+                        raise  # a request that waits for its answer: 503 with Retry-After
+                    await asyncio.sleep(delay)  # the server's queue is full: the job stays queued
+                    delay = min(delay * 2, 30.0)
+                    continue
+                # A stub that died, a server stopping: the variant is seeded, so a second try makes the same.
+                if not failure.retryable or retries + 1 >= self.retry.attempts:
                     raise
-            await asyncio.sleep(delay)  # the server's queue is full: the job stays queued
-            delay = min(delay * 2, 30.0)
+                log.warning("job %s: %s; sending variant %d again", job.id, failure, index)
+                await asyncio.sleep(self.retry.delay(retries, self._rng))
+                retries += 1
+                running.steps[index] = (0, 1)
 
     def _write_results(self, job: Job, results: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
         folder = self.store.result_dir(job.id)

@@ -13,6 +13,7 @@ import numpy as np
 
 from machgen.client.client import known_inputs
 from machgen.contract.api import (
+    STREAM_SILENCE_S,
     AUDIO_OUTPUT,
     ELAPSED_OUTPUT,
     PREVIEW_OUTPUT,
@@ -40,6 +41,14 @@ class TritonFailure(Exception):
     @property
     def queue_full(self) -> bool:
         return self.status == "UNAVAILABLE" and QUEUE_FULL in str(self)
+
+    @property
+    def retryable(self) -> bool:
+        """The server could not run the request (it or a stub of its was down or stopping); the request
+        itself was fine and, being seeded, makes the same result when sent again."""
+        from machgen.client import GenerationError, retryable
+
+        return retryable(GenerationError(f"StatusCode.{self.status}", str(self)))
 
 
 @dataclass(frozen=True)
@@ -129,8 +138,18 @@ class TritonModels:
             await finished.wait()  # the stream stays open until the final response is in
 
         responses = self._client.stream_infer(one_request())
+        received = responses.__aiter__()
+        last_step = 0
         try:
-            async for result, error in responses:
+            while True:
+                try:
+                    result, error = await asyncio.wait_for(received.__anext__(), STREAM_SILENCE_S)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:  # a stub that died never ends its streams
+                    responses.cancel()
+                    raise TritonFailure("UNAVAILABLE", f"the server sent nothing for {STREAM_SILENCE_S:.0f} s: "
+                                                       "the stream is lost") from None
                 if error is not None:
                     status, message = stream_error_status(error.message())
                     raise TritonFailure(status or "UNKNOWN", message)
@@ -142,6 +161,9 @@ class TritonModels:
                         outputs[AUDIO_OUTPUT] = result.as_numpy(AUDIO_OUTPUT)
                     return outputs
                 step, total = (int(v) for v in result.as_numpy(PROGRESS_OUTPUT))
+                if total == 0 or step == last_step:  # a heartbeat: the stream lives, no step was done
+                    continue
+                last_step = step
                 preview = result.as_numpy(PREVIEW_OUTPUT) if PREVIEW_OUTPUT in names else None
                 await on_step(StepReport(step, total, float(result.as_numpy(ELAPSED_OUTPUT)[0]), preview))
             raise TritonFailure("UNAVAILABLE", "the server ended the stream without an answer")

@@ -109,12 +109,30 @@ def detect_family(model_dir: Path) -> Family:
     return family_for_model(json.loads(index.read_text()))
 
 
+# Weight files that are Python pickles: loading one runs whatever code it carries.
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def refuse_pickled_weights(folder: Path) -> None:
+    """Raise ValueError when ``folder`` holds pickle-based weights: machgen loads safetensors only."""
+    folder = Path(folder)
+    files = [folder] if folder.is_file() else folder.rglob("*")
+    found = sorted(path.relative_to(folder.parent if folder.is_file() else folder) for path in files
+                   if path.is_file() and path.suffix.lower() in PICKLED_WEIGHTS)
+    if found:
+        raise ValueError(f"{folder} holds pickle-based weights ({', '.join(map(str, found[:5]))}"
+                         f"{', ...' if len(found) > 5 else ''}): loading them can run arbitrary code, so machgen "
+                         "loads safetensors only; convert them (for example load once in a trusted place and "
+                         "save_pretrained(..., safe_serialization=True)) and remove the pickles")
+
+
 def load_pipeline(model_dir: Path, family: Family):
     import diffusers
 
+    refuse_pickled_weights(model_dir)
     pipeline_class = getattr(diffusers, family.diffusers_pipeline)
-    # Local folders only: no model hub at build or run time.
-    return pipeline_class.from_pretrained(model_dir, local_files_only=True)
+    # Local folders only: no model hub at build or run time; safetensors only; never a model's own code.
+    return pipeline_class.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
 
 
 def served_defaults(model_dir: Path, family: Family, pipe) -> ServedDefaults:
@@ -205,7 +223,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     exporter.check(pipe)
     if lora is not None:
         log(f"fusing LoRA {lora}")
-        pipe.load_lora_weights(lora)
+        refuse_pickled_weights(lora)
+        pipe.load_lora_weights(lora, use_safetensors=True)
         pipe.fuse_lora()
         pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     defaults = served_defaults(model_dir, family, pipe)

@@ -1,5 +1,5 @@
 """machgen.client: call served machgen pipelines from Python."""
 
-from machgen.client.client import PROTOCOLS, GenerationError, MachgenClient
+from machgen.client.client import NO_RETRY, PROTOCOLS, GenerationError, MachgenClient, RetryPolicy, retryable
 
-__all__ = ["PROTOCOLS", "GenerationError", "MachgenClient"]
+__all__ = ["NO_RETRY", "PROTOCOLS", "GenerationError", "MachgenClient", "RetryPolicy", "retryable"]

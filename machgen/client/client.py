@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import queue
+import random
+import secrets
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -16,6 +19,7 @@ from machgen.contract.api import (
     PREVIEW_OUTPUT,
     PROGRESS_OUTPUT,
     STREAM_INPUTS,
+    STREAM_SILENCE_S,
     ApiTensor,
     Generated,
     input_array,
@@ -47,6 +51,40 @@ _GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "St
                 "ALREADY_EXISTS": "StatusCode.ALREADY_EXISTS", "UNKNOWN": "StatusCode.UNKNOWN"}
 
 
+# Failures after which the same request may be sent again: the server (or a stub of its) was down or
+# stopping, not the request wrong. gRPC and HTTP statuses; a Python stub that died answers INTERNAL with
+# this message (Triton 2.51 gives it no other status).
+_RETRYABLE_STATUSES = {"StatusCode.UNAVAILABLE", "503", "502", "504"}
+_RETRYABLE_MESSAGES = ("is not healthy",)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How MachgenClient sends a request again after a failure that a later
+    try can cure (UNAVAILABLE, a connection that failed, a server stub that
+    died). Waits grow exponentially with jitter: before retry k (from 0), a
+    random time in [d/2, d] where d = min(max_delay_s, first_delay_s * 2**k).
+    A request is only sent again when it is deterministic: the client gives
+    one without a seed a random seed first, so every try makes the same image."""
+
+    attempts: int = 5
+    """Tries in all (1: no retry)."""
+    first_delay_s: float = 0.5
+    max_delay_s: float = 8.0
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        ceiling = min(self.max_delay_s, self.first_delay_s * 2 ** retry)
+        return rng.uniform(ceiling / 2, ceiling)
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def retryable(error: "GenerationError") -> bool:
+    """Whether ``error`` says the server could not run the request (not that the request was wrong)."""
+    return error.status in _RETRYABLE_STATUSES or any(sign in str(error) for sign in _RETRYABLE_MESSAGES)
+
+
 def known_inputs() -> dict[str, ApiTensor]:
     """Every model's inputs (the streaming twin's too) and every family's own, by name (the families'
     declarations)."""
@@ -71,14 +109,25 @@ class MachgenClient:
     """Calls a served pipeline; ``generate`` returns uint8 images or frames [N, H, W, 3].
 
     ``url`` is host:port of the chosen protocol's endpoint (8001 for gRPC,
-    8000 for HTTP by default).
+    8000 for HTTP by default). ``retry`` says how a request that failed for
+    want of a server is sent again (``NO_RETRY``: never); ``on_retry(try,
+    error, delay_s)`` hears of each retry before its wait. A progress stream
+    that stays silent for ``stream_silence_s`` (the server sends a heartbeat
+    every 5 s) is taken as lost: UNAVAILABLE.
     """
 
-    def __init__(self, url: str, protocol: str = "grpc", timeout_s: float | None = None):
+    def __init__(self, url: str, protocol: str = "grpc", timeout_s: float | None = None,
+                 retry: RetryPolicy = RetryPolicy(),
+                 on_retry: Callable[[int, "GenerationError", float], None] | None = None,
+                 stream_silence_s: float = STREAM_SILENCE_S):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
         self.protocol = protocol
         self.timeout_s = timeout_s
+        self.retry = retry
+        self.on_retry = on_retry
+        self.stream_silence_s = stream_silence_s
+        self._rng = random.Random()
         if protocol == "grpc":
             import tritonclient.grpc as module
             self._client = module.InferenceServerClient(url)
@@ -134,9 +183,23 @@ class MachgenClient:
               on_progress: ProgressCallback | None = None) -> dict[str, np.ndarray]:
         """``outputs`` of one request to ``model``; with ``on_progress``, the
         request goes to the model's streaming twin (gRPC only), which calls it
-        after every step."""
-        if on_progress is not None:
-            return self._stream(model, inputs, outputs, on_progress)
+        after every step. Sent again as ``retry`` says after a failure that a
+        later try can cure (the caller makes sure the request is deterministic)."""
+        for attempt in range(self.retry.attempts):
+            try:
+                if on_progress is not None:
+                    return self._stream(model, inputs, outputs, on_progress)
+                return self._infer_once(model, inputs, outputs)
+            except GenerationError as err:
+                if attempt + 1 >= self.retry.attempts or not retryable(err):
+                    raise
+                delay = self.retry.delay(attempt, self._rng)
+                if self.on_retry is not None:
+                    self.on_retry(attempt + 1, err, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _infer_once(self, model: str, inputs: list, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         requested = [self._module.InferRequestedOutput(name) for name in outputs]
         kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" and self.timeout_s else {}
         from tritonclient.utils import InferenceServerException
@@ -145,6 +208,8 @@ class MachgenClient:
             result = self._client.infer(model, inputs, outputs=requested, **kwargs)
         except InferenceServerException as err:
             raise GenerationError(str(err.status()), err.message()) from err
+        except OSError as err:  # HTTP: no connection (gRPC reports it as UNAVAILABLE)
+            raise GenerationError("StatusCode.UNAVAILABLE", f"no connection to the server: {err}") from err
         return {name: result.as_numpy(name) for name in outputs}
 
     def has_stream(self, model: str) -> bool:
@@ -160,8 +225,13 @@ class MachgenClient:
                                   stream_timeout=self.timeout_s)
         try:
             self._client.async_stream_infer(model_name(model, STREAM), inputs)
+            last_step = 0
             while True:
-                result, error = responses.get()
+                try:
+                    result, error = responses.get(timeout=self.stream_silence_s)
+                except queue.Empty:
+                    raise GenerationError("StatusCode.UNAVAILABLE", f"the server sent nothing for "
+                                          f"{self.stream_silence_s:g} s: the stream is lost") from None
                 if error is not None:
                     status, message = stream_error_status(error.message())
                     raise GenerationError(_GRPC_STATUS.get(status, str(error.status())), message)
@@ -169,6 +239,9 @@ class MachgenClient:
                 if "images" in names:
                     return {name: result.as_numpy(name) for name in outputs}
                 step, total = (int(v) for v in result.as_numpy(PROGRESS_OUTPUT))
+                if total == 0 or step == last_step:  # a heartbeat: the stream lives, no step was done
+                    continue
+                last_step = step
                 preview = result.as_numpy(PREVIEW_OUTPUT) if PREVIEW_OUTPUT in names else None
                 on_progress(Progress(step, total, float(result.as_numpy(ELAPSED_OUTPUT)[0]), preview))
         except BaseException:
@@ -185,7 +258,9 @@ class MachgenClient:
         height, width, cache_policy, cache_threshold, image, strength, num_frames,
         fps, reference_images, preview_interval) and the model's family's own (``machgen-build
         families`` lists them; another family's are refused by the server).
-        Absent ones take the served model's defaults.
+        Absent ones take the served model's defaults; without a seed, with
+        retries on (the default), the client picks a random one, so that a try
+        sent again makes the same image.
         A video model returns all its frames [F, H, W, 3]; ``client.video.write_mp4``
         writes them as MP4.
 
@@ -230,6 +305,8 @@ class MachgenClient:
         return any(output["name"] == AUDIO_OUTPUT for output in self.model_metadata(model).get("outputs", []))
 
     def _inputs(self, model: str, prompt: str, options: dict[str, Any]) -> list:
+        if self.retry.attempts > 1 and options.get("seed") is None:
+            options = {**options, "seed": secrets.randbelow(2**63)}
         inputs = [self.make_input("prompt", prompt)]
         return inputs + [self.make_input(name, value, model=model) for name, value in options.items()
                          if value is not None]

@@ -110,7 +110,11 @@ AUDIO_OUTPUT = "audio"
 
 # The streaming twin NAME_stream (decoupled): the public model's inputs plus
 # STREAM_INPUTS; before its final response (API_OUTPUTS) it sends one with
-# PROGRESS_OUTPUTS after every step, the preview every preview_interval steps.
+# PROGRESS_OUTPUTS after every step, the preview every preview_interval steps,
+# and the last step again after 5 s without one (step 0 of 0 before the first:
+# a heartbeat, which progress consumers skip), so that a stream silent for
+# STREAM_SILENCE_S is known lost (a stub that dies never ends its streams).
+STREAM_SILENCE_S = 20.0
 PREVIEW_INTERVAL_INPUT = "preview_interval"
 PROGRESS_OUTPUT = "progress"
 ELAPSED_OUTPUT = "elapsed"

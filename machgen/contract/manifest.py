@@ -45,6 +45,9 @@ STREAM = "stream"
 REQUEST_KEY_INPUT = "request_key"
 CANCEL_INPUT = "cancel"
 ERROR_OUTPUT = "error"
+# Set in the server's environment by machgen serve: a file that exists once the server is stopping and
+# its samplers must stop their requests at their next step (answering UNAVAILABLE).
+STOP_FILE_ENV = "MACHGEN_STOP_FILE"
 # The file each target's components are exported to.
 COMPONENT_FILES = {"onnxruntime": "model.onnx", "torch": "model.pt2", "tensorrt": "model.plan"}
 

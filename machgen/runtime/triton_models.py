@@ -30,6 +30,8 @@ from __future__ import annotations
 import faulthandler
 import gc
 import json
+import os
+import queue
 import threading
 import time
 import traceback
@@ -56,11 +58,31 @@ from machgen.contract.manifest import (
     ERROR_OUTPUT,
     REQUEST_KEY_INPUT,
     SAMPLER,
+    STOP_FILE_ENV,
     PipelineManifest,
     model_name,
 )
+from machgen.runtime.processes import instances_of, sibling_stubs
 from machgen.runtime.sampler import GenerationCancelled
 from machgen.runtime.tensors import is_torch
+
+
+# A relay that hears nothing from its sampler for this long checks that the sampler still runs.
+SAMPLER_CHECK_S = 1.0
+# NAME_stream sends its client a progress response at least this often (the last step again while a
+# step, the text encoders or the decoder take long): a client that hears nothing for several of these
+# knows the stream is lost (a stub that dies never ends its streams). api.STREAM_SILENCE_S is the client's limit.
+HEARTBEAT_S = 5.0
+# What a component call answers while the component's stub is dead or it is being loaded again (Triton 2.51).
+_COMPONENT_GONE = ("is not healthy", "is not ready", "unknown model", "has no available versions")
+# How long the sampler waits for such a component to come back (machgen serve brings it back in seconds).
+COMPONENT_WAIT_S = 30.0
+
+
+def server_stopping() -> bool:
+    """Whether machgen serve is stopping the server and asks running requests to stop (STOP_FILE_ENV)."""
+    stop_file = os.environ.get(STOP_FILE_ENV)
+    return bool(stop_file) and os.path.exists(stop_file)
 
 
 def _model_dir(args: dict) -> Path:
@@ -174,6 +196,10 @@ class ComponentError(RuntimeError):
     """A BLS call to a component model failed."""
 
 
+class ComponentUnavailable(ComponentError):
+    """A component model stayed unreachable (its stub dead, not loaded again in time)."""
+
+
 class PublicModel:
     """The public model NAME: relays each request to NAME_sampler and answers
     with its result (see the module docstring)."""
@@ -219,11 +245,12 @@ class PublicModel:
 
 
 def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str], is_cancelled, keep_stream,
-                    on_progress=None) -> "pb_utils.InferenceResponse":
+                    on_progress=None, on_silence=None) -> "pb_utils.InferenceResponse":
     """``request`` (its ``inputs``) run by the sampler model: its final
     answer, outputs ``output_names`` or an error. Every progress response
-    goes to ``on_progress(outputs by name)``; once ``is_cancelled()`` says so
-    the sampler is told to stop (at its next step, answering CANCELLED).
+    goes to ``on_progress(outputs by name)``, and ``on_silence()`` is called
+    after each ``SAMPLER_CHECK_S`` without one; once ``is_cancelled()`` says
+    so the sampler is told to stop (at its next step, answering CANCELLED).
     Every stream read goes to ``keep_stream`` (see PublicModel.initialize)."""
     key = uuid.uuid4().hex
     call = pb_utils.InferenceRequest(
@@ -233,10 +260,19 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
     answer = None
     cancel_sent = False
     last_step = 0
+    sent_at = time.time()
     stream = call.exec(decoupled=True)
     keep_stream(stream)
-    # Every response is read to the last (the final flag): the sampler's stream must end.
-    for response in stream:
+    for response in _responses_while_alive(stream, sampler, sent_at):
+        if response is _SILENCE:
+            if on_silence is not None:
+                on_silence()
+            continue
+        if response is None:  # the sampler's stub died under the request
+            pb_utils.Logger.log_warn(f"request {request.request_id() or '-'}: {sampler} died after step {last_step}")
+            answer = _error_response(f"{sampler} stopped while it ran the request (after step {last_step}); it is "
+                                     "being loaded again: send the request again", pb_utils.TritonError.UNAVAILABLE)
+            break
         if response.has_error():  # the sampler model itself failed (not loaded, stopping)
             answer = _error_response(f"{sampler}: {response.error().message()}", pb_utils.TritonError.UNAVAILABLE)
             continue
@@ -266,6 +302,39 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
     if answer is None:
         answer = _error_response(f"{sampler} ended the request without an answer", pb_utils.TritonError.INTERNAL)
     return answer
+
+
+_SILENCE = object()
+
+
+def _responses_while_alive(stream, sampler: str, sent_at: float):
+    """The responses of ``stream`` to its last (the sampler's stream must be
+    read to its end), or None once the sampler's stub is found dead: a dead
+    decoupled stub never ends its streams (Triton 2.51), so a thread reads
+    them, and after each ``SAMPLER_CHECK_S`` of silence (``_SILENCE``) the
+    relay looks for a live sampler process older than the request."""
+    responses: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        try:
+            for response in stream:
+                responses.put(response)
+        finally:
+            responses.put(StopIteration)
+
+    threading.Thread(target=read, name="sampler-stream", daemon=True).start()
+    while True:
+        try:
+            response = responses.get(timeout=SAMPLER_CHECK_S)
+        except queue.Empty:
+            if not any(stub.started <= sent_at + 0.05 for stub in instances_of(sampler, sibling_stubs())):
+                yield None
+                return
+            yield _SILENCE
+            continue
+        if response is StopIteration:
+            return
+        yield response
 
 
 class StreamModel:
@@ -348,9 +417,15 @@ class StreamModel:
         if full:
             return _error_response("Exceeds maximum queue size", pb_utils.TritonError.UNAVAILABLE)
         try:
+            waited_since = time.monotonic()
             while not self._slots.acquire(timeout=0.25):
                 if self._closing.is_set() or self._is_cancelled(request):
                     return _error_response("cancelled before it started", pb_utils.TritonError.CANCELLED)
+                if time.monotonic() - waited_since >= HEARTBEAT_S:  # still queued: a heartbeat, step 0 of 0
+                    sender.send(pb_utils.InferenceResponse([
+                        pb_utils.Tensor(PROGRESS_OUTPUT, np.zeros(2, np.int32)),
+                        pb_utils.Tensor(ELAPSED_OUTPUT, np.zeros(1, np.float32))]))
+                    waited_since = time.monotonic()
         finally:
             with self._lock:
                 self._waiting -= 1
@@ -360,12 +435,23 @@ class StreamModel:
             inputs = [tensor for tensor in (pb_utils.get_input_tensor_by_name(request, name)
                                             for name in self.input_names) if tensor is not None]
 
+            started = time.monotonic()
+            last = {"sent": started, "step": np.zeros(2, np.int32)}
+
             def on_progress(outputs: dict) -> None:
                 sender.send(pb_utils.InferenceResponse(list(outputs.values())))
+                last.update(sent=time.monotonic(), step=outputs[PROGRESS_OUTPUT].as_numpy().copy())
+
+            def on_silence() -> None:  # the last step again, so that the client knows the stream lives
+                if time.monotonic() - last["sent"] >= HEARTBEAT_S:
+                    sender.send(pb_utils.InferenceResponse([
+                        pb_utils.Tensor(PROGRESS_OUTPUT, last["step"]),
+                        pb_utils.Tensor(ELAPSED_OUTPUT, np.array([time.monotonic() - started], np.float32))]))
+                    last["sent"] = time.monotonic()
 
             return _run_on_sampler(self.sampler, request, inputs, self.output_names,
                                    is_cancelled=lambda: self._closing.is_set() or self._is_cancelled(request),
-                                   keep_stream=streams.append, on_progress=on_progress)
+                                   keep_stream=streams.append, on_progress=on_progress, on_silence=on_silence)
         finally:
             self._slots.release()
 
@@ -429,15 +515,39 @@ class SamplerModel:
         if name in self.in_sampler:
             return self.in_sampler.run(name, inputs)
         model = self.manifest.components[name].model
-        request = pb_utils.InferenceRequest(
-            model_name=model,
-            inputs=[_bls_tensor(key, value) for key, value in inputs.items()],
-            requested_output_names=list(self.manifest.components[name].outputs),
-        )
-        response = request.exec()
+        response = self._call(model, name, inputs)
+        if response.has_error() and any(sign in response.error().message() for sign in _COMPONENT_GONE):
+            response = self._call_when_back(model, name, inputs, response.error().message())
         if response.has_error():
             raise ComponentError(f"{model}: {response.error().message()}")
         return {tensor.name(): _received(tensor) for tensor in response.output_tensors()}
+
+    def _call(self, model: str, name: str, inputs: dict):
+        return pb_utils.InferenceRequest(
+            model_name=model,
+            inputs=[_bls_tensor(key, value) for key, value in inputs.items()],
+            requested_output_names=list(self.manifest.components[name].outputs),
+        ).exec()
+
+    def _call_when_back(self, model: str, name: str, inputs: dict, message: str):
+        """The call again once ``model`` answers: a component call is a pure
+        function of its inputs, so a step whose component died under it is
+        run again once the component is loaded again (by machgen serve), and
+        the request goes on unharmed. A call to a dead stub fails at once;
+        it is sent every half second until ``COMPONENT_WAIT_S``."""
+        self.logger.log_warn(f"{model}: {message}; waiting for it to come back")
+        started = time.monotonic()
+        while time.monotonic() - started < COMPONENT_WAIT_S and not server_stopping():
+            time.sleep(0.5)
+            response = self._call(model, name, inputs)
+            if not response.has_error():
+                self.logger.log_info(f"{model}: back after {time.monotonic() - started:.1f} s; call run again")
+                return response
+            message = response.error().message()
+            if not any(sign in message for sign in _COMPONENT_GONE):
+                return response
+        raise ComponentUnavailable(f"{model} did not come back within {COMPONENT_WAIT_S:.0f} s ({message}); "
+                                   "send the request again")
 
     def execute(self, requests):
         for request in requests:
@@ -481,7 +591,12 @@ class SamplerModel:
             outputs = self._error("INVALID_ARG", str(err))
         except GenerationCancelled as err:
             self.logger.log_info(f"request {request.request_id() or '-'}: {err}")
-            outputs = self._error("CANCELLED", str(err))
+            if self._running[key].stop.is_set():
+                outputs = self._error("CANCELLED", str(err))
+            else:  # by the server's stop, not by its client: it can run elsewhere
+                outputs = self._error("UNAVAILABLE", f"the server is stopping: {err}; send the request again")
+        except ComponentUnavailable as err:
+            outputs = self._error("UNAVAILABLE", str(err))
         except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
             self.logger.log_error(f"sampler: {traceback.format_exc()}")
             outputs = self._error("INTERNAL", f"generation failed: {err}")
@@ -529,10 +644,13 @@ class SamplerModel:
                 outputs.append(pb_utils.Tensor(PREVIEW_OUTPUT, previews.pop()))
             sender.send(pb_utils.InferenceResponse(outputs))
 
-        result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=running.stop.is_set,
+        def is_cancelled() -> bool:
+            return running.stop.is_set() or server_stopping()
+
+        result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=is_cancelled,
                                        on_preview=on_preview if self.preview is not None else None,
                                        preview_interval=interval)
-        if running.stop.is_set():  # after the last step, before the decode
+        if is_cancelled():  # after the last step, before the decode
             raise GenerationCancelled(result.stats.steps, result.stats.steps)
         images = self.sampler.decode(result.latents)
         audio = self.sampler.decode_audio(result.latents)

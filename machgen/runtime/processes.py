@@ -1,0 +1,55 @@
+"""The Python-backend stub processes of a tritonserver, as psutil sees them
+(``machgen serve`` watches them; a relay checks that its sampler still runs)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# A stub's command line: triton_python_backend_stub .../MODEL/VERSION/model.py shm-region ... instance-name kind.
+_MODEL_FILE_ARG = 1
+_INSTANCE_ARG = 8
+
+
+@dataclass(frozen=True)
+class Stub:
+    """One Python-backend stub process: model ``model``'s instance ``instance``."""
+
+    pid: int
+    model: str
+    instance: str
+    started: float  # seconds since the epoch
+
+
+def stub_of(process) -> Stub | None:
+    """``process`` (a psutil.Process) as a Python-backend stub; None if it is none, or gone."""
+    import psutil
+
+    try:
+        command = process.cmdline()
+        if len(command) <= _INSTANCE_ARG or not command[0].endswith("triton_python_backend_stub"):
+            return None
+        return Stub(process.pid, Path(command[_MODEL_FILE_ARG]).parent.parent.name, command[_INSTANCE_ARG],
+                    process.create_time())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return None
+
+
+def instances_of(model: str, stubs) -> list[Stub]:
+    """Those of ``stubs`` that are instances of ``model`` (named MODEL_GROUP_INDEX)."""
+    pattern = re.compile(rf"{re.escape(model)}_\d+_\d+")
+    return [stub for stub in stubs if pattern.fullmatch(stub.instance)]
+
+
+def sibling_stubs() -> list[Stub]:
+    """The live stubs of the server that started this process (a stub)."""
+    import os
+
+    import psutil
+
+    try:
+        children = psutil.Process(os.getppid()).children()
+    except psutil.NoSuchProcess:
+        return []
+    return [stub for stub in map(stub_of, children) if stub is not None]

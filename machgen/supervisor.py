@@ -1,0 +1,284 @@
+"""What ``machgen serve`` does around the tritonserver it starts: bring back
+models whose stub died, restart a server that died, and drain before a stop.
+
+Triton (2.51, and since 24.06) does not restart a Python-backend stub that
+dies (out of memory, a crash in a native library, the OOM killer): every
+later request to its model fails with "Stub process is not healthy", and the
+model still reports ready. The supervisor counts the server's live stub
+processes instead: a model with fewer than its instances is seen within
+``poll_interval_s``, and it alone is loaded again through the model-control
+API (the server runs in explicit mode; see machgen/server.py), the other
+models untouched.
+
+Measured with Triton 2.51: a request that reaches a dead stub keeps that
+model's old version from ever unloading, so after a recovery the server's
+stop waits out its exit timeout and the old version's regions stay in
+/dev/shm until ``TritonServer.stop`` removes them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable
+
+from machgen.contract.manifest import MANIFEST_FILE, SAMPLER, STREAM, PipelineManifest, model_name
+from machgen.runtime.processes import Stub
+from machgen.server import ServerError, ServerTimeout, TritonServer
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    poll_interval_s: float = 0.25
+    """How often the server's processes are looked at."""
+    max_restarts: int = 3
+    """Server restarts allowed within ``restart_window_s``; one more and the supervisor gives up (exit code 1)."""
+    restart_window_s: float = 60.0
+    retired_grace_s: float = 300.0
+    """After a model is loaded again, its old version's stubs that still run this much later are stopped
+    (SIGKILL): Triton never unloads a version a dead stub held, and its live stubs would stay forever.
+    Longer than the longest request, which may still finish on the old version."""
+    load_timeout_s: float = 180.0
+    """A model's load again that takes longer is wedged (Triton 2.51 can wait forever on a stub that died
+    while it started): the server is started again. (A load that fails is tried three times first.)"""
+    drain_timeout_s: float = 60.0
+    """On a stop, how long requests in flight get to finish; then they are stopped at their next step
+    (answering UNAVAILABLE, so that a client sends them again elsewhere)."""
+
+
+def public_models(repository: Path) -> list[str]:
+    """The models clients call (each pipeline's NAME and NAME_stream), in a repository machgen-build wrote."""
+    names = []
+    for path in sorted(Path(repository).glob(f"*_{SAMPLER}/1/{MANIFEST_FILE}")):
+        name = PipelineManifest.read(path.parent).name
+        names += [name, model_name(name, STREAM)]
+    return names
+
+
+class Supervisor:
+    """Watches ``server`` on a thread of its own (``start``) until ``stop``
+    or until it gives up (``wait`` returns the exit code then); ``drain``
+    stops the server without dropping a request in flight."""
+
+    def __init__(self, server: TritonServer, settings: SupervisorSettings = SupervisorSettings(),
+                 log: Callable[[str], None] = print):
+        self.server = server
+        self.settings = settings
+        self.log = log
+        self.recoveries: Counter[str] = Counter()
+        self.server_restarts = 0
+        self.exit_code: int | None = None
+        self._instances: dict[str, int] | None = None  # stub processes each Python-backend model runs
+        # Stubs of versions since replaced (some linger: see above): pid -> when its version was replaced.
+        self._retired: dict[int, float] = {}
+        self._restarts: deque[float] = deque()
+        self._generation = 0
+        self._stopping = threading.Event()
+        self._done = threading.Event()
+        self._lock = threading.Lock()  # one of the watch and a drain acts on the server at a time
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Supervisor":
+        self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait(self) -> int:
+        """Block until the supervisor stops; its exit code (0 after ``stop``)."""
+        self._done.wait()
+        return self.exit_code or 0
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        try:
+            while not self._stopping.wait(self.settings.poll_interval_s):
+                with self._lock:
+                    if self._stopping.is_set():
+                        break
+                    if not self.server.alive():
+                        self._restart_server()
+                    else:
+                        self._check_stubs()
+        except Exception as err:  # noqa: BLE001 - an orchestrator must see the supervisor gone
+            self.log(f"supervisor: {err}; giving up")
+            self.exit_code = 1
+        finally:
+            self._done.set()
+
+    def _instance_counts(self) -> dict[str, int]:
+        """The stub processes each Python-backend model of the server runs (its instance groups' counts)."""
+        counts = {}
+        for model in self.server.model_states():
+            config = self.server.control(f"/v2/models/{model}/config")
+            if config.get("backend") == "python":
+                counts[model] = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
+        return counts
+
+    def _check_stubs(self) -> None:
+        """Every model has as many live stubs of its current version as it has instances, or is loaded again.
+        (Counted, not followed by pid: a stub may die before a look at it, during a load say.)"""
+        if self._instances is None:
+            self._instances = self._instance_counts()
+        live = self._stop_lingering(self.server.stubs())
+        current = Counter(stub.model for stub in live if stub.pid not in self._retired)
+        short = {model: count - current[model] for model, count in self._instances.items() if current[model] < count}
+        if short:
+            states = self.server.model_states()
+            for model, missing in short.items():
+                if states.get(model) == "READY":  # not a model on its way out (an unload of ours)
+                    self._recover(model, missing, live)
+
+    def _stop_lingering(self, live: list[Stub]) -> list[Stub]:
+        """``live`` less the stubs of replaced versions past their grace, which are stopped."""
+        now = time.monotonic()
+        lingering = [stub for stub in live if now - self._retired.get(stub.pid, now) > self.settings.retired_grace_s]
+        for stub in lingering:
+            try:
+                os.kill(stub.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if lingering:
+            self.log(f"supervisor: stopped {len(lingering)} stubs of replaced versions that Triton kept "
+                     f"({', '.join(sorted(stub.instance for stub in lingering))})")
+        live = [stub for stub in live if stub not in lingering]
+        alive = {stub.pid for stub in live}
+        self._retired = {pid: at for pid, at in self._retired.items() if pid in alive}
+        return live
+
+    def _recover(self, model: str, missing: int, live: list[Stub]) -> None:
+        started = time.monotonic()
+        self.log(f"supervisor: {missing} of {self._instances[model]} stubs of model {model} died; "
+                 f"loading {model} again")
+        for attempt in range(1, 4):
+            # Its stubs now are of the version being replaced, whether or not they go away.
+            self._retired.update({stub.pid: time.monotonic() for stub in live
+                                  if stub.model == model and stub.pid not in self._retired})
+            self._generation += 1
+            try:
+                self.server.reload_model(model, self._generation, timeout=self.settings.load_timeout_s)
+                break
+            except ServerTimeout:  # a load wedged (on a stub that died while it started): others would wait on it
+                self._restart_server(f"loading model {model} again took over {self.settings.load_timeout_s:.0f} s")
+                return
+            except ServerError as err:  # a stub of the new version died while it started, say
+                self.log(f"supervisor: loading {model} again failed (try {attempt} of 3): {err}")
+                if attempt == 3:
+                    self._restart_server(f"model {model} could not be loaded again")
+                    return
+                time.sleep(attempt)
+                live = self.server.stubs()
+        self.recoveries[model] += 1
+        self.log(f"supervisor: model {model} serves again ({time.monotonic() - started:.1f} s)")
+
+    def _restart_server(self, reason: str | None = None) -> None:
+        """Start the server again (killing what is left of it), unless it was started again too often."""
+        if reason is None:
+            code = self.server.process.returncode if self.server.process is not None else None
+            reason = f"tritonserver exited with code {code}\n{self.server.log_tail(10)}"
+        while True:
+            now = time.monotonic()
+            while self._restarts and now - self._restarts[0] > self.settings.restart_window_s:
+                self._restarts.popleft()
+            if len(self._restarts) >= self.settings.max_restarts:
+                self.log(f"supervisor: {reason}; {len(self._restarts)} restarts within "
+                         f"{self.settings.restart_window_s:.0f} s already: giving up")
+                self.exit_code = 1
+                self._stopping.set()
+                return
+            self._restarts.append(now)
+            self.log(f"supervisor: {reason}; starting tritonserver again")
+            self.server.kill_process()  # what is left of it: stubs that outlived it, a server wedged in a load
+            self._retired.clear()
+            self._instances = None
+            try:
+                self.server.start()
+                break
+            except ServerError as err:
+                reason = f"tritonserver did not start again: {err}"
+        self.server_restarts += 1
+        self.log("supervisor: tritonserver serves again")
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Stop the server without dropping a request: its public models take
+        no new request, those in flight get ``timeout_s`` to finish, then are
+        stopped at their next step (each answered UNAVAILABLE), then the
+        server stops. (Triton's own SIGTERM fails every request in flight at
+        its next component call: "Server not ready".)"""
+        timeout_s = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+        self._stopping.set()
+        with self._lock:
+            if self.server.alive():
+                self._drain(timeout_s)
+            # Nothing is in flight now; a model version that a dead stub kept from unloading would hold the
+            # server until its exit timeout, so past this the server is killed (its /dev/shm cleaned).
+            self.server.stop(timeout=30.0)
+        if self._thread is not None:
+            self._thread.join()
+
+    def _drain(self, timeout_s: float) -> None:
+        models = public_models(self.server.model_repository)
+        self.log(f"supervisor: draining: {', '.join(models)} take no new request")
+        try:
+            for model in models:
+                self.server.unload_model(model)
+            if not self._public_models_gone(models, timeout_s):
+                self.log(f"supervisor: requests still in flight after {timeout_s:.0f} s; stopping them at their "
+                         "next step")
+                self.server.stop_file.touch()
+                self._public_models_gone(models, 30.0)
+        except ServerError as err:
+            self.log(f"supervisor: drain: {err}")
+
+    def _public_models_gone(self, models: list[str], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = self.server.model_states()
+            if all(states.get(model) not in ("READY", "UNLOADING") for model in models):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.25)
+
+    def metrics_text(self) -> str:
+        """The supervisor's counters in Prometheus' text format."""
+        lines = ["# HELP machgen_model_recoveries_total Models loaded again after a stub of theirs died.",
+                 "# TYPE machgen_model_recoveries_total counter"]
+        lines += [f'machgen_model_recoveries_total{{model="{model}"}} {count}'
+                  for model, count in sorted(self.recoveries.items())]
+        lines += ["# HELP machgen_server_restarts_total Times tritonserver was started again after it died.",
+                  "# TYPE machgen_server_restarts_total counter",
+                  f"machgen_server_restarts_total {self.server_restarts}"]
+        return "\n".join(lines) + "\n"
+
+    def serve_metrics(self, host: str, port: int) -> ThreadingHTTPServer:
+        """``metrics_text`` at http://HOST:PORT/metrics, on a thread; ``shutdown()`` the result to stop it."""
+        supervisor = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404)
+                    return
+                body = supervisor.metrics_text().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # no line per scrape
+                pass
+
+        httpd = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=httpd.serve_forever, name="supervisor-metrics", daemon=True).start()
+        return httpd
