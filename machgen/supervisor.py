@@ -137,6 +137,8 @@ class Supervisor:
             for model, missing in short.items():
                 if states.get(model) == "READY":  # not a model on its way out (an unload of ours)
                     self._recover(model, missing, live)
+                if self._instances is None:  # the server was started again instead: all is new
+                    return
 
     def _stop_lingering(self, live: list[Stub]) -> list[Stub]:
         """``live`` less the stubs of replaced versions past their grace, which are stopped."""

@@ -101,16 +101,20 @@ class TritonModels:
         """Every ready model that has a streaming twin with a model card."""
         if time.monotonic() - self._asked < self.refresh_s and self._models:
             return self._models
-        index = await self._client.get_model_repository_index(as_json=True)
-        ready = {entry["name"] for entry in index.get("models", []) if entry.get("state") == "READY"}
+        # The loaded models, from the statistics API: the repository index is one of the control APIs
+        # only machgen serve may call (machgen/server.py).
+        statistics = await self._client.get_inference_statistics(as_json=True)
+        loaded = {entry["name"] for entry in statistics.get("model_stats", [])}
         found = {}
-        for name in sorted(ready):
-            if not name.endswith(f"_{STREAM}") or name.removesuffix(f"_{STREAM}") not in ready:
+        for name in sorted(loaded):
+            public = name.removesuffix(f"_{STREAM}")
+            if not name.endswith(f"_{STREAM}") or public not in loaded:
+                continue
+            if not (await self._client.is_model_ready(name) and await self._client.is_model_ready(public)):
                 continue
             config = (await self._client.get_model_config(name, as_json=True))["config"]
             card = config.get("parameters", {}).get("model", {}).get("string_value")
             if card:
-                public = name.removesuffix(f"_{STREAM}")
                 found[public] = ServedModel(public, json.loads(card))
         self._models, self._asked = found, time.monotonic()
         return found
