@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from machgen.contract.manifest import MANIFEST_FILE, SAMPLER, STREAM, PipelineManifest, model_name
+from machgen.contract.manifest import MANIFEST_FILE, SAMPLER, STREAM, PipelineManifest, drained_file, model_name
 from machgen.runtime.processes import Stub
 from machgen.server import ServerError, ServerTimeout, TritonServer
 
@@ -221,15 +221,17 @@ class Supervisor:
         with self._lock:
             if self.server.alive():
                 self._drain(timeout_s)
-            # Nothing is in flight now; a model version that a dead stub kept from unloading would hold the
-            # server until its exit timeout, so past this the server is killed (its /dev/shm cleaned).
-            self.server.stop(timeout=30.0)
+            # Nothing is in flight now: what Triton's own stop would still do is unload every instance, a
+            # second each, one after another (and wait out its exit timeout for a version a dead stub kept).
+            self.server.kill()
         if self._thread is not None:
             self._thread.join()
 
     def _drain(self, timeout_s: float) -> None:
         models = public_models(self.server.model_repository)
         self.log(f"supervisor: draining: {', '.join(models)} take no new request")
+        for model in models:  # left by versions replaced earlier
+            Path(drained_file(os.fspath(self.server.stop_file), model)).unlink(missing_ok=True)
         try:
             for model in models:
                 self.server.unload_model(model)
@@ -242,10 +244,13 @@ class Supervisor:
             self.log(f"supervisor: drain: {err}")
 
     def _public_models_gone(self, models: list[str], timeout_s: float) -> bool:
+        """Whether every one of ``models`` answered all its requests within ``timeout_s``: unloaded, or
+        finalizing (runtime/triton_models.py mark_drained)."""
         deadline = time.monotonic() + timeout_s
         while True:
             states = self.server.model_states()
-            if all(states.get(model) not in ("READY", "UNLOADING") for model in models):
+            if all(states.get(model) not in ("READY", "UNLOADING")
+                   or os.path.exists(drained_file(os.fspath(self.server.stop_file), model)) for model in models):
                 return True
             if time.monotonic() > deadline:
                 return False

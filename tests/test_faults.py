@@ -1,5 +1,6 @@
-"""machgen serve under faults, as a user runs it: stub processes killed while requests run (a component's,
-the public model's, the sampler's), the server itself killed, and a SIGTERM that drains."""
+"""machgen serve as a user runs it, the HTTP API beside it (--api-port), under faults: stub processes killed
+while requests run (a component's, the public model's, its streaming twin's, the sampler's), the server
+itself killed, and a SIGTERM that drains."""
 
 import os
 import signal
@@ -19,20 +20,22 @@ from conftest import PIPELINE_NAME, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
-STEPS = 150  # a few seconds per request on two cores: long enough to be killed mid-way
+STEPS = 80  # a second or two per request on two cores: long enough to be killed mid-way
 SEEDS = (0, 1, 2, 3)  # odd seeds stream their progress (NAME_stream), even ones are plain requests
 ANSWER_WITHIN_S = 30.0
+DRAIN_TIMEOUT_S = 10.0
 
 
 class Served:
     """A ``machgen serve`` process and what it printed."""
 
-    def __init__(self, repository: Path, drain_timeout: float):
-        self.http, self.grpc, self.supervisor = free_port(), free_port(), free_port()
+    def __init__(self, repository: Path, drain_timeout: float, api_data_dir: Path):
+        self.http, self.grpc, self.supervisor, self.api = free_port(), free_port(), free_port(), free_port()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(self.http),
              "--grpc-port", str(self.grpc), "--metrics-port", str(free_port()),
-             "--supervisor-metrics-port", str(self.supervisor), "--drain-timeout", str(drain_timeout)],
+             "--supervisor-metrics-port", str(self.supervisor), "--drain-timeout", str(drain_timeout),
+             "--api-port", str(self.api), "--api-data-dir", str(api_data_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -46,6 +49,14 @@ class Served:
 
     def output(self) -> str:
         return "".join(self.lines)
+
+    def api_answers(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.api}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
 
     @property
     def grpc_url(self) -> str:
@@ -75,9 +86,9 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(built_repository):
+def served(built_repository, tmp_path_factory):
     repository, _ = built_repository
-    served = Served(repository, drain_timeout=3.0)
+    served = Served(repository, drain_timeout=DRAIN_TIMEOUT_S, api_data_dir=tmp_path_factory.mktemp("api"))
     yield served
     if served.process.poll() is None:
         served.process.send_signal(signal.SIGTERM)
@@ -87,10 +98,11 @@ def served(built_repository):
             served.process.kill()
 
 
-def generate(url: str, seed: int, retry: RetryPolicy = NO_RETRY, steps: int = STEPS, on_progress=None):
+def generate(url: str, seed: int, retry: RetryPolicy = NO_RETRY, steps: int = STEPS, on_progress=None,
+             **options):
     with MachgenClient(url, retry=retry) as client:
         return client.generate(PIPELINE_NAME, "a red cat", seed=seed, num_inference_steps=steps,
-                               on_progress=on_progress)
+                               on_progress=on_progress, **options)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +142,18 @@ class Requests:
     def join(self) -> None:
         for thread in self.threads:
             thread.join(timeout=180)
+
+
+def test_ready_with_the_api_beside_it(served):
+    import httpx
+
+    (ready,) = [line for line in served.lines if line.startswith("ready:")]
+    assert f"HTTP 127.0.0.1:{served.http}" in ready and f"supervisor metrics 127.0.0.1:{served.supervisor}" in ready
+    with MachgenClient(f"127.0.0.1:{served.http}", "http") as client:
+        assert client.is_ready(PIPELINE_NAME)
+    wait_until(served.api_answers, what="the API beside the server")
+    models = httpx.get(f"http://127.0.0.1:{served.api}/v1/models").json()["data"]
+    assert [model["id"] for model in models] == [PIPELINE_NAME]
 
 
 @pytest.mark.parametrize("component", ["denoiser_tail", "public", "stream", "sampler"])
@@ -172,32 +196,40 @@ def test_a_dead_server_is_started_again(served, expected):
     assert served.metric("machgen_server_restarts_total") == 1
 
 
-def test_sigterm_drains_requests_in_flight(served, expected):
+def test_sigterm_drains_requests_in_flight(served):
     """SIGTERM: no new request is taken, a request in flight finishes with its image, one that outlasts the
-    drain timeout (3 s) is stopped at a step and answered UNAVAILABLE; machgen serve exits 0 and leaves no
-    shared memory."""
-    results = {}
+    drain timeout (10 s) is stopped at a step and answered UNAVAILABLE; machgen serve exits 0, the server
+    and the API beside it are gone, and no shared memory is left."""
+    short_steps = 3 * STEPS  # about 4 s here; the long one, 1000 steps at the largest size, over a minute
+    expected_short = generate(served.grpc_url, SEEDS[1], steps=short_steps)
+    results, finished = {}, {}
     started = threading.Event()
 
-    def run(tag: str, seed: int, steps: int) -> None:
+    def run(tag: str, seed: int, steps: int, **options) -> None:
         try:
-            results[tag] = generate(served.grpc_url, seed, steps=steps, on_progress=lambda progress: started.set())
+            results[tag] = generate(served.grpc_url, seed, steps=steps, on_progress=lambda progress: started.set(),
+                                    **options)
         except GenerationError as err:
             results[tag] = err
+        finished[tag] = time.monotonic()
 
-    threads = [threading.Thread(target=run, args=("short", SEEDS[1], STEPS)),
-               threading.Thread(target=run, args=("long", SEEDS[2], 1000))]
+    threads = [threading.Thread(target=run, args=("short", SEEDS[1], short_steps)),
+               threading.Thread(target=run, args=("long", SEEDS[2], 1000), kwargs={"height": 256, "width": 256})]
     for thread in threads:
         thread.start()
     assert started.wait(timeout=60)
     served.process.send_signal(signal.SIGTERM)
     wait_until(lambda: "draining" in served.output(), timeout=10, what="the drain")
+    draining = time.monotonic()
     with pytest.raises(GenerationError):
         generate(served.grpc_url, SEEDS[0], steps=2)
     for thread in threads:
         thread.join(timeout=90)
     assert served.process.wait(timeout=90) == 0, served.output()
-    assert np.array_equal(results["short"], expected[SEEDS[1]])
+    assert np.array_equal(results["short"], expected_short) and finished["short"] > draining
     assert isinstance(results["long"], GenerationError) and results["long"].status == "StatusCode.UNAVAILABLE"
     assert "stopping" in str(results["long"])
     assert not list(Path("/dev/shm").glob(f"machgen_{served.process.pid}_*"))
+    with MachgenClient(f"127.0.0.1:{served.http}", "http") as client:
+        assert not client.is_ready(PIPELINE_NAME)
+    assert not served.api_answers()

@@ -1,9 +1,7 @@
 """A real tritonserver on loopback, called over gRPC and HTTP, against diffusers."""
 
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from PIL import Image
 from machgen.client import GenerationError, MachgenClient
 from machgen.contract.manifest import PipelineManifest, pipeline_dir
 
-from conftest import PIPELINE_NAME, free_port, wait_until
+from conftest import PIPELINE_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -289,48 +287,6 @@ def test_generate_cli_writes_the_served_image(triton_server, tmp_path):
         [sys.executable, "-m", "machgen.cli", "generate", "--url", triton_server.grpc_url, "--model", PIPELINE_NAME,
          "--prompt", "x", "--num-frames", "5", "--out", str(tmp_path / "no.mp4")], capture_output=True, text=True)
     assert refused.returncode == 2 and "'num_frames'" in refused.stderr and not (tmp_path / "no.mp4").exists()
-
-
-def test_serve_cli_reports_ready_and_stops_on_sigterm(built_repository, tmp_path):
-    """machgen serve, with the HTTP API beside it (--api-port): both answer, and SIGTERM stops both."""
-    import httpx
-
-    repository, _ = built_repository
-    http, api = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(http),
-         "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--api-port", str(api),
-         "--api-data-dir", str(tmp_path / "api"), "--supervisor-metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        lines = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            lines.append(line)
-            if line.startswith("ready:") or not line:
-                break
-        assert lines[-1].startswith("ready:") and f"HTTP 127.0.0.1:{http}" in lines[-1], "".join(lines)
-        with MachgenClient(f"127.0.0.1:{http}", "http") as client:
-            assert client.is_ready(PIPELINE_NAME)
-
-        def api_answers() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{api}/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(api_answers, what="the API beside the server")
-        models = httpx.get(f"http://127.0.0.1:{api}/v1/models").json()["data"]
-        assert [model["id"] for model in models] == [PIPELINE_NAME]
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=90) == 0
-        with MachgenClient(f"127.0.0.1:{http}", "http") as client:
-            assert not client.is_ready(PIPELINE_NAME)
-        assert not api_answers()
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_control_apis_answer_only_the_key_machgen_serve_holds(triton_server):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -48,6 +49,11 @@ ERROR_OUTPUT = "error"
 # Set in the server's environment by machgen serve: a file that exists once the server is stopping and
 # its samplers must stop their requests at their next step (answering UNAVAILABLE).
 STOP_FILE_ENV = "MACHGEN_STOP_FILE"
+
+
+def drained_file(stop_file: str, model: str) -> str:
+    """Beside the stop file: written when a public model being unloaded has answered all its requests."""
+    return os.path.join(os.path.dirname(stop_file), f"drained-{model}")
 # The file each target's components are exported to.
 COMPONENT_FILES = {"onnxruntime": "model.onnx", "torch": "model.pt2", "tensorrt": "model.plan"}
 

@@ -60,6 +60,7 @@ from machgen.contract.manifest import (
     SAMPLER,
     STOP_FILE_ENV,
     PipelineManifest,
+    drained_file,
     model_name,
 )
 from machgen.runtime.processes import instances_of, sibling_stubs
@@ -83,6 +84,14 @@ def server_stopping() -> bool:
     """Whether machgen serve is stopping the server and asks running requests to stop (STOP_FILE_ENV)."""
     stop_file = os.environ.get(STOP_FILE_ENV)
     return bool(stop_file) and os.path.exists(stop_file)
+
+
+def mark_drained(model: str) -> None:
+    """Tell machgen serve that ``model`` has answered every request it took: Triton finalizes an instance
+    only then, and finalizes the others a second apart (drained_file in contract/manifest.py)."""
+    stop_file = os.environ.get(STOP_FILE_ENV)
+    if stop_file:
+        Path(drained_file(stop_file, model)).touch()
 
 
 def _model_dir(args: dict) -> Path:
@@ -209,6 +218,7 @@ class PublicModel:
         config = json.loads(args["model_config"])
         self.input_names = [entry["name"] for entry in config["input"]]
         self.output_names = [entry["name"] for entry in config["output"]]
+        self.name = config["name"]
         self.sampler = model_name(config["name"], SAMPLER)
         # The sampler's response streams, kept here until the stub has let go
         # of them. The stub (Python backend 2.51 and still upstream in
@@ -224,6 +234,9 @@ class PublicModel:
 
     def execute(self, requests):
         return [self._relay(request) for request in requests]
+
+    def finalize(self) -> None:
+        mark_drained(self.name)
 
     def _relay(self, request) -> "pb_utils.InferenceResponse":
         withdrawn = request.is_cancelled()  # a round trip: a request's first call is never cached
@@ -352,6 +365,7 @@ class StreamModel:
         self.input_names = [entry["name"] for entry in config["input"]]
         self.output_names = [entry["name"] for entry in config["output"]
                              if entry["name"] not in (PROGRESS_OUTPUT, ELAPSED_OUTPUT, PREVIEW_OUTPUT)]
+        self.name = config["name"]
         self.sampler = _parameter(config, "sampler", "")
         self.max_queue_size = int(_parameter(config, "max_queue_size", "64"))
         self._slots = threading.Semaphore(int(_parameter(config, "in_flight", "8")))
@@ -463,6 +477,7 @@ class StreamModel:
             threads = list(self._threads)
         for thread in threads:
             thread.join(timeout=30)
+        mark_drained(self.name)
 
 
 @dataclass
