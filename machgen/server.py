@@ -259,10 +259,6 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
-    def wait(self) -> int:
-        assert self.process is not None
-        return self.process.wait()
-
     def stop(self, timeout: float = 60.0) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

@@ -62,9 +62,9 @@ def public_models(repository: Path) -> list[str]:
 
 
 class Supervisor:
-    """Watches ``server`` on a thread of its own (``start``) until ``stop``
-    or until it gives up (``wait`` returns the exit code then); ``drain``
-    stops the server without dropping a request in flight."""
+    """Watches ``server`` on a thread of its own (``start``) until ``drain``
+    stops the server without dropping a request in flight, or until it gives
+    up (``wait`` returns the exit code then)."""
 
     def __init__(self, server: TritonServer, settings: SupervisorSettings = SupervisorSettings(),
                  log: Callable[[str], None] = print):
@@ -90,14 +90,9 @@ class Supervisor:
         return self
 
     def wait(self) -> int:
-        """Block until the supervisor stops; its exit code (0 after ``stop``)."""
+        """Block until the supervisor stops; its exit code (0 after ``drain``)."""
         self._done.wait()
         return self.exit_code or 0
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join()
 
     def _watch(self) -> None:
         try:

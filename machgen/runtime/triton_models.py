@@ -320,6 +320,12 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
 _SILENCE = object()
 
 
+def _send_heartbeat(sender, progress: np.ndarray, elapsed: float) -> None:
+    """A progress response that repeats ``progress`` ([step, steps]): the stream lives (HEARTBEAT_S)."""
+    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(PROGRESS_OUTPUT, progress),
+                                            pb_utils.Tensor(ELAPSED_OUTPUT, np.array([elapsed], np.float32))]))
+
+
 def _responses_while_alive(stream, sampler: str, sent_at: float):
     """The responses of ``stream`` to its last (the sampler's stream must be
     read to its end), or None once the sampler's stub is found dead: a dead
@@ -436,9 +442,7 @@ class StreamModel:
                 if self._closing.is_set() or self._is_cancelled(request):
                     return _error_response("cancelled before it started", pb_utils.TritonError.CANCELLED)
                 if time.monotonic() - waited_since >= HEARTBEAT_S:  # still queued: a heartbeat, step 0 of 0
-                    sender.send(pb_utils.InferenceResponse([
-                        pb_utils.Tensor(PROGRESS_OUTPUT, np.zeros(2, np.int32)),
-                        pb_utils.Tensor(ELAPSED_OUTPUT, np.zeros(1, np.float32))]))
+                    _send_heartbeat(sender, np.zeros(2, np.int32), 0.0)
                     waited_since = time.monotonic()
         finally:
             with self._lock:
@@ -458,9 +462,7 @@ class StreamModel:
 
             def on_silence() -> None:  # the last step again, so that the client knows the stream lives
                 if time.monotonic() - last["sent"] >= HEARTBEAT_S:
-                    sender.send(pb_utils.InferenceResponse([
-                        pb_utils.Tensor(PROGRESS_OUTPUT, last["step"]),
-                        pb_utils.Tensor(ELAPSED_OUTPUT, np.array([time.monotonic() - started], np.float32))]))
+                    _send_heartbeat(sender, last["step"], time.monotonic() - started)
                     last["sent"] = time.monotonic()
 
             return _run_on_sampler(self.sampler, request, inputs, self.output_names,
