@@ -80,3 +80,49 @@ def test_request_fields_are_typed_and_sizes_read_as_width_by_height():
         with pytest.raises(ApiError) as error:
             parse_size(size, {})
         assert error.value.param == "size"
+
+
+def test_a_stream_read_gives_way_to_a_cancel_even_while_responses_keep_coming():
+    """A job's task cancelled while its stream's responses are always ready stops (asyncio.wait_for on
+    Python 3.11 swallowed such a cancel: a deleted job ran to its end); silence is a TimeoutError."""
+    import asyncio
+
+    from machgen.api.triton import _next_within
+
+    class Endless:
+        def __init__(self):
+            self.read = 0
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(0)
+            self.read += 1
+            if self.read > 20_000:  # about a second: a read that ignored the cancel ends here
+                raise StopAsyncIteration
+            return self.read
+
+    class Silent:
+        async def __anext__(self):
+            await asyncio.sleep(60)
+
+    async def consume(stream):
+        while True:
+            try:
+                await _next_within(stream, 5.0)
+            except StopAsyncIteration:
+                return
+
+    async def scenario():
+        stream = Endless()
+        task = asyncio.ensure_future(consume(stream))
+        for _ in range(20):  # a cancel at many points of the read
+            await asyncio.sleep(0.001)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        assert task in done and task.cancelled(), f"still reading after {stream.read} responses"
+        with pytest.raises(asyncio.TimeoutError):
+            await _next_within(Silent(), 0.05)
+
+    asyncio.run(scenario())
