@@ -40,6 +40,17 @@ def serve(
     max_restarts: int = typer.Option(3, "--max-restarts", min=0,
                                      help="times a server that died is started again within a minute; one more "
                                           "and machgen serve exits with code 1"),
+    replicas: int = typer.Option(1, "--replicas", min=1,
+                                 help="tritonservers on loopback behind HAProxy, which takes --http-port, "
+                                      "--grpc-port and --metrics-port (its own metrics); SIGHUP restarts them one "
+                                      "after another without losing a request"),
+    prometheus_port: int = typer.Option(0, "--prometheus-port", min=0,
+                                        help="with --replicas: a Prometheus on this port scraping the balancer, "
+                                             "every replica and the supervisors (deploy/prometheus/rules.yaml)"),
+    tritonserver: Optional[Path] = typer.Option(None, "--tritonserver", exists=True, dir_okay=False,
+                                                envvar="MACHGEN_TRITONSERVER",
+                                                help="an installed Triton's bin/tritonserver (NVIDIA's container: "
+                                                     "/opt/tritonserver/bin/tritonserver) instead of the bundled one"),
 ) -> None:
     """Start tritonserver on REPOSITORY (and with --api-port the HTTP API) and
     keep it serving: a model whose stub process died is loaded again (the
@@ -49,13 +60,19 @@ def serve(
     from machgen.supervisor import Supervisor, SupervisorSettings
 
     def say(line: str) -> None:
-        typer.echo(line, err=line.startswith("supervisor:"))
+        typer.echo(line, err="supervisor:" in line)
 
+    supervision = SupervisorSettings(max_restarts=max_restarts, drain_timeout_s=drain_timeout)
+    if replicas > 1:
+        _serve_replicas(repository, Ports(http_port, grpc_port, metrics_port), host, replicas, supervision,
+                        verbose, tritonserver, prometheus_port, supervisor_metrics_port, say)
+        return
+    if prometheus_port:
+        raise typer.BadParameter("needs --replicas 2 or more", param_hint="--prometheus-port")
     # Triton must not give up on requests in flight before the drain does.
     server = TritonServer(repository, Ports(http_port, grpc_port, metrics_port), host=host, verbose=verbose,
-                          exit_timeout_s=int(drain_timeout) + 60)
-    supervisor = Supervisor(server, SupervisorSettings(max_restarts=max_restarts, drain_timeout_s=drain_timeout),
-                            log=say)
+                          exit_timeout_s=int(drain_timeout) + 60, tritonserver=tritonserver)
+    supervisor = Supervisor(server, supervision, log=say)
     metrics = None
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -99,6 +116,66 @@ def serve(
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         typer.echo(f"stopping tritonserver: requests in flight get {drain_timeout:.0f} s to finish ...")
         supervisor.drain()
+        if metrics is not None:
+            metrics.shutdown()
+        typer.echo("stopped")
+
+
+def _serve_replicas(repository: Path, ports, host: str, count: int, supervision, verbose: bool,
+                    tritonserver: Optional[Path], prometheus_port: int, supervisor_metrics_port: int, say) -> None:
+    """machgen serve --replicas: ``count`` supervised servers behind HAProxy (machgen/replicas.py)."""
+    from machgen.replicas import ReplicaSet, ReplicaSettings
+    from machgen.server import ServerError
+
+    replica_set = ReplicaSet(repository, ports, ReplicaSettings(count=count, host=host, verbose=verbose,
+                                                                tritonserver=tritonserver),
+                             supervision, log=say)
+    metrics = None
+    signal.signal(signal.SIGTERM, _interrupt)
+    restarting = threading.Lock()
+
+    def rolling_restart() -> None:
+        if not restarting.acquire(blocking=False):
+            say("a rolling restart is already under way")
+            return
+        try:
+            replica_set.rolling_restart()
+            say("rolling restart done")
+        except ServerError as err:
+            say(f"rolling restart failed: {err}")
+        finally:
+            restarting.release()
+
+    signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(target=rolling_restart, daemon=True).start())
+    try:
+        typer.echo(f"starting {count} tritonservers on {repository} behind HAProxy ...")
+        replica_set.start(prometheus_port=prometheus_port or None,
+                          supervisor_metrics_port=supervisor_metrics_port or None)
+        if supervisor_metrics_port:
+            try:
+                metrics = replica_set.serve_metrics(host, supervisor_metrics_port)
+            except OSError as err:
+                raise ServerError(f"--supervisor-metrics-port {supervisor_metrics_port}: {err}") from None
+        typer.echo(f"ready: HTTP {host}:{ports.http}  gRPC {host}:{ports.grpc}  balancer metrics "
+                   f"{host}:{ports.metrics}  ({count} replicas; SIGHUP: rolling restart)"
+                   + (f"  supervisor metrics {host}:{supervisor_metrics_port}" if metrics else "")
+                   + (f"  Prometheus http://{host}:{prometheus_port}" if prometheus_port else ""))
+        typer.echo(f"logs: {replica_set.work_dir}")
+        replica_set.wait()
+        typer.secho("a replica could not be kept serving", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        pass
+    except ServerError as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        typer.echo(f"stopping {count} tritonservers: requests in flight get {supervision.drain_timeout_s:.0f} s "
+                   "to finish ...")
+        replica_set.drain()
         if metrics is not None:
             metrics.shutdown()
         typer.echo("stopped")

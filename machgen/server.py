@@ -96,8 +96,12 @@ class TritonServer:
     """
 
     def __init__(self, model_repository: Path, ports: Ports = Ports(), host: str = "127.0.0.1",
-                 log_file: Path | None = None, verbose: bool = False, exit_timeout_s: int = 30):
+                 log_file: Path | None = None, verbose: bool = False, exit_timeout_s: int = 30,
+                 tritonserver: Path | None = None):
         self.model_repository = Path(model_repository).resolve()
+        # An installed Triton's bin/tritonserver (NVIDIA's container: /opt/tritonserver/bin/tritonserver), its
+        # backends beside it; else the one nvidia-pytriton bundles.
+        self.tritonserver = Path(tritonserver) if tritonserver is not None else None
         self.ports = ports
         self.host = host
         self.verbose = verbose
@@ -143,7 +147,8 @@ class TritonServer:
             raise ServerError(f"model repository {self.model_repository} does not exist")
         restart = self._server_dir is not None
         if not restart:
-            self._server_dir = prepare_server_dir(Path(self._work.name))
+            self._server_dir = (self.tritonserver.resolve().parent.parent if self.tritonserver is not None
+                                else prepare_server_dir(Path(self._work.name)))
         self.stop_file.unlink(missing_ok=True)
         self.remove_shm_regions()  # a killed server's
         log = open(self.log_file, "ab" if restart else "wb")  # a restarted server's log goes on

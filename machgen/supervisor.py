@@ -253,34 +253,51 @@ class Supervisor:
 
     def metrics_text(self) -> str:
         """The supervisor's counters in Prometheus' text format."""
-        lines = ["# HELP machgen_model_recoveries_total Models loaded again after a stub of theirs died.",
-                 "# TYPE machgen_model_recoveries_total counter"]
-        lines += [f'machgen_model_recoveries_total{{model="{model}"}} {count}'
-                  for model, count in sorted(self.recoveries.items())]
-        lines += ["# HELP machgen_server_restarts_total Times tritonserver was started again after it died.",
-                  "# TYPE machgen_server_restarts_total counter",
-                  f"machgen_server_restarts_total {self.server_restarts}"]
-        return "\n".join(lines) + "\n"
+        return metrics_text({(): self})
 
     def serve_metrics(self, host: str, port: int) -> ThreadingHTTPServer:
         """``metrics_text`` at http://HOST:PORT/metrics, on a thread; ``shutdown()`` the result to stop it."""
-        supervisor = self
+        return serve_metrics(host, port, self.metrics_text)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404)
-                    return
-                body = supervisor.metrics_text().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
-            def log_message(self, *args):  # no line per scrape
-                pass
+def metrics_text(supervisors: "dict[tuple[tuple[str, str], ...], Supervisor]") -> str:
+    """The counters of ``supervisors`` (each keyed by the labels that tell it from the others, as
+    (name, value) pairs: ``(("replica", "0"),)``) in Prometheus' text format, one family each."""
+    def series(name: str, labels: tuple[tuple[str, str], ...], value: int) -> str:
+        text = ",".join(f'{key}="{label}"' for key, label in labels)
+        return f"{name}{{{text}}} {value}" if text else f"{name} {value}"
 
-        httpd = ThreadingHTTPServer((host, port), Handler)
-        threading.Thread(target=httpd.serve_forever, name="supervisor-metrics", daemon=True).start()
-        return httpd
+    lines = ["# HELP machgen_model_recoveries_total Models loaded again after a stub of theirs died.",
+             "# TYPE machgen_model_recoveries_total counter"]
+    for labels, supervisor in supervisors.items():
+        lines += [series("machgen_model_recoveries_total", (*labels, ("model", model)), count)
+                  for model, count in sorted(supervisor.recoveries.items())]
+    lines += ["# HELP machgen_server_restarts_total Times tritonserver was started again after it died.",
+              "# TYPE machgen_server_restarts_total counter"]
+    lines += [series("machgen_server_restarts_total", labels, supervisor.server_restarts)
+              for labels, supervisor in supervisors.items()]
+    return "\n".join(lines) + "\n"
+
+
+def serve_metrics(host: str, port: int, text: Callable[[], str]) -> ThreadingHTTPServer:
+    """``text()`` (Prometheus' text format) at http://HOST:PORT/metrics, on a thread; ``shutdown()`` the
+    result to stop it."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404)
+                return
+            body = text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # no line per scrape
+            pass
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=httpd.serve_forever, name="supervisor-metrics", daemon=True).start()
+    return httpd

@@ -482,3 +482,70 @@ def api_server(triton_server, api_keys, tmp_path_factory):
     """``machgen api`` on the session's Triton server (the tiny Flux, "flux")."""
     with api_on(triton_server.grpc_url, api_keys, tmp_path_factory, "api") as api:
         yield api
+
+
+class ServeProcess:
+    """``machgen serve REPOSITORY`` as a user runs it (``extra``: more of its options), on free ports, and what
+    it printed. ``http``, ``grpc``, ``metrics`` and ``supervisor`` are its ports."""
+
+    def __init__(self, repository: Path, *extra: str):
+        import subprocess
+        import sys
+        import threading
+
+        self.http, self.grpc, self.metrics, self.supervisor = free_port(), free_port(), free_port(), free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(self.http),
+             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
+             "--supervisor-metrics-port", str(self.supervisor), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        wait_until(lambda: any(line.startswith("ready:") for line in self.lines) or self.process.poll() is not None,
+                   timeout=180, what="machgen serve ready")
+        assert self.process.poll() is None, self.output()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http}"
+
+    def metric(self, line_start: str) -> float:
+        """The sum of the supervisor metrics' series that start with ``line_start``."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.supervisor}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
+
+    def stop(self, timeout: float = 90.0) -> None:
+        """SIGTERM (a drain), killed after ``timeout``."""
+        import signal
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@contextlib.contextmanager
+def machgen_serve(repository: Path, *extra: str):
+    """A ServeProcess, drained and stopped on exit."""
+    served = ServeProcess(repository, *extra)
+    try:
+        yield served
+    finally:
+        served.stop()

@@ -1,13 +1,16 @@
 """machgen serve as a user runs it, the HTTP API beside it (--api-port), under faults: stub processes killed
 while requests run (a component's, the public model's, its streaming twin's, the sampler's), the server
-itself killed, and a SIGTERM that drains."""
+itself killed, and a SIGTERM that drains. Then machgen serve --replicas 2 (HAProxy in front of two
+supervised servers): both protocols on one address, Prometheus scraping every replica, a replica SIGKILLed
+under load and a rolling restart (SIGHUP) under load, with no request lost."""
 
+import json
 import os
+import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 
 from machgen.client import NO_RETRY, GenerationError, MachgenClient, RetryPolicy
 
-from conftest import PIPELINE_NAME, free_port, wait_until
+from conftest import PIPELINE_NAME, ServeProcess, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -26,29 +29,10 @@ ANSWER_WITHIN_S = 30.0
 DRAIN_TIMEOUT_S = 10.0
 
 
-class Served:
-    """A ``machgen serve`` process and what it printed."""
+class Served(ServeProcess):
+    """machgen serve with its HTTP API beside it (``api``: its port)."""
 
-    def __init__(self, repository: Path, drain_timeout: float, api_data_dir: Path):
-        self.http, self.grpc, self.supervisor, self.api = free_port(), free_port(), free_port(), free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(self.http),
-             "--grpc-port", str(self.grpc), "--metrics-port", str(free_port()),
-             "--supervisor-metrics-port", str(self.supervisor), "--drain-timeout", str(drain_timeout),
-             "--api-port", str(self.api), "--api-data-dir", str(api_data_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        wait_until(lambda: any(line.startswith("ready:") for line in self.lines) or self.process.poll() is not None,
-                   timeout=180, what="machgen serve ready")
-        assert self.process.poll() is None, self.output()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    def output(self) -> str:
-        return "".join(self.lines)
+    api: int
 
     def api_answers(self) -> bool:
         import httpx
@@ -57,10 +41,6 @@ class Served:
             return httpx.get(f"http://127.0.0.1:{self.api}/health").status_code == 200
         except httpx.HTTPError:
             return False
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc}"
 
     def tritonserver(self):
         import psutil
@@ -78,24 +58,18 @@ class Served:
             os.kill(stub.pid, signal.SIGKILL)
         return [stub.instance for stub in stubs]
 
-    def metric(self, line_start: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.supervisor}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start)]
-        return sum(values)
-
 
 @pytest.fixture(scope="module")
 def served(built_repository, tmp_path_factory):
     repository, _ = built_repository
-    served = Served(repository, drain_timeout=DRAIN_TIMEOUT_S, api_data_dir=tmp_path_factory.mktemp("api"))
-    yield served
-    if served.process.poll() is None:
-        served.process.send_signal(signal.SIGTERM)
-        try:
-            served.process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            served.process.kill()
+    api = free_port()
+    served = Served(repository, "--drain-timeout", str(DRAIN_TIMEOUT_S), "--api-port", str(api),
+                    "--api-data-dir", str(tmp_path_factory.mktemp("api")))
+    served.api = api
+    try:
+        yield served
+    finally:
+        served.stop()
 
 
 def generate(url: str, seed: int, retry: RetryPolicy = NO_RETRY, steps: int = STEPS, on_progress=None,
@@ -233,3 +207,160 @@ def test_sigterm_drains_requests_in_flight(served):
     with MachgenClient(f"127.0.0.1:{served.http}", "http") as client:
         assert not client.is_ready(PIPELINE_NAME)
     assert not served.api_answers()
+
+
+# ------------------------------------------------- machgen serve --replicas: HAProxy in front of two servers
+# Here, not in a module of their own: a replica killed and restarted while another module's servers are killed
+# and restarted on the same two cores made both miss their answer deadlines.
+needs_haproxy = pytest.mark.skipif(shutil.which("haproxy") is None,
+                                   reason="needs HAProxy (Debian: apt-get install haproxy; .ci/run installs it)")
+
+REPLICA_STEPS = 12
+REPLICA_SEEDS = (0, 1, 2)
+# Each client thread sends its own kind of request: a plain gRPC one, a gRPC stream with progress
+# (NAME_stream) and a plain HTTP one.
+KINDS = ("grpc", "stream", "http")
+
+
+@pytest.fixture(scope="module")
+def replicas(built_repository):
+    repository, _ = built_repository
+    extra = ["--replicas", "2", "--drain-timeout", "30"]
+    prometheus = shutil.which("prometheus") is not None
+    if prometheus:
+        extra += ["--prometheus-port", str(free_port())]
+    served = ServeProcess(repository, *extra)
+    served.prometheus_port = int(extra[-1]) if prometheus else None
+    try:
+        yield served
+    finally:
+        served.stop()
+    assert served.process.returncode == 0, served.output()
+
+
+def replica_pids(served) -> dict[int, int]:
+    """Replica -> the pid of its tritonserver, as machgen serve last reported it."""
+    pids = {}
+    for line in served.lines:
+        if ": tritonserver pid " in line:
+            pids[int(line.split()[1].rstrip(":"))] = int(line.split(" pid ")[1].split()[0])
+    return pids
+
+
+def one_request(served, kind: str, seed: int) -> np.ndarray:
+    url = served.http_url if kind == "http" else served.grpc_url
+    with MachgenClient(url, "http" if kind == "http" else "grpc") as client:
+        progress = (lambda report: None) if kind == "stream" else None
+        return client.generate(PIPELINE_NAME, "a red cat", seed=seed, num_inference_steps=REPLICA_STEPS, on_progress=progress)
+
+
+@pytest.fixture(scope="module")
+def replica_expected(replicas):
+    return {seed: one_request(replicas, "grpc", seed) for seed in REPLICA_SEEDS}
+
+
+class Load:
+    """Client threads sending requests (with the client's retries, as a user's) until ``stop``: every
+    request's outcome, and whether its image is the one its seed makes."""
+
+    def __init__(self, served, expected):
+        self.served, self.expected = served, expected
+        self.outcomes: list[tuple[str, int, str]] = []  # (kind, seed, "ok" | "wrong image" | the error)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(kind, index), daemon=True)
+                         for index, kind in enumerate(KINDS)]
+        for thread in self._threads:
+            thread.start()
+
+    def _client(self, kind: str, index: int) -> None:
+        request = index
+        while not self._stop.is_set():
+            seed = REPLICA_SEEDS[request % len(REPLICA_SEEDS)]
+            request += 1
+            try:
+                image = one_request(self.served, kind, seed)
+                outcome = "ok" if np.array_equal(image, self.expected[seed]) else "wrong image"
+            except Exception as err:  # noqa: BLE001 - a lost request is what the test counts
+                outcome = f"{type(err).__name__}: {err}"
+            self.outcomes.append((kind, seed, outcome))
+
+    def stop(self) -> list[tuple[str, int, str]]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+        return self.outcomes
+
+    def wait_for(self, count: int) -> None:
+        wait_until(lambda: len(self.outcomes) >= count, timeout=120, what=f"{count} requests answered")
+
+
+def assert_nothing_lost(outcomes) -> None:
+    lost = [outcome for outcome in outcomes if outcome[2] != "ok"]
+    assert not lost, f"{len(lost)} of {len(outcomes)} requests lost: {lost[:5]}"
+    assert {kind for kind, _, _ in outcomes} == set(KINDS)
+
+
+@needs_haproxy
+def test_one_address_serves_both_protocols_and_prometheus_scrapes_every_replica(replicas, replica_expected):
+    ready = next(line for line in replicas.lines if line.startswith("ready:"))
+    assert f"gRPC 127.0.0.1:{replicas.grpc}" in ready and "2 replicas" in ready
+    for kind in ("http", "stream"):
+        assert np.array_equal(one_request(replicas, kind, REPLICA_SEEDS[0]), replica_expected[REPLICA_SEEDS[0]])
+    with urllib.request.urlopen(f"http://127.0.0.1:{replicas.metrics}/metrics", timeout=5) as response:
+        balancer = response.read().decode()
+    assert 'haproxy_server_status{proxy="grpc_replicas",server="r1",state="UP"} 1' in balancer
+    if replicas.prometheus_port is None:
+        pytest.skip("Prometheus is not installed (Debian: apt-get install prometheus; .ci/run installs it): "
+                    "its scrape is not checked")
+    url = f"http://127.0.0.1:{replicas.prometheus_port}/api/v1"
+
+    def targets() -> dict[str, list[str]]:
+        with urllib.request.urlopen(f"{url}/targets", timeout=5) as response:
+            active = json.load(response)["data"]["activeTargets"]
+        found: dict[str, list[str]] = {}
+        for target in active:
+            found.setdefault(target["labels"]["job"], []).append(target["health"])
+        return found
+
+    wait_until(lambda: all(health == ["up"] * len(health) for health in targets().values()) and
+               len(targets().get("triton", [])) == 2, timeout=30, what="every target scraped")
+    assert set(targets()) == {"triton", "haproxy", "machgen-supervisor"}
+
+    def per_replica_successes() -> dict[str, float]:
+        query = urllib.parse.quote(f'sum by (replica) (nv_inference_request_success{{model="{PIPELINE_NAME}"}})')
+        with urllib.request.urlopen(f"{url}/query?query={query}", timeout=5) as response:
+            return {row["metric"]["replica"]: float(row["value"][1]) for row in json.load(response)["data"]["result"]}
+
+    wait_until(lambda: sum(per_replica_successes().values()) >= 1, timeout=30, what="requests counted")
+
+
+@needs_haproxy
+def test_a_replica_killed_under_load_loses_no_request(replicas, replica_expected):
+    before = replica_pids(replicas)
+    load = Load(replicas, replica_expected)
+    load.wait_for(6)
+    os.kill(before[0], signal.SIGKILL)
+    wait_until(lambda: replica_pids(replicas)[0] != before[0] or
+               any("replica 0: supervisor: tritonserver serves again" in line for line in replicas.lines),
+               timeout=120, what="replica 0 started again")
+    served_after = len(load.outcomes)
+    load.wait_for(served_after + 6)
+    outcomes = load.stop()
+    assert any("replica 0: supervisor: tritonserver exited" in line for line in replicas.lines), replicas.output()
+    assert_nothing_lost(outcomes)
+
+
+@needs_haproxy
+def test_a_rolling_restart_under_load_loses_no_request(replicas, replica_expected):
+    before = replica_pids(replicas)
+    load = Load(replicas, replica_expected)
+    load.wait_for(6)
+    replicas.process.send_signal(signal.SIGHUP)
+    wait_until(lambda: any(line.startswith("rolling restart") for line in replicas.lines), timeout=240,
+               what="the rolling restart's end")
+    load.wait_for(len(load.outcomes) + 6)
+    outcomes = load.stop()
+    assert any(line.startswith("rolling restart done") for line in replicas.lines), replicas.output()
+    after = replica_pids(replicas)
+    assert all(after[index] != before[index] for index in before), (before, after)
+    assert_nothing_lost(outcomes)

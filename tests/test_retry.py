@@ -13,6 +13,9 @@ from machgen.client import NO_RETRY, GenerationError, MachgenClient, RetryPolicy
     ("StatusCode.UNAVAILABLE", "failed to connect to all addresses", True),
     ("503", "the server is stopping", True),
     ("StatusCode.INTERNAL", "Stub process 'flux_0_3' is not healthy.", True),
+    # a stream HAProxy reset when the replica behind it died (tests/test_faults.py)
+    ("StatusCode.UNKNOWN", "Stream removed (Data frame with END_STREAM flag received) (RST_STREAM (Received "
+                           "RST_STREAM with error code 8))", True),
     ("StatusCode.INVALID_ARGUMENT", "invalid input 'height': 66 is not a multiple of 16", False),
     ("400", "invalid input 'seed': -1 is outside [0, 9223372036854775807]", False),
     ("StatusCode.CANCELLED", "cancelled after 3 of 28 steps", False),

@@ -53,9 +53,10 @@ _GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "St
 
 # Failures after which the same request may be sent again: the server (or a stub of its) was down or
 # stopping, not the request wrong. gRPC and HTTP statuses; a Python stub that died answers INTERNAL with
-# this message (Triton 2.51 gives it no other status).
+# this message (Triton 2.51 gives it no other status). A stream that a balancer in front of several servers
+# reset because the server behind it died (HAProxy: RST_STREAM, CANCEL) fails UNKNOWN "Stream removed".
 _RETRYABLE_STATUSES = {"StatusCode.UNAVAILABLE", "503", "502", "504"}
-_RETRYABLE_MESSAGES = ("is not healthy",)
+_RETRYABLE_MESSAGES = ("is not healthy", "Stream removed")
 
 
 @dataclass(frozen=True)
