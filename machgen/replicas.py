@@ -71,6 +71,17 @@ def _wait_until(check: Callable[[], bool], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def _terminate(process: subprocess.Popen | None) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def _answers(url: str) -> bool:
     import urllib.request
 
@@ -159,13 +170,7 @@ class Balancer:
                     f"replica {index} up in the balancer", interval=0.2)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        _terminate(self.process)
 
 
 class PrometheusProcess:
@@ -207,13 +212,7 @@ class PrometheusProcess:
         return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        _terminate(self.process)
 
 
 @dataclass
@@ -310,8 +309,8 @@ class ReplicaSet:
         ServiceMonitor labels them, machgen_role="triton"), the balancer's and the supervisors'."""
         host = self.settings.host if self.settings.host != "0.0.0.0" else "127.0.0.1"
         targets = {
-            "triton": [(f"127.0.0.1:{replica.ports.metrics}", {"replica": str(replica.index), "pod": f"replica-{replica.index}",
-                                                              "machgen_role": "triton"})
+            "triton": [(f"127.0.0.1:{replica.ports.metrics}",
+                        {"replica": str(replica.index), "pod": f"replica-{replica.index}", "machgen_role": "triton"})
                        for replica in self.replicas],
             "haproxy": [(f"{host}:{self.ports.metrics}", {"machgen_role": "balancer"})],
         }

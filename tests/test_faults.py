@@ -251,7 +251,8 @@ def one_request(served, kind: str, seed: int) -> np.ndarray:
     url = served.http_url if kind == "http" else served.grpc_url
     with MachgenClient(url, "http" if kind == "http" else "grpc") as client:
         progress = (lambda report: None) if kind == "stream" else None
-        return client.generate(PIPELINE_NAME, "a red cat", seed=seed, num_inference_steps=REPLICA_STEPS, on_progress=progress)
+        return client.generate(PIPELINE_NAME, "a red cat", seed=seed, num_inference_steps=REPLICA_STEPS,
+                               on_progress=progress)
 
 
 @pytest.fixture(scope="module")
