@@ -370,6 +370,11 @@ def generate(
     fps: Optional[int] = typer.Option(None, "--fps", help="video: frames per second (default: the model's)"),
     reference_images: Optional[list[Path]] = typer.Option(None, "--reference-image", exists=True, dir_okay=False,
                                                           help="reference-to-video: a picture (repeatable)"),
+    lora: Optional[list[str]] = typer.Option(None, "--lora", help="a LoRA adapter the model serves, by the name "
+                                                                   "machgen-build lora add gave it (repeatable, "
+                                                                   "up to 4)"),
+    lora_scale: Optional[list[float]] = typer.Option(None, "--lora-scale", help="the weight of each --lora, in "
+                                                                                "order (default 1.0 each)"),
     inputs: Optional[list[str]] = typer.Option(None, "--input", help="NAME=VALUE: any input of the model, a "
                                                                      "vector as comma-separated values "
                                                                      "(repeatable)"),
@@ -428,7 +433,8 @@ def generate(
                 negative_prompt=negative_prompt, seed=seed, num_inference_steps=steps,
                 guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width,
                 cache_policy=cache_policy, cache_threshold=cache_threshold, image=picture, strength=strength,
-                num_frames=num_frames, fps=fps, reference_images=references, **family_options)
+                num_frames=num_frames, fps=fps, reference_images=references, lora=lora or None,
+                lora_scale=lora_scale or None, **family_options)
             seconds = time.perf_counter() - start
     except GenerationError as err:
         typer.secho(f"error ({err.status}): {err}", fg=typer.colors.RED, err=True)

@@ -211,14 +211,21 @@ def tiny_flux_pipeline(tiny_flux_dir):
     return diffusers.FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
 
 
+# The session's tiny Flux repositories serve per-request LoRA adapters up to this rank: every test of them runs
+# the adapted denoiser (with no adapter, a bank of rank 0), and tests/test_lora_adapters.py adds adapters.
+ADAPTER_RANK = 16
+
+
 @pytest.fixture(scope="session")
 def built_repository(tiny_flux_dir, tmp_path_factory):
     """(repository path, per-component parity results) of the tiny Flux."""
     from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
 
     out = tmp_path_factory.mktemp("repository")
     with one_at_a_time(tmp_path_factory, "tiny-flux"):
-        results = build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lambda line: None)
+        results = build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lambda line: None,
+                                   options=ServingOptions(max_lora_rank=ADAPTER_RANK))
     return out, results
 
 
@@ -314,7 +321,8 @@ def variant_repository(tiny_flux_dir, built_repository, tmp_path_factory) -> Pat
     out = tmp_path_factory.mktemp("variants")
     for name, options in VARIANTS.items():
         build_repository(tiny_flux_dir, name, out, preview=False,
-                         options=ServingOptions(**{"component_instances": 1, **options}),
+                         options=ServingOptions(**{"component_instances": 1, "max_lora_rank": ADAPTER_RANK,
+                                                   **options}),
                          log=lambda line: None)
     folder = pipeline_dir(out, "flux_calibrated")
     manifest = PipelineManifest.read(folder)
@@ -328,6 +336,27 @@ def variant_repository(tiny_flux_dir, built_repository, tmp_path_factory) -> Pat
 def variant_server(variant_repository, tmp_path_factory):
     with serving(variant_repository, log_file=_kept_log(tmp_path_factory, "variant-server")) as server:
         yield server
+
+
+def solo_then_together(server, model: str, requests: list[dict], **common) -> tuple[list, list, int, int]:
+    """Each request (MachgenClient.generate's options, plus ``common``) alone, then all at once: both
+    results, and the rows and forwards ``model``'s denoiser tail ran for the concurrent ones."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from machgen.client import MachgenClient
+
+    def generate(settings):
+        with MachgenClient(server.grpc_url) as client:
+            return client.generate(model, **settings, **common)
+
+    solo = [generate(settings) for settings in requests]
+    tail = f"{model}_denoiser_tail"
+    with MachgenClient(server.grpc_url) as client:
+        rows_before, forwards_before = client.rows_and_forwards(tail)
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(generate, requests))
+        rows, forwards = client.rows_and_forwards(tail)
+    return solo, together, rows - rows_before, forwards - forwards_before
 
 
 def metric(server, name: str, model: str) -> float:

@@ -3,7 +3,6 @@
 import json
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from machgen.builder.repository import ServingOptions
 from machgen.client import NO_RETRY, GenerationError, MachgenClient
 
-from conftest import PIPELINE_NAME, metric, wait_until
+from conftest import PIPELINE_NAME, metric, solo_then_together, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -28,24 +27,13 @@ def test_concurrent_requests_with_mixed_steps_equal_their_solo_runs(variant_serv
                      **(dict(negative_prompt="a blue dog", true_cfg_scale=4.0) if i % 3 == 0 else {}))
                 for i in range(32)]
 
-    def generate(settings):
-        with MachgenClient(variant_server.grpc_url) as client:
-            return client.generate(BATCHED, **settings)
-
-    solo = [generate(settings) for settings in requests]
-    tail = f"{BATCHED}_denoiser_tail"
-    with MachgenClient(variant_server.grpc_url) as client:
-        rows_before, forwards_before = client.rows_and_forwards(tail)
-        with ThreadPoolExecutor(len(requests)) as pool:
-            together = list(pool.map(generate, requests))
-        rows, forwards = client.rows_and_forwards(tail)
+    solo, together, rows, forwards = solo_then_together(variant_server, BATCHED, requests)
     for settings, alone, batched in zip(requests, solo, together):
         diff = np.abs(alone.astype(int) - batched.astype(int)).max()
         assert diff <= MAX_PIXEL_DIFF, f"{settings}: max pixel difference {diff} from its solo run"
     # the denoiser steps of different requests really shared forwards
-    assert rows - rows_before == sum(r["num_inference_steps"] * (2 if "true_cfg_scale" in r else 1)
-                                     for r in requests)
-    assert (rows - rows_before) / (forwards - forwards_before) > 1.5
+    assert rows == sum(r["num_inference_steps"] * (2 if "true_cfg_scale" in r else 1) for r in requests)
+    assert rows / forwards > 1.5
 
 
 class _Calls:

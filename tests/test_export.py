@@ -5,10 +5,14 @@ import numpy as np
 import pytest
 import torch
 
+from machgen.contract.adapters import ADAPTER_NAMES_INPUT, adapters_root
+from machgen.contract.manifest import pipeline_dir
 from machgen.families.registry import get_family
+from machgen.runtime.components import open_component
 from machgen.runtime.onnx_runner import OnnxSession
+from machgen.runtime.sampler import adapter_rows
 
-from conftest import component_onnx
+from conftest import PIPELINE_NAME, component_onnx
 
 # Sizes for every dynamic axis, all different from the traced ones.
 UNSEEN_SIZES = {"batch": 3, "image_tokens": 48, "text_tokens": 19, "latent_height": 12, "latent_width": 8,
@@ -43,8 +47,13 @@ def test_onnx_matches_torch_on_unseen_dynamic_sizes(component, built_repository,
     with torch.no_grad():
         expected = exportable.module(**inputs)
     expected = expected if isinstance(expected, tuple) else (expected,)
-    session = OnnxSession(component_onnx(repository, component))
-    got = session.run({k: v.numpy() for k, v in inputs.items()})
+    # The denoiser's components take per-request adapters (conftest.ADAPTER_RANK): here none, a bank of rank 0.
+    runner = open_component(component_onnx(repository, component),
+                            adapters=adapters_root(pipeline_dir(repository, PIPELINE_NAME)))
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    if ADAPTER_NAMES_INPUT in runner.input_names:
+        feeds.update(adapter_rows((), UNSEEN_SIZES["batch"]))
+    got = runner.run(feeds)
     for tensor, want in zip(spec.outputs, expected):
         have = got[tensor.name]
         assert have.shape == tuple(want.shape)

@@ -19,7 +19,7 @@ import pytest
 
 from machgen.client import NO_RETRY, GenerationError, MachgenClient, RetryPolicy
 
-from conftest import PIPELINE_NAME, ServeProcess, free_port, wait_until
+from conftest import ADAPTER_RANK, PIPELINE_NAME, ServeProcess, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -59,9 +59,28 @@ class Served(ServeProcess):
         return [stub.instance for stub in stubs]
 
 
+def lighter_repository(tiny_flux_dir, tmp_path_factory, name: str, **options) -> Path:
+    """The session's tiny Flux (every export from the cache built_repository filled) with no more instances
+    than these tests use: every server start, stop, drain and reload pays a process per instance."""
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp(name)
+    build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lambda line: None, preview=False,
+                     options=ServingOptions(max_lora_rank=ADAPTER_RANK, **options))
+    return out
+
+
 @pytest.fixture(scope="module")
-def served(built_repository, tmp_path_factory):
-    repository, _ = built_repository
+def faults_repository(built_repository, tiny_flux_dir, tmp_path_factory) -> Path:
+    """As many requests in flight as the tests send at once; two instances per component, so that a short
+    request does not wait behind a long one of another size (the drain test)."""
+    return lighter_repository(tiny_flux_dir, tmp_path_factory, "faults-repository", in_flight=len(SEEDS))
+
+
+@pytest.fixture(scope="module")
+def served(faults_repository, tmp_path_factory):
+    repository = faults_repository
     api = free_port()
     served = Served(repository, "--drain-timeout", str(DRAIN_TIMEOUT_S), "--api-port", str(api),
                     "--api-data-dir", str(tmp_path_factory.mktemp("api")))
@@ -223,8 +242,11 @@ KINDS = ("grpc", "stream", "http")
 
 
 @pytest.fixture(scope="module")
-def replicas(built_repository):
-    repository, _ = built_repository
+def replicas(built_repository, tiny_flux_dir, tmp_path_factory):
+    # One instance per component and a slot per client thread (KINDS): a rolling restart starts each replica's
+    # processes again under load.
+    repository = lighter_repository(tiny_flux_dir, tmp_path_factory, "replicas-repository", in_flight=len(KINDS),
+                                    component_instances=1)
     extra = ["--replicas", "2", "--drain-timeout", "30"]
     prometheus = shutil.which("prometheus") is not None
     if prometheus:

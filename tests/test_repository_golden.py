@@ -5,23 +5,28 @@ from pathlib import Path
 
 import pytest
 
-from machgen.builder.build import served_defaults
-from machgen.builder.repository import render_repository
+from machgen.builder.build import components_to_export, load_pipeline, served_defaults
+from machgen.builder.repository import ServingOptions, render_repository
 from machgen.contract.manifest import pipeline_dir
 from machgen.families.registry import get_family
 
-from conftest import PIPELINE_NAME, component_onnx
+from conftest import ADAPTER_RANK, PIPELINE_NAME, component_onnx
 
 GOLDEN = Path(__file__).parent / "golden" / "flux"
 
 
 @pytest.fixture(scope="module")
-def rendered(tiny_flux_dir, tiny_flux_pipeline):
+def rendered(tiny_flux_dir):
+    """What the session's built_repository renders: the tiny Flux with per-request adapters (its own copy of the
+    pipeline: making the transformer adaptable replaces its linear layers)."""
     family = get_family("flux")
     exporter = family.exporter()
-    defaults = served_defaults(tiny_flux_dir, family, tiny_flux_pipeline)
-    return render_repository("flux", family, exporter.specs(tiny_flux_pipeline), defaults,
-                             exporter.sampler_settings(tiny_flux_pipeline, defaults))
+    pipe = load_pipeline(tiny_flux_dir, family)
+    defaults = served_defaults(tiny_flux_dir, family, pipe)
+    options = ServingOptions(max_lora_rank=ADAPTER_RANK)
+    _, specs, adapters = components_to_export(exporter, pipe, options, log=lambda line: None)
+    return render_repository("flux", family, specs, defaults, exporter.sampler_settings(pipe, defaults),
+                             options=options, adapters=adapters)
 
 
 def test_rendered_repository_matches_golden_files(rendered):

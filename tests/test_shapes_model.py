@@ -14,6 +14,8 @@ from conftest import serving
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "shapes-flux"
 PROMPTS = shapes.evaluation_prompts(70)
 MAX_PIXEL_DIFF = 2
+# The committed LoRAs (each teaches a colour the dataset lacks; their cards say how well).
+ADAPTERS = {concept: MODEL_DIR.parent / f"shapes-flux-{concept}-lora" for concept in ("orange", "gray")}
 
 
 def test_clip_tokenizer_gives_openai_clip_ids():
@@ -42,18 +44,28 @@ def test_diffusers_accuracy_at_the_model_card_settings(diffusers_images):
 
 @pytest.fixture(scope="module")
 def shapes_repository(tmp_path_factory):
+    """The default model, built to serve per-request adapters too, with the committed ones added."""
+    from machgen.builder.adapters import add_adapter
     from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
 
     repository = tmp_path_factory.mktemp("shapes-repository")
-    build_repository(MODEL_DIR, "shapes", repository, log=lambda line: None)
+    build_repository(MODEL_DIR, "shapes", repository, log=lambda line: None,
+                     options=ServingOptions(max_lora_rank=32))
+    for name, folder in ADAPTERS.items():
+        add_adapter(repository, name, folder)
     return repository
 
 
-@pytest.mark.integration
-def test_served_model_gives_the_same_images_and_accuracy(diffusers_images, shapes_repository):
+@pytest.fixture(scope="module")
+def shapes_server(shapes_repository):
     with serving(shapes_repository) as server:
-        uncached = evaluate.generate_served(server.grpc_url, "shapes", PROMPTS, cache_policy="none")
-        served = evaluate.generate_served(server.grpc_url, "shapes", PROMPTS)
+        yield server
+
+
+def test_served_model_gives_the_same_images_and_accuracy(diffusers_images, shapes_server):
+    uncached = evaluate.generate_served(shapes_server.grpc_url, "shapes", PROMPTS, cache_policy="none")
+    served = evaluate.generate_served(shapes_server.grpc_url, "shapes", PROMPTS)
     labels = [label for _, _, label in PROMPTS]
     assert np.abs(uncached.astype(int) - diffusers_images.astype(int)).max() <= MAX_PIXEL_DIFF
     reference = evaluate.score(diffusers_images, labels)
@@ -62,3 +74,20 @@ def test_served_model_gives_the_same_images_and_accuracy(diffusers_images, shape
     accuracy = evaluate.score(served, labels)
     assert accuracy.colour_shape >= reference.colour_shape - 0.02 and accuracy.position >= 0.95, accuracy
     assert not np.array_equal(served, uncached)  # the calibrated cache policy did apply
+
+
+@pytest.mark.parametrize("adapters", [{"orange": 1.0}, {"gray": 1.0}, {"orange": 0.7, "gray": 0.4}],
+                         ids=["orange", "gray", "orange0.7+gray0.4"])
+def test_committed_adapters_served_per_request_equal_diffusers(adapters, shapes_server):
+    from machgen.builder.training import concept_palette
+
+    concept = next(iter(adapters))
+    prompts = shapes.evaluation_prompts(8, colours=(concept,))
+    expected = evaluate.generate_with_diffusers(MODEL_DIR, prompts, adapters=[(ADAPTERS[name], weight)
+                                                                              for name, weight in adapters.items()])
+    served = evaluate.generate_served(shapes_server.grpc_url, "shapes", prompts, cache_policy="none",
+                                      lora=list(adapters), lora_scale=list(adapters.values()))
+    assert np.abs(served.astype(int) - expected.astype(int)).max() <= MAX_PIXEL_DIFF
+    if len(adapters) == 1:  # the adapter does what its card says: most of its colour's prompts come out right
+        accuracy = evaluate.score(served, [label for _, _, label in prompts], concept_palette(concept))
+        assert accuracy.colour_shape >= 0.75, accuracy

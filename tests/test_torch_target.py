@@ -12,7 +12,7 @@ import torch
 
 from machgen.contract.manifest import pipeline_dir
 
-from conftest import PIPELINE_NAME, serving
+from conftest import ADAPTER_RANK, PIPELINE_NAME, serving
 from test_image_to_image import PROMPT, _diffusers_img2img, _image
 from test_integration import MAX_PIXEL_DIFF, diffusers_image
 
@@ -25,7 +25,7 @@ def torch_repository(tiny_flux_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("torch-repository")
     # One process per model: what is checked here is the path of a tensor, not concurrency (test_batching).
     build_repository(tiny_flux_dir, PIPELINE_NAME, out, target="torch", log=lambda line: None, preview=False,
-                     options=ServingOptions(in_flight=1, component_instances=1))
+                     options=ServingOptions(in_flight=1, component_instances=1, max_lora_rank=ADAPTER_RANK))
     return out
 
 
@@ -57,16 +57,20 @@ def test_in_process_torch_target_equals_diffusers(local_torch, tiny_flux_pipelin
     assert stats.denoiser_tail_passes == 2 * defaults["num_inference_steps"]
 
 
-@pytest.mark.integration
-def test_served_torch_target_equals_diffusers(torch_repository, tiny_flux_pipeline):
+@pytest.fixture(scope="module")
+def torch_server(torch_repository):
+    with serving(torch_repository) as server:
+        yield server
+
+
+def test_served_torch_target_equals_diffusers(torch_repository, torch_server, tiny_flux_pipeline):
     """Through Triton: the sampler sends torch tensors by DLPack, the
     components take them and answer by DLPack (CPU tensors here)."""
     from machgen.client import MachgenClient
 
     defaults = json.loads((pipeline_dir(torch_repository, PIPELINE_NAME) / "pipeline.json").read_text())["defaults"]
     image = _image(defaults["height"], defaults["width"] * 2, seed=4)
-    with serving(torch_repository) as server, \
-            MachgenClient(server.grpc_url) as client:
+    with MachgenClient(torch_server.grpc_url) as client:
         text_to_image = client.generate(PIPELINE_NAME, "a green circle", seed=3)
         image_to_image = client.generate(PIPELINE_NAME, PROMPT, image=image, strength=0.75, seed=5,
                                          cache_policy="none")
@@ -77,6 +81,34 @@ def test_served_torch_target_equals_diffusers(torch_repository, tiny_flux_pipeli
                                   guidance_scale=defaults["guidance_scale"],
                                   max_sequence_length=defaults["max_sequence_length"])
     assert np.abs(image_to_image[0].astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_served_torch_target_applies_adapters_as_diffusers(torch_repository, torch_server, tiny_flux_dir,
+                                                          tiny_flux_pipeline, tmp_path_factory):
+    """Per-request adapters on the torch target: the bank goes into the traced program as it does into the
+    ONNX graph (tests/test_lora_adapters.py)."""
+    from machgen.builder.adapters import add_adapter
+    from machgen.client import MachgenClient
+
+    from test_lora_adapters import ADAPTERS, write_random_adapter
+
+    root = tmp_path_factory.mktemp("torch-adapters")
+    for seed, name in enumerate(("attn", "ff")):
+        rank, alpha, targets = ADAPTERS[name]
+        add_adapter(torch_repository, name, write_random_adapter(tiny_flux_dir, root / name, rank, alpha, targets,
+                                                                 seed))
+        tiny_flux_pipeline.load_lora_weights(root / name, adapter_name=name)
+    defaults = json.loads((pipeline_dir(torch_repository, PIPELINE_NAME) / "pipeline.json").read_text())["defaults"]
+    try:
+        with MachgenClient(torch_server.grpc_url) as client:
+            for seed, adapters in enumerate(({"attn": 1.0}, {"attn": 0.7, "ff": 0.4})):
+                served = client.generate(PIPELINE_NAME, "a red cat", seed=seed, cache_policy="none",
+                                         lora=list(adapters), lora_scale=list(adapters.values()))
+                tiny_flux_pipeline.set_adapters(list(adapters), adapter_weights=list(adapters.values()))
+                expected = diffusers_image(tiny_flux_pipeline, defaults, "a red cat", seed)
+                assert np.abs(served[0].astype(int) - expected.astype(int)).max() <= MAX_PIXEL_DIFF
+    finally:
+        tiny_flux_pipeline.unload_lora_weights()
 
 
 @pytest.mark.export

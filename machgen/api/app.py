@@ -20,6 +20,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from machgen.api.jobs import JobManager, JobMetrics, new_job_id
 from machgen.api.keys import KeyRing, read_keys
 from machgen.api.schemas import (
+    ADAPTER_FIELDS,
     IGNORED_OPENAI_FIELDS,
     MAX_VARIANTS,
     MODEL_FIELDS,
@@ -31,6 +32,7 @@ from machgen.api.schemas import (
     parse_size,
     public_object,
     typed,
+    typed_list,
     video_object,
 )
 from machgen.api.store import Job, JobStore
@@ -176,11 +178,23 @@ def _model_inputs(fields: dict[str, Any], model: ServedModel, used: set[str]) ->
             continue
         if name in MODEL_FIELDS:
             inputs[name] = typed(name, value, MODEL_FIELDS[name])
+        elif name in ADAPTER_FIELDS:
+            inputs[name] = typed_list(name, value, ADAPTER_FIELDS[name])
         elif name in family_inputs:
             inputs[name] = value
         else:
             raise invalid(name, f"unknown parameter '{name}'", code="unknown_parameter")
     return inputs
+
+
+class _AnyAdapter:
+    """The adapters a model has change while it runs (machgen-build lora add): the server checks the names."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+    def __iter__(self):
+        return iter(())
 
 
 def _check_request(model: ServedModel, inputs: dict[str, Any]) -> None:
@@ -209,7 +223,8 @@ def _check_request(model: ServedModel, inputs: dict[str, Any]) -> None:
                       capabilities=Capabilities(tuple(model.card["tasks"]), family.capabilities.guidance_is_cfg,
                                                 model.card["audio"]),
                       cache_policies=POLICY_NAMES, frame_multiple=model.card["frame_multiple"],
-                      family_inputs=family.inputs, settings=model.card.get("family_settings", {}))
+                      family_inputs=family.inputs, settings=model.card.get("family_settings", {}),
+                      adapters=_AnyAdapter)
     except InvalidArgument as err:
         raise invalid(err.field, str(err)) from None
     interval = inputs.get("preview_interval")

@@ -17,6 +17,8 @@ MODEL_FIELDS: dict[str, type] = {
     "true_cfg_scale": float, "cache_policy": str, "cache_threshold": float, "strength": float, "num_frames": int,
     "fps": int, "preview_interval": int,
 }
+# Per-request LoRA adapters: a name or a list of names, a weight or a list of weights (the API's lora, lora_scale).
+ADAPTER_FIELDS: dict[str, type] = {"lora": str, "lora_scale": float}
 # OpenAI's fields that change nothing here (one output format, no moderation), accepted as they are.
 IGNORED_OPENAI_FIELDS = {"quality", "style", "user", "moderation", "output_compression", "output_format",
                          "partial_images", "input_fidelity"}
@@ -68,6 +70,11 @@ def typed(name: str, value: Any, kind: type) -> Any:
     if not isinstance(number, (int, float)) or (isinstance(number, float) and not math.isfinite(number)):
         raise invalid(name, f"'{name}' must be a finite number")
     return kind(number)
+
+
+def typed_list(name: str, value: Any, kind: type) -> list:
+    """A field that takes one value or a list of them, as a list of ``kind``."""
+    return [typed(name, item, kind) for item in (value if isinstance(value, list) else [value])]
 
 
 def parse_size(value: Any, defaults: Mapping[str, Any]) -> tuple[int, int]:

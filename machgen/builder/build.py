@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from machgen.contract.adapters import write_component_layers
 from machgen.contract.specs import ServedDefaults
 from machgen.families.registry import Family, family_for_model
 
@@ -233,7 +234,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     sparse_layers = exporter.sparse_attention_layers(pipe) if sparse is not None else None
     if sparse is not None:
         log(f"attention: SparseAttention {asdict(sparse)}")
-    components = exporter.components(pipe)
+    exports, specs, adapters = components_to_export(exporter, pipe, options, target, log)
     device, dtype = "cpu", "float32"
     if target == "torch":
         device = target_options.torch_device()
@@ -255,10 +256,10 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
         exported: dict[str, Path] = {}
         onnx_files: dict[str, Path] = {}  # the tensorrt target's checked ONNX files, beside its engines
-        for index, component in enumerate(components, start=1):
-            spec = component.spec
+        for index, (component, adapter_layers) in enumerate(exports, start=1):
             start = time.perf_counter()
-            log(f"[{index}/{len(components)}] {spec.name}: exporting ({target})")
+            spec = component.spec
+            log(f"[{index}/{len(exports)}] {spec.name}: exporting ({target})")
             folder = Path(scratch) / spec.name
             path = serving.model_file(folder) if target == "torch" else folder / "model.onnx"
             # The swap changes only components holding a module where the swapped calls are: the text encoders
@@ -280,11 +281,14 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                     else:
                         nodes = export_onnx(component, path, attention=sparse)
                     report = check_parity(component, path, dtype, device)
+                if adapter_layers is not None:
+                    write_component_layers(folder, adapter_layers)
                 if cache is not None:
                     cache.store(key, folder, {"sparse_attention_nodes": nodes, "parity": asdict(report)})
             sparse_nodes += nodes
-            log(f"[{index}/{len(components)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
-                f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention calls' if nodes else ''}, "
+            log(f"[{index}/{len(exports)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
+                f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention calls' if nodes else ''}"
+                f"{f', {len(adapter_layers)} adaptable layers' if adapter_layers else ''}, "
                 f"{time.perf_counter() - start:.1f} s{' (export cache)' if cached is not None else ''}")
             onnx_files[spec.name] = path
             if target == "tensorrt":
@@ -296,10 +300,9 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
                              "the model would be dense")
-        specs = {c.spec.name: c.spec for c in components}
         files = render_repository(name, family, specs, defaults, settings, options=options,
                                   cache=model_cache_settings(model_dir),
-                                  attention=asdict(sparse) if sparse else None, serving=serving)
+                                  attention=asdict(sparse) if sparse else None, serving=serving, adapters=adapters)
         assets = {asset: model_dir / asset for asset in exporter.sampler_assets}
         write_repository(out, name, files, exported, assets)
         if preview:
@@ -316,6 +319,54 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             fit_repository_preview(fit_on, name, log).save(pipeline_dir(out, name))
     log(f"wrote model repository {out} (public model '{name}', target {target})")
     return results
+
+
+def components_to_export(exporter: "FamilyExport", pipe, options: "ServingOptions", target: str = "onnxruntime",
+                         log: Callable[[str], None] = print):
+    """What a build exports and serves: [(component, its adaptable layers or
+    None)], the specs the repository serves (a component with adapters also
+    takes each row's adapters), and the manifest's AdapterSettings (None:
+    built without adapters, ``options.max_lora_rank`` 0)."""
+    model = _adaptable(exporter, pipe, options, target, log)
+    components = exporter.components(pipe)
+    specs = {component.spec.name: component.spec for component in components}
+    if model is None:
+        return [(component, None) for component in components], specs, None
+    from machgen.builder.adapters import adapted, layers_of, served_spec
+    from machgen.contract.adapters import AdapterSettings
+
+    exports = []
+    for component in components:
+        with_bank = adapted(component, model)
+        if with_bank is not None:
+            specs[component.spec.name] = served_spec(component.spec)
+        exports.append(with_bank or (component, None))
+    adapters = AdapterSettings(options.max_lora_rank, options.max_loras,
+                               {layer.name: (layer.in_features, layer.out_features)
+                                for layer in layers_of(model).values()})
+    return exports, specs, adapters.to_json()
+
+
+def _adaptable(exporter: "FamilyExport", pipe, options: "ServingOptions", target: str, log: Callable[[str], None]):
+    """The model whose linear layers take per-request adapters
+    (``options.max_lora_rank`` > 0), made adaptable for export; else None."""
+    if not options.max_lora_rank:
+        return None
+    if options.max_lora_rank < 0:
+        raise ValueError(f"max_lora_rank {options.max_lora_rank} must be 0 (no adapters) or more")
+    if target == "tensorrt":
+        raise ValueError("per-request adapters (--max-lora-rank) are served by the onnxruntime and torch targets; "
+                         "for a TensorRT engine fuse one adapter with --lora")
+    model = exporter.adapted_model(pipe)
+    if model is None:
+        raise ValueError(f"family '{exporter.family.name}' serves no per-request adapters: build it with "
+                         "--max-lora-rank 0 (fuse one adapter with --lora)")
+    from machgen.builder.adapters import make_adaptable
+
+    layers = make_adaptable(model)
+    log(f"per-request adapters: {len(layers)} adaptable linear layers, rank up to {options.max_lora_rank}, "
+        f"{options.max_loras} kept in memory per component")
+    return model
 
 
 def _engine(exporter: "FamilyExport", component, onnx_path: Path, defaults: ServedDefaults, settings: dict,

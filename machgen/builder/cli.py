@@ -105,6 +105,11 @@ def build(
                                       help="a folder of exported, checked components: what is already there "
                                            "(same weights, code, options) is copied, not exported again "
                                            "(default: $MACHGEN_EXPORT_CACHE, else none)"),
+    max_lora_rank: int = typer.Option(_SERVING.max_lora_rank, "--max-lora-rank", min=0,
+                                      help="serve per-request LoRA adapters (machgen-build lora add) of rank up to "
+                                           "this; 0: none (the denoiser without adapter inputs)"),
+    max_loras: int = typer.Option(_SERVING.max_loras, "--max-loras", min=1,
+                                  help="adapters each denoiser component process keeps in memory (LRU)"),
     preview: bool = typer.Option(True, "--preview/--no-preview",
                                  help="fit the latent-to-RGB projection that draws progress previews without the "
                                       "VAE (a few generations at the served defaults, stored in the repository)"),
@@ -119,7 +124,8 @@ def build(
     options = ServingOptions(in_flight=in_flight, max_queue_size=max_queue_size,
                              component_instances=component_instances, batching=batching,
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
-                             stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads)
+                             stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads,
+                             max_lora_rank=max_lora_rank, max_loras=max_loras)
     try:
         build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,
                          attention=AttentionOptions(attention, attention_block, attention_mask,
@@ -246,6 +252,8 @@ def evaluate(
     count: int = typer.Option(70, "--count", help="prompt/seed pairs"),
     grid: Path = typer.Option(None, "--grid", help="save the generated images as one PNG"),
     lora: Path = typer.Option(None, "--lora", exists=True, help="load this LoRA into the pipeline (MODEL_DIR)"),
+    adapters: list[str] = typer.Option(None, "--adapter", help="a per-request LoRA adapter the served model "
+                                                               "applies, by name (with --url; repeatable)"),
     concept: str = typer.Option(None, "--concept", help="score prompts of this new concept (e.g. orange) "
                                                          "instead of the dataset's"),
     read_with: str = typer.Option(None, "--read-with", help="read colours against the dataset palette plus this "
@@ -262,10 +270,73 @@ def evaluate(
     colours = (concept,) if concept else tuple(shapes.PALETTE)
     prompts = shapes.evaluation_prompts(count, colours=colours)
     images = ev.generate_with_diffusers(model_dir, prompts, lora=lora) if model_dir else \
-        ev.generate_served(url, name, prompts, protocol)
+        ev.generate_served(url, name, prompts, protocol, **({"lora": adapters} if adapters else {}))
     if grid:
         ev.save_grid(images, grid)
     typer.echo(ev.report(ev.score(images, [label for _, _, label in prompts], palette)))
+
+
+lora_app = typer.Typer(help="Per-request LoRA adapters of a built repository (machgen-build build --max-lora-rank): "
+                            "a running server serves an added one from its next request.", no_args_is_help=True)
+app.add_typer(lora_app, name="lora")
+_PIPELINE = typer.Option(None, "--model", help="the served model (the public name) when the repository has several")
+
+
+def _lora_failed(err: Exception) -> None:
+    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+@lora_app.command("add")
+def lora_add(
+    repository: Path = typer.Argument(..., exists=True, file_okay=False, help="model repository"),
+    adapter_dir: Path = typer.Argument(..., exists=True, help="a diffusers-format LoRA folder "
+                                                              "(pytorch_lora_weights.safetensors) or its file"),
+    name: str = typer.Option(..., "--name", help="the name requests give it (lora input)"),
+    pipeline: str = _PIPELINE,
+    replace_existing: bool = typer.Option(False, "--replace", help="replace an adapter of that name"),
+) -> None:
+    """Check an adapter against the served model (every layer it changes exists, shapes fit, rank within the
+    maximum) and add it to the repository."""
+    from machgen.builder.adapters import add_adapter
+
+    try:
+        info = add_adapter(repository, name, adapter_dir, pipeline, replace_existing)
+    except (ValueError, FileNotFoundError) as err:
+        _lora_failed(err)
+    typer.echo(f"added adapter '{info.name}': rank {info.rank}, {info.layers} layers")
+
+
+@lora_app.command("list")
+def lora_list(
+    repository: Path = typer.Argument(..., exists=True, file_okay=False, help="model repository"),
+    pipeline: str = _PIPELINE,
+) -> None:
+    """The adapters a repository serves: name, rank, layers changed, where each came from."""
+    from machgen.builder.adapters import list_adapters
+
+    try:
+        found = list_adapters(repository, pipeline)
+    except ValueError as err:
+        _lora_failed(err)
+    for info in found.values():
+        typer.echo(f"{info.name}\trank {info.rank}\t{info.layers} layers\t{info.source}")
+
+
+@lora_app.command("remove")
+def lora_remove(
+    repository: Path = typer.Argument(..., exists=True, file_okay=False, help="model repository"),
+    name: str = typer.Option(..., "--name", help="the adapter to remove"),
+    pipeline: str = _PIPELINE,
+) -> None:
+    """Remove an adapter: requests that name it are refused from then on (INVALID_ARGUMENT)."""
+    from machgen.builder.adapters import remove_adapter
+
+    try:
+        remove_adapter(repository, name, pipeline)
+    except ValueError as err:
+        _lora_failed(err)
+    typer.echo(f"removed adapter '{name}'")
 
 
 if __name__ == "__main__":  # pragma: no cover

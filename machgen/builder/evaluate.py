@@ -36,9 +36,10 @@ def score(images: Sequence[np.ndarray], labels: Sequence[shapes.Label], palette=
 
 
 def generate_with_diffusers(model_dir: Path, prompts, chunk: int = 35, lora: Path | None = None,
-                            **overrides) -> np.ndarray:
+                            adapters: Sequence[tuple[Path, float]] = (), **overrides) -> np.ndarray:
     """Images from FluxPipeline at the model card's settings (machgen.json),
-    with a LoRA loaded by diffusers' own loader when given."""
+    with a LoRA loaded by diffusers' own loader when given, or several
+    (``adapters``: folder and weight each, as set_adapters weighs them)."""
     import torch
 
     from machgen.builder.build import detect_family, load_pipeline, served_defaults
@@ -47,6 +48,11 @@ def generate_with_diffusers(model_dir: Path, prompts, chunk: int = 35, lora: Pat
     pipe = load_pipeline(model_dir, family)
     if lora is not None:
         pipe.load_lora_weights(lora)
+    for index, (folder, _) in enumerate(adapters):
+        pipe.load_lora_weights(folder, adapter_name=f"adapter{index}")
+    if adapters:
+        pipe.set_adapters([f"adapter{index}" for index in range(len(adapters))],
+                          adapter_weights=[weight for _, weight in adapters])
     pipe.set_progress_bar_config(disable=True)
     defaults = served_defaults(model_dir, family, pipe)
     call = dict(height=defaults.height, width=defaults.width, num_inference_steps=defaults.num_inference_steps,

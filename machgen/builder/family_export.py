@@ -9,7 +9,7 @@ shapes its engines must cover. Nothing here runs inside Triton.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
 
@@ -27,6 +27,8 @@ class ExportableComponent:
     spec: ComponentSpec
     module: "torch.nn.Module"
     sample_inputs: dict[str, "torch.Tensor"]
+    # The parity check also runs the batched inputs' first row alone; this fixes up inputs that index rows.
+    first_row: "Callable[[dict], dict] | None" = None
 
 
 class FamilyExport:
@@ -39,6 +41,8 @@ class FamilyExport:
     # attention: ``--attention sparse-fp8`` swaps those calls for the
     # SparseAttention operator during export (plugins/ops.py).
     attention_modules: ClassVar[tuple[str, ...]] = ()
+    # The key prefix of the adapted model's weights in a diffusers-format LoRA (per-request adapters).
+    adapted_prefix: ClassVar[str] = "transformer."
 
     def __init__(self, family: "Family"):
         self.family = family
@@ -68,6 +72,16 @@ class FamilyExport:
         long as the queries) would also take a cross-attention; None: every
         call in ``attention_modules`` that the rule takes."""
         return None
+
+    def adapted_model(self, pipe: Any) -> "torch.nn.Module | None":
+        """The model whose linear layers per-request LoRA adapters change (the
+        denoiser's transformer), or None: this family serves no adapters."""
+        return None
+
+    def adapter_state_dict(self, weights_file: Any) -> tuple[dict, dict | None, dict | None]:
+        """(state dict in diffusers' key format, network alphas, saved LoRA
+        config) of a LoRA file, as the family's pipeline loads it."""
+        raise ValueError(f"family '{self.family.name}' serves no per-request adapters")
 
     def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
         """Leading tokens of the denoiser's attention whose blocks stay dense

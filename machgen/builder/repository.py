@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from machgen.contract.adapters import ADAPTER_NAMES_INPUT, ADAPTERS_DIR
 from machgen.contract.api import API_INPUTS, PROGRESS_OUTPUTS, STREAM_INPUTS, ApiTensor, public_outputs
 from machgen.contract.manifest import (
     CANCEL_INPUT,
@@ -97,6 +98,12 @@ class ServingOptions:
     # say (0: none). A preview is a least-squares projection of the predicted
     # clean latents (runtime/preview.py): well under a millisecond.
     preview_interval: int = 4
+    # Per-request LoRA adapters (machgen-build lora add): the largest rank an
+    # added adapter may have; 0 builds the denoiser without adapter inputs
+    # (what a model serving no adapters saves: perf/bench_lora.py).
+    max_lora_rank: int = 0
+    # Adapters each denoiser component process keeps in memory (least recently used leave first).
+    max_loras: int = 8
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,10 @@ def render_component_config(pipeline: str, spec: ComponentSpec, options: Serving
         # GPU tensors arrive as they are (DLPack), not copied to the host first.
         parameters = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no", "device": serving.torch_device,
                       "dtype": serving.torch_dtype}
+    if any(tensor.name == ADAPTER_NAMES_INPUT for tensor in spec.inputs):
+        # Where the component process reads the adapters its rows name (relative to the repository).
+        parameters.update(adapters=f"{model_name(pipeline, SAMPLER)}/1/{ADAPTERS_DIR}",
+                          max_loras=str(options.max_loras))
     return (
         f'name: "{model_name(pipeline, spec.name)}"\n'
         + runtime
@@ -273,7 +284,8 @@ def render_stream_config(pipeline: str, family: Family, options: ServingOptions,
 def pipeline_manifest(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
                       family_settings: dict[str, Any], cache: CacheSettings, options: ServingOptions,
                       attention: dict[str, Any] | None = None,
-                      serving: TargetServing = TargetServing()) -> PipelineManifest:
+                      serving: TargetServing = TargetServing(),
+                      adapters: dict[str, Any] | None = None) -> PipelineManifest:
     """What the sampler reads at start-up: who to call (a Triton model, or
     for an in-sampler component the file it runs itself), defaults, family
     settings, cache defaults (``machgen-build calibrate`` rewrites them), and
@@ -291,17 +303,19 @@ def pipeline_manifest(pipeline: str, family: Family, specs: dict[str, ComponentS
         tasks=family.capabilities.tasks,
         components={name: entry(name, spec) for name, spec in specs.items()}, defaults=defaults,
         family_settings=family_settings, cache=cache.to_json(), prompt_cache_size=options.prompt_cache_size,
-        attention=attention, preview_interval=options.preview_interval)
+        attention=attention, preview_interval=options.preview_interval, adapters=adapters)
 
 
 def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentSpec], defaults: ServedDefaults,
                       family_settings: dict[str, Any], options: ServingOptions = ServingOptions(),
                       cache: CacheSettings = CacheSettings(), attention: dict[str, Any] | None = None,
-                      serving: TargetServing = TargetServing()) -> dict[str, str]:
-    """Every generated text file of the pipeline, keyed by path in the repository."""
+                      serving: TargetServing = TargetServing(),
+                      adapters: dict[str, Any] | None = None) -> dict[str, str]:
+    """Every generated text file of the pipeline, keyed by path in the repository
+    (``adapters``: the manifest's AdapterSettings, for a model built with them)."""
     sampler = model_name(pipeline, SAMPLER)
     manifest = pipeline_manifest(pipeline, family, specs, defaults, family_settings, cache, options, attention,
-                                 serving)
+                                 serving, adapters)
     files = {
         f"{pipeline}/config.pbtxt": render_public_config(pipeline, family, options),
         f"{pipeline}/1/model.py": _SHIM.format(cls="PublicModel"),

@@ -600,7 +600,7 @@ def train_shapes_model(out: Path, settings: TrainingSettings, clip_vocab: Path, 
 
 # ------------------------------------------------------------- LoRA fine-tune
 # New concepts a LoRA can teach: a colour the base model never saw.
-CONCEPT_COLOURS: dict[str, tuple[int, int, int]] = {"orange": (250, 140, 20)}
+CONCEPT_COLOURS: dict[str, tuple[int, int, int]] = {"orange": (250, 140, 20), "gray": (128, 128, 128)}
 LORA_TARGETS = (
     "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
     "context_embedder", "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",

@@ -257,7 +257,7 @@ class MachgenClient:
         """Generate images for ``prompt``; options are the API's optional inputs
         (negative_prompt, seed, num_inference_steps, guidance_scale, true_cfg_scale,
         height, width, cache_policy, cache_threshold, image, strength, num_frames,
-        fps, reference_images, preview_interval) and the model's family's own (``machgen-build
+        fps, reference_images, lora, lora_scale, preview_interval) and the model's family's own (``machgen-build
         families`` lists them; another family's are refused by the server).
         Absent ones take the served model's defaults; without a seed, with
         retries on (the default), the client picks a random one, so that a try

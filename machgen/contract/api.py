@@ -17,6 +17,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from machgen.contract.adapters import MAX_ADAPTERS_PER_REQUEST
 from machgen.contract.specs import Capabilities, ServedDefaults
 
 
@@ -56,6 +57,11 @@ API_INPUTS: tuple[ApiTensor, ...] = (
     ApiTensor("fps", "INT32", (1,), "video: frames per second the clip is meant to play at"),
     ApiTensor("reference_images", "UINT8", (-1, -1, -1, 3), "reference-to-video: pictures of what the video "
                                                             "shows, [count, height, width, RGB]"),
+    ApiTensor("lora", "BYTES", (-1,), f"LoRA adapters to apply, by the names `machgen-build lora add` gave them "
+                                      f"(at most {MAX_ADAPTERS_PER_REQUEST}, each once); models built with "
+                                      f"--max-lora-rank"),
+    ApiTensor("lora_scale", "FP32", (-1,), "each adapter's weight, as diffusers' set_adapters(adapter_weights=...), "
+                                           "one per name in lora; 1.0 each when absent"),
 )
 
 
@@ -101,7 +107,7 @@ API_OUTPUTS: tuple[ApiTensor, ...] = (
                                                    "[frames, height, width, RGB]"),
     ApiTensor("stats", "BYTES", (1,), "JSON: steps, cache_policy, cache_threshold, denoiser_head_calls, "
                                       "denoiser_tail_calls, denoiser_tail_passes, negative_rows_derived, "
-                                      "text_cache_hits/misses, frames, fps, sample_rate"),
+                                      "text_cache_hits/misses, frames, fps, sample_rate, adapters (name: scale)"),
     # Only in the configs of models that make sound (Capabilities.audio).
     ApiTensor("audio", "FP32", (-1, -1), "a video's sound track, [channels, samples] in [-1, 1] at stats' "
                                          "sample_rate"),
@@ -178,9 +184,11 @@ def numpy_dtype(triton_dtype: str):
 def input_array(tensor: ApiTensor, value: Any) -> np.ndarray:
     """A client-side value as the array the API takes: scalars as [1], arrays in their own shape."""
     if tensor.triton_dtype == "BYTES":
-        return np.array([value.encode("utf-8") if isinstance(value, str) else value], dtype=np.object_)
+        values = list(value) if tensor.dims != (1,) and isinstance(value, (list, tuple, np.ndarray)) else [value]
+        return np.array([item.encode("utf-8") if isinstance(item, str) else item for item in values],
+                        dtype=np.object_)
     array = np.asarray(value, dtype=numpy_dtype(tensor.triton_dtype))
-    return array.reshape(-1) if tensor.dims == (1,) else array
+    return array.reshape(-1) if len(tensor.dims) == 1 else array
 
 
 class InvalidArgument(ValueError):
@@ -210,6 +218,8 @@ class GenerationRequest:
     reference_images: np.ndarray | None = None  # reference-to-video: uint8 [count, height, width, 3]
     # The family's own inputs (its FamilyInputs) by name, validated, absent ones at their defaults.
     inputs: Mapping[str, Any] = field(default_factory=dict)
+    # Per-request LoRA adapters: (name, scale) in the order asked.
+    adapters: tuple[tuple[str, float], ...] = ()
 
     @property
     def denoising_steps(self) -> int:
@@ -396,17 +406,54 @@ def _family_fields(get_input: Callable[[str], np.ndarray | None], defaults: Serv
     return values
 
 
+def _adapter_fields(get_input: Callable[[str], np.ndarray | None],
+                    adapters: Callable[[], Collection[str]] | None) -> tuple[tuple[str, float], ...]:
+    """``lora`` and ``lora_scale``: known adapter names, each once, with finite scales."""
+    names, scales = get_input("lora"), get_input("lora_scale")
+    names = None if names is None else np.asarray(names).reshape(-1)
+    if names is None or not names.size:
+        if scales is not None and np.asarray(scales).size:
+            raise InvalidArgument("lora_scale", "given without lora")
+        return ()
+    if adapters is None:
+        raise InvalidArgument("lora", "this model serves no adapters (build it with machgen-build build "
+                                      "--max-lora-rank R, then machgen-build lora add)")
+    if names.size > MAX_ADAPTERS_PER_REQUEST:
+        raise InvalidArgument("lora", f"{names.size} adapters; at most {MAX_ADAPTERS_PER_REQUEST} per request")
+    texts = [_text("lora", np.asarray([name])) for name in names]
+    if len(set(texts)) != len(texts):
+        raise InvalidArgument("lora", f"{texts} names an adapter twice")
+    available = adapters()
+    unknown = [name for name in texts if name not in available]
+    if unknown:
+        raise InvalidArgument("lora", f"unknown adapter {unknown[0]!r}; this model has "
+                                      f"{', '.join(sorted(available)) or 'none'} (machgen-build lora list)")
+    if scales is None:
+        return tuple((name, 1.0) for name in texts)
+    scales = np.asarray(scales)
+    if scales.dtype.kind not in "fiu" or scales.reshape(-1).size != len(texts):
+        raise InvalidArgument("lora_scale", f"expected {len(texts)} numbers, one per lora name, got {scales.dtype} "
+                                            f"{list(scales.shape)}")
+    # As sent (float32), shown as such: 0.7, not 0.699999988.
+    values = [float(str(np.float32(value))) for value in scales.reshape(-1)]
+    if not all(math.isfinite(value) and abs(value) <= _MAX_GUIDANCE for value in values):
+        raise InvalidArgument("lora_scale", f"{values}: each must be finite, within +-{_MAX_GUIDANCE:g}")
+    return tuple(zip(texts, values))
+
+
 def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: ServedDefaults, *,
                   size_multiple: int, capabilities: Capabilities, cache_policies: tuple[str, ...] = ("none",),
                   frame_multiple: int = 1, family_inputs: Sequence[FamilyInput] = (),
-                  settings: Mapping[str, Any] | None = None) -> GenerationRequest:
+                  settings: Mapping[str, Any] | None = None,
+                  adapters: Callable[[], Collection[str]] | None = None) -> GenerationRequest:
     """Validate one request's inputs and fill in the served defaults.
 
     ``get_input(name)`` returns the input's array or None when it is absent;
     ``cache_policies`` are the policy names this model serves; a video
     model's ``num_frames`` is ``frame_multiple`` k + 1; ``family_inputs``
     are the family's own inputs, validated against the model's ``settings``
-    (its manifest's family settings). Raises InvalidArgument.
+    (its manifest's family settings); ``adapters()`` names the LoRA
+    adapters the model has now (None: it serves none). Raises InvalidArgument.
     """
 
     def value(name: str, parse: Callable[[str, np.ndarray], Any], default: Any) -> Any:
@@ -451,6 +498,7 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Serve
         strength=value("strength", lambda f, v: _real(f, v, 0.0, 1.0), DEFAULT_STRENGTH) if redraws_image else None,
         **_video_fields(get_input, defaults, tasks, frame_multiple, height, width),
         inputs=_family_fields(get_input, defaults, family_inputs, settings or {}),
+        adapters=_adapter_fields(get_input, adapters),
     )
     if request.denoising_steps < 1:
         raise InvalidArgument("strength", f"{request.strength:g} leaves no denoising step of "

@@ -137,6 +137,8 @@ class PipelineManifest:
     preview_interval: int = 4
     # The SparseAttention attributes the denoiser was exported with (None: dense); for the record.
     attention: Mapping[str, Any] | None = None
+    # Per-request LoRA adapters (contract/adapters.py AdapterSettings as JSON); None: built without them.
+    adapters: Mapping[str, Any] | None = None
     version: int = MANIFEST_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -146,7 +148,7 @@ class PipelineManifest:
             "components": {name: entry.to_json() for name, entry in self.components.items()},
             "defaults": self.defaults.to_json(), "family_settings": dict(self.family_settings),
             "cache": dict(self.cache), "prompt_cache_size": self.prompt_cache_size, "attention": self.attention,
-            "preview_interval": self.preview_interval,
+            "preview_interval": self.preview_interval, "adapters": self.adapters,
         }
 
     @classmethod
@@ -163,7 +165,7 @@ class PipelineManifest:
                        defaults=ServedDefaults.from_json(data["defaults"]),
                        family_settings=data["family_settings"], cache=data.get("cache") or {},
                        prompt_cache_size=int(data.get("prompt_cache_size", 256)), attention=data.get("attention"),
-                       preview_interval=int(data.get("preview_interval", 4)))
+                       preview_interval=int(data.get("preview_interval", 4)), adapters=data.get("adapters"))
         except (KeyError, TypeError) as err:
             raise ManifestError(f"{source} is malformed: {err!r}") from err
 

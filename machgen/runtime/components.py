@@ -11,20 +11,26 @@ from typing import Any, Mapping
 from machgen.contract.manifest import ComponentEntry
 
 
-def open_component(path: str | os.PathLike, intra_op_threads: int = 0, device: str | None = None) -> Any:
+def open_component(path: str | os.PathLike, intra_op_threads: int = 0, device: str | None = None,
+                   adapters: str | os.PathLike | None = None, max_loaded: int = 8) -> Any:
     """A runner (``run(inputs) -> outputs``, ``run_batches``) for an exported
     file: ``model.onnx`` under ONNX Runtime, ``model.pt2`` under torch (on
-    ``device``, or where it was built)."""
+    ``device``, or where it was built). A component that takes per-request
+    adapters reads them from ``adapters`` (contract.adapters.adapters_root),
+    keeping ``max_loaded`` in memory (runtime/adapters.py)."""
+    from machgen.runtime.adapters import with_adapters
+
     path = Path(path)
     if path.suffix == ".plan":
         raise ValueError(f"{path}: a TensorRT engine runs in Triton's TensorRT backend, not in-process")
     if path.suffix == ".pt2":
         from machgen.runtime.torch_runner import TorchProgram
 
-        return TorchProgram.load(path.parent, device=device)
+        program = TorchProgram.load(path.parent, device=device)
+        return with_adapters(program, path.parent, adapters, max_loaded, convert=program.prepare)
     from machgen.runtime.onnx_runner import OnnxSession
 
-    return OnnxSession(path, intra_op_threads=intra_op_threads)
+    return with_adapters(OnnxSession(path, intra_op_threads=intra_op_threads), path.parent, adapters, max_loaded)
 
 
 class InSamplerComponents:
@@ -35,8 +41,10 @@ class InSamplerComponents:
     components. Request threads take turns on each (a runner is not made
     to be called from two threads at once)."""
 
-    def __init__(self, components: Mapping[str, ComponentEntry], sampler_dir: str | os.PathLike):
-        self._runners = {name: open_component(Path(sampler_dir) / entry.file, intra_op_threads=1)
+    def __init__(self, components: Mapping[str, ComponentEntry], sampler_dir: str | os.PathLike,
+                 adapters: str | os.PathLike | None = None, max_loaded: int = 8):
+        self._runners = {name: open_component(Path(sampler_dir) / entry.file, intra_op_threads=1,
+                                              adapters=adapters, max_loaded=max_loaded)
                          for name, entry in components.items() if entry.file is not None}
         self._locks = {name: threading.Lock() for name in self._runners}
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from machgen.contract.adapters import served_adapters
 from machgen.contract.api import API_INPUTS, check_option_names, input_array
 from machgen.contract.manifest import COMPONENT_FILES, PipelineManifest, pipeline_dir
 from machgen.runtime.components import InSamplerComponents, open_component
@@ -28,7 +29,9 @@ class LocalPipeline:
         self.manifest = PipelineManifest.read(sampler_dir)
         self._intra_op_threads = intra_op_threads
         self._sessions: dict[str, Any] = {}
-        self.in_sampler = InSamplerComponents(self.manifest.components, sampler_dir)
+        self._adapters, self._max_loaded = served_adapters(self.manifest.adapters, sampler_dir)
+        self.in_sampler = InSamplerComponents(self.manifest.components, sampler_dir, self._adapters,
+                                              self._max_loaded)
         self.sampler = load_sampler(self.manifest, str(sampler_dir), self.run_component)
         self.inputs = {tensor.name: tensor for tensor in API_INPUTS}
         self.inputs.update({declared.name: declared.tensor for declared in self.sampler.runtime.family.inputs})
@@ -39,7 +42,8 @@ class LocalPipeline:
         if component not in self._sessions:
             path = self.repository / self.manifest.components[component].model / "1" / \
                 COMPONENT_FILES[self.manifest.target]
-            self._sessions[component] = open_component(path, intra_op_threads=self._intra_op_threads)
+            self._sessions[component] = open_component(path, intra_op_threads=self._intra_op_threads,
+                                                       adapters=self._adapters, max_loaded=self._max_loaded)
         return self._sessions[component].run(inputs)
 
     def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:

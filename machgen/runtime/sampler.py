@@ -28,11 +28,18 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from machgen.contract.adapters import (
+    ADAPTER_NAMES_INPUT,
+    ADAPTER_SCALES_INPUT,
+    MAX_ADAPTERS_PER_REQUEST,
+    installed_adapters,
+    served_adapters,
+)
 from machgen.contract.api import GenerationRequest, parse_request
 from machgen.contract.manifest import PipelineManifest, load_object
 from machgen.runtime.cache import CacheSettings, StepCache, StepPlan
@@ -72,6 +79,8 @@ class GenerationStats:
     fps: int | None = None
     # Of the sound track, for a model that makes one.
     sample_rate: int | None = None
+    # The LoRA adapters the request ran with: name -> scale.
+    adapters: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -139,8 +148,13 @@ class Sampler:
 
     def __init__(self, runtime: FamilyRuntime, run_component: RunComponent,
                  component_inputs: Mapping[str, Sequence[str]], cache_settings: CacheSettings = CacheSettings(),
-                 prompt_cache_size: int = 256):
+                 prompt_cache_size: int = 256, adapters: Callable[[], Collection[str]] | None = None):
+        """``adapters()``: the names of the LoRA adapters the model has now (None: it serves none)."""
         self.runtime = runtime
+        self.adapters = adapters
+        # The denoiser's components take each row's adapters (a model built with them).
+        self.takes_adapters = any(ADAPTER_NAMES_INPUT in inputs for name, inputs in component_inputs.items()
+                                  if name.endswith("_head"))
         self.run_component = run_component
         self.component_inputs = {name: tuple(inputs) for name, inputs in component_inputs.items()}
         self.cache_settings = cache_settings
@@ -152,7 +166,7 @@ class Sampler:
         return parse_request(get_input, defaults, size_multiple=self.runtime.size_multiple,
                              capabilities=family.capabilities, cache_policies=self.cache_settings.available(),
                              frame_multiple=self.runtime.frame_multiple, family_inputs=family.inputs,
-                             settings=self.runtime.settings)
+                             settings=self.runtime.settings, adapters=self.adapters)
 
     def _inputs_of(self, denoiser: str, part: str) -> tuple[str, ...]:
         # A second denoiser (Wan 2.2's low-noise expert) takes the first one's inputs.
@@ -198,7 +212,7 @@ class Sampler:
         policy = request.cache_policy or self.cache_settings.default_policy
         cache = StepCache(policy, request.cache_threshold, self.cache_settings)
         stats = GenerationStats(cache_policy=policy, cache_threshold=cache.threshold, frames=request.num_frames,
-                                fps=request.fps, sample_rate=runtime.sample_rate)
+                                fps=request.fps, sample_rate=runtime.sample_rate, adapters=dict(request.adapters))
         guidance = runtime.guidance(request)
         prompts = [request.prompt] + ([request.negative_prompt] if guidance.uses_negative_prompt else [])
         embeddings = self.prompt_cache.encode(prompts, runtime.encode_prompts, stats)
@@ -223,6 +237,8 @@ class Sampler:
                 state.denoiser = denoiser
             # Every guidance row of a step shares one call: one batch of rows.
             inputs = runtime.denoiser_inputs(state, latents, timestep)
+            if self.takes_adapters:
+                inputs.update(adapter_rows(request.adapters, guidance.rows))
             noise, ran_tail = self.predict_noise(index, inputs, cache, stats, denoiser)
             stats.negative_rows_derived += len(noise) < guidance.rows
             noise = guidance.combine(cache.guidance_rows(index, noise, ran_tail, guidance.rows), state, latents)
@@ -251,8 +267,21 @@ class Sampler:
         return None if audio is None else np.ascontiguousarray(as_numpy(audio), dtype=np.float32)
 
 
+def adapter_rows(adapters: Sequence[tuple[str, float]], rows: int) -> dict[str, np.ndarray]:
+    """A denoiser call's per-row adapters (contract.adapters.selection_inputs):
+    every guidance row of a request carries the request's adapters."""
+    names = np.full((rows, MAX_ADAPTERS_PER_REQUEST), b"", dtype=np.object_)
+    scales = np.zeros((rows, MAX_ADAPTERS_PER_REQUEST), np.float32)
+    for index, (name, scale) in enumerate(adapters):
+        names[:, index] = name.encode("utf-8")
+        scales[:, index] = scale
+    return {ADAPTER_NAMES_INPUT: names, ADAPTER_SCALES_INPUT: scales}
+
+
 def load_sampler(manifest: PipelineManifest, assets_dir: str, run_component: RunComponent) -> Sampler:
     """The sampler a repository's manifest describes (served and in-process)."""
     runtime = load_object(manifest.runtime)(manifest.family_settings, assets_dir, run_component)
+    root, _ = served_adapters(manifest.adapters, assets_dir)
     return Sampler(runtime, run_component, {name: entry.inputs for name, entry in manifest.components.items()},
-                   cache_settings=CacheSettings.from_json(manifest.cache), prompt_cache_size=manifest.prompt_cache_size)
+                   cache_settings=CacheSettings.from_json(manifest.cache), prompt_cache_size=manifest.prompt_cache_size,
+                   adapters=None if root is None else lambda: installed_adapters(root))

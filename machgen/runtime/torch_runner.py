@@ -158,7 +158,8 @@ class TorchProgram:
                 f"{self.info.weight_bytes / 2**20:.1f} MiB, allocated "
                 f"{torch.cuda.memory_allocated(self.device) / 2**20:.1f} of {properties.total_memory / 2**20:.0f} MiB")
 
-    def _prepare(self, value):
+    def prepare(self, value):
+        """``value`` as the program takes it: a tensor on its device, floats in its dtype."""
         tensor = as_torch(value, self.device)
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
@@ -168,7 +169,7 @@ class TorchProgram:
         import torch
 
         with torch.inference_mode():
-            outputs = _as_tuple(self._module(**{name: self._prepare(inputs[name]) for name in self.input_names}))
+            outputs = _as_tuple(self._module(**{name: self.prepare(inputs[name]) for name in self.input_names}))
             return {name: (value.float() if value.is_floating_point() else value)
                     for name, value in zip(self.output_names, outputs)}
 

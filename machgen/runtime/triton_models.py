@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from machgen.contract.adapters import ADAPTER_NAMES_INPUT
 from machgen.contract.api import (
     AUDIO_OUTPUT,
     ELAPSED_OUTPUT,
@@ -102,6 +103,14 @@ def _parameter(config: dict, key: str, default: str) -> str:
     return config.get("parameters", {}).get(key, {}).get("string_value", default)
 
 
+def _adapters_of(args: dict, config: dict) -> tuple[Path | None, int]:
+    """(folder, how many to keep) of the per-request adapters a component's config names (its "adapters")."""
+    folder = _parameter(config, "adapters", "")
+    if not folder:
+        return None, 0
+    return Path(args["model_repository"]).parent / folder, int(_parameter(config, "max_loras", "8"))
+
+
 def _error_response(message: str, code) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
@@ -140,11 +149,14 @@ class OnnxComponentModel(_ComponentModel):
     """One pipeline component under ONNX Runtime on the CPU."""
 
     def initialize(self, args: dict) -> None:
+        from machgen.runtime.adapters import with_adapters
         from machgen.runtime.onnx_runner import OnnxSession
 
         config = json.loads(args["model_config"])
         self.source = _model_dir(args) / "model.onnx"
-        self.runner = OnnxSession(self.source, intra_op_threads=int(_parameter(config, "intra_op_threads", "0")))
+        self.runner = with_adapters(
+            OnnxSession(self.source, intra_op_threads=int(_parameter(config, "intra_op_threads", "0"))),
+            self.source.parent, *_adapters_of(args, config))
         self.max_rows = int(config["max_batch_size"]) or None
         self.logger = pb_utils.Logger
 
@@ -180,6 +192,7 @@ class TorchComponentModel(_ComponentModel):
     """
 
     def initialize(self, args: dict) -> None:
+        from machgen.runtime.adapters import with_adapters
         from machgen.runtime.torch_runner import TorchProgram
 
         config = json.loads(args["model_config"])
@@ -187,7 +200,8 @@ class TorchComponentModel(_ComponentModel):
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
         self.source = _model_dir(args)
-        self.runner = TorchProgram.load(self.source, device=device)
+        program = TorchProgram.load(self.source, device=device)
+        self.runner = with_adapters(program, self.source, *_adapters_of(args, config), convert=program.prepare)
         self.max_rows = int(config["max_batch_size"]) or None
         self.logger = pb_utils.Logger
         self.logger.log_info(f"{config['name']}: {self.runner.memory_report()}")
@@ -195,6 +209,8 @@ class TorchComponentModel(_ComponentModel):
     def _read(self, tensor: "pb_utils.Tensor"):
         import torch
 
+        if tensor.name() == ADAPTER_NAMES_INPUT:  # text has no DLPack form
+            return tensor.as_numpy()
         return torch.from_dlpack(tensor.to_dlpack())
 
     def _write(self, name: str, value) -> "pb_utils.Tensor":
@@ -507,6 +523,7 @@ class SamplerModel:
         import torch
 
         from machgen.contract.engines import check_repository_engines, serving_host
+        from machgen.contract.adapters import served_adapters
         from machgen.runtime.components import InSamplerComponents
         from machgen.runtime.preview import LatentPreview
         from machgen.runtime.sampler import load_sampler
@@ -520,7 +537,8 @@ class SamplerModel:
             # load error for them is TensorRT's).
             check_repository_engines(Path(args["model_repository"]).parent, self.manifest.served_models,
                                      serving_host())
-        self.in_sampler = InSamplerComponents(self.manifest.components, model_dir)
+        self.in_sampler = InSamplerComponents(self.manifest.components, model_dir,
+                                              *served_adapters(self.manifest.adapters, model_dir))
         self.sampler = load_sampler(self.manifest, str(model_dir), self._run_component)
         self.preview = LatentPreview.load(model_dir)  # None: the build fitted none (--no-preview)
         self.logger = pb_utils.Logger

@@ -249,6 +249,22 @@ class FluxExport(FamilyExport):
         return ServedDefaults(height=size, width=size, num_inference_steps=28, guidance_scale=3.5,
                               max_sequence_length=512, max_height=2048, max_width=2048)
 
+    def adapted_model(self, pipe):
+        return pipe.transformer
+
+    def adapter_state_dict(self, weights_file):
+        from pathlib import Path
+
+        from diffusers import FluxPipeline
+
+        weights_file = Path(weights_file)
+        state, alphas, metadata = FluxPipeline.lora_state_dict(
+            weights_file.parent, weight_name=weights_file.name, return_alphas=True, return_lora_metadata=True)
+        if metadata:  # the saved LoRA config, kept per model under its prefix
+            metadata = {key[len(self.adapted_prefix):]: value for key, value in metadata.items()
+                        if key.startswith(self.adapted_prefix)}
+        return state, alphas, metadata
+
     def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
         # Joint attention puts the T5 tokens, padded to max_sequence_length, before the image tokens.
         return defaults.max_sequence_length
