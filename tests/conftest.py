@@ -262,6 +262,9 @@ def servers_stopped():
     assert not leftover, f"shared memory left by the test servers: {leftover}"
 
 
+SERVER_START_S = 360.0
+
+
 @contextlib.contextmanager
 def serving(repository: Path, **options):
     """A Triton server of ``repository`` on free ports (``options``: TritonServer's), stopped on exit."""
@@ -270,7 +273,8 @@ def serving(repository: Path, **options):
     for attempt in range(3):
         server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), **options)
         try:
-            server.start()
+            # Several servers of the session run at once on two cores: a big repository's start can take minutes.
+            server.start(timeout=SERVER_START_S)
             break
         except ServerError as error:
             # A port found free can be taken before the server binds it (a client's connection, another test
@@ -303,8 +307,9 @@ VARIANTS = {
     "flux_batched": {"step_queue_delay_us": 50_000},
     # One request in flight and one waiting.
     "flux_queue": {"in_flight": 1, "max_queue_size": 1},
-    # Cache controls as a calibration writes them (MagCache ratios, a thinned-out negative row).
-    "flux_calibrated": {},
+    # Cache controls as a calibration writes them (MagCache ratios, a thinned-out negative row); its tests send
+    # a request at a time (each public instance is a process with torch loaded: the server starts faster).
+    "flux_calibrated": {"in_flight": 2},
 }
 CALIBRATED_CONTROLS = {"warmup_steps": 2, "final_steps": 0, "max_consecutive_skips": 2, "negative_interval": 2}
 

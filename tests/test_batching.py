@@ -125,7 +125,7 @@ def test_the_sampler_refuses_a_key_already_running_and_stops_the_one_a_cancel_na
     responses: queue.Queue = queue.Queue()
     stream = grpcclient.InferenceServerClient(triton_server.grpc_url)
     stream.start_stream(callback=lambda result, error: responses.put((result, error)))
-    outputs = [grpcclient.InferRequestedOutput(name) for name in ("images", "progress", "error")]
+    outputs = [grpcclient.InferRequestedOutput(name) for name in ("images", "progress", "error", "accepted_by")]
 
     def next_response(request_id: str) -> dict:
         deadline = time.monotonic() + 60.0
@@ -146,6 +146,9 @@ def test_the_sampler_refuses_a_key_already_running_and_stops_the_one_a_cancel_na
 
         try:
             stream.async_stream_infer(sampler, generation("one key", 250), request_id="first", outputs=outputs)
+            # First who took it (the relay watches that process), then its steps.
+            taken_by = int(next_response("first")["accepted_by"][0])
+            assert taken_by in {stub.pid for stub in triton_server.stubs() if stub.model == sampler}
             assert "progress" in next_response("first")
             stream.async_stream_infer(sampler, generation("one key", 2), request_id="second", outputs=outputs)
             refused = error_of(next_response("second"))
@@ -157,7 +160,7 @@ def test_the_sampler_refuses_a_key_already_running_and_stops_the_one_a_cancel_na
             assert error_of(last)["status"] == "CANCELLED"
             # The key is free again once its request has ended.
             stream.async_stream_infer(sampler, generation("one key", 2), request_id="again", outputs=outputs)
-            while "progress" in (last := next_response("again")):
+            while {"progress", "accepted_by"} & set(last := next_response("again")):
                 pass
             assert last["images"].shape[0] == 1
         finally:

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 from machgen.contract.adapters import ADAPTER_NAMES_INPUT, ADAPTERS_DIR
 from machgen.contract.api import API_INPUTS, PROGRESS_OUTPUTS, STREAM_INPUTS, ApiTensor, public_outputs
 from machgen.contract.manifest import (
+    ACCEPTED_OUTPUT,
     CANCEL_INPUT,
     COMPONENT_FILES,
     ERROR_OUTPUT,
@@ -234,7 +235,8 @@ def render_sampler_config(pipeline: str, family: Family) -> str:
     result), one instance whose threads carry every request in flight."""
     relay_inputs = (ApiTensor(REQUEST_KEY_INPUT, "BYTES", (1,), ""), ApiTensor(CANCEL_INPUT, "BYTES", (1,), ""),
                     *STREAM_INPUTS)
-    relay_outputs = PROGRESS_OUTPUTS + (ApiTensor(ERROR_OUTPUT, "BYTES", (1,), ""),)
+    relay_outputs = PROGRESS_OUTPUTS + (ApiTensor(ERROR_OUTPUT, "BYTES", (1,), ""),
+                                        ApiTensor(ACCEPTED_OUTPUT, "INT64", (1,), ""))
     return (
         _single_decoupled_instance(model_name(pipeline, SAMPLER))
         + _tensor_block("input", _api_io(public_inputs(family) + relay_inputs, optional=True))

@@ -42,10 +42,14 @@ STREAM = "stream"
 # What the public models and the sampler say to each other besides the API's
 # tensors (and the stream's, api.STREAM_INPUTS and PROGRESS_OUTPUTS): the
 # relay's key for the request, a key whose request must stop (a request of
-# its own), and an error as JSON {"status": a TritonError code's name, "message"}.
+# its own), an error as JSON {"status": a TritonError code's name, "message"},
+# and who took the request.
 REQUEST_KEY_INPUT = "request_key"
 CANCEL_INPUT = "cancel"
 ERROR_OUTPUT = "error"
+# The sampler's first response to a request: the pid of the process that took it (the relay then knows whose
+# death loses it, and that a request sent to a sampler instance that died before taking it is lost).
+ACCEPTED_OUTPUT = "accepted_by"
 # Set in the server's environment by machgen serve: a file that exists once the server is stopping and
 # its samplers must stop their requests at their next step (answering UNAVAILABLE).
 STOP_FILE_ENV = "MACHGEN_STOP_FILE"

@@ -55,6 +55,7 @@ from machgen.contract.api import (
     stream_error_message,
 )
 from machgen.contract.manifest import (
+    ACCEPTED_OUTPUT,
     CANCEL_INPUT,
     ERROR_OUTPUT,
     REQUEST_KEY_INPUT,
@@ -71,6 +72,9 @@ from machgen.runtime.tensors import is_torch
 
 # A relay that hears nothing from its sampler for this long checks that the sampler still runs.
 SAMPLER_CHECK_S = 1.0
+# A sampler takes a request within milliseconds; one not taken for this long was sent to an instance that
+# had died (during its reload Triton may still route to it) and will never be.
+ACCEPT_WAIT_S = 10.0
 # NAME_stream sends its client a progress response at least this often (the last step again while a
 # step, the text encoders or the decoder take long): a client that hears nothing for several of these
 # knows the stream is lost (a stub that dies never ends its streams). api.STREAM_SILENCE_S is the client's limit.
@@ -284,7 +288,8 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
     key = uuid.uuid4().hex
     call = pb_utils.InferenceRequest(
         model_name=sampler, inputs=[*inputs, pb_utils.Tensor(REQUEST_KEY_INPUT, _text(key))],
-        requested_output_names=[*output_names, PROGRESS_OUTPUT, ELAPSED_OUTPUT, PREVIEW_OUTPUT, ERROR_OUTPUT],
+        requested_output_names=[*output_names, PROGRESS_OUTPUT, ELAPSED_OUTPUT, PREVIEW_OUTPUT, ERROR_OUTPUT,
+                                ACCEPTED_OUTPUT],
         request_id=request.request_id())
     answer = None
     cancel_sent = False
@@ -344,10 +349,13 @@ def _send_heartbeat(sender, progress: np.ndarray, elapsed: float) -> None:
 
 def _responses_while_alive(stream, sampler: str, sent_at: float):
     """The responses of ``stream`` to its last (the sampler's stream must be
-    read to its end), or None once the sampler's stub is found dead: a dead
+    read to its end), or None once the request is found lost: a dead
     decoupled stub never ends its streams (Triton 2.51), so a thread reads
     them, and after each ``SAMPLER_CHECK_S`` of silence (``_SILENCE``) the
-    relay looks for a live sampler process older than the request."""
+    relay checks that the sampler process that took the request
+    (ACCEPTED_OUTPUT, the first response, not passed on) still runs; before
+    one took it, that a sampler older than the request runs and
+    ``ACCEPT_WAIT_S`` have not passed."""
     responses: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -358,18 +366,38 @@ def _responses_while_alive(stream, sampler: str, sent_at: float):
             responses.put(StopIteration)
 
     threading.Thread(target=read, name="sampler-stream", daemon=True).start()
+    accepted_by = None
     while True:
         try:
             response = responses.get(timeout=SAMPLER_CHECK_S)
         except queue.Empty:
-            if not any(stub.started <= sent_at + 0.05 for stub in instances_of(sampler, sibling_stubs())):
+            if accepted_by is not None:
+                alive = _running(accepted_by)
+            else:
+                alive = time.time() - sent_at < ACCEPT_WAIT_S and any(
+                    stub.started <= sent_at + 0.05 for stub in instances_of(sampler, sibling_stubs()))
+            if not alive:
                 yield None
                 return
             yield _SILENCE
             continue
         if response is StopIteration:
             return
+        taken = None if response.has_error() else pb_utils.get_output_tensor_by_name(response, ACCEPTED_OUTPUT)
+        if taken is not None:
+            accepted_by = int(taken.as_numpy()[0])
+            continue
         yield response
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a killed stub stays a zombie until the server reaps it)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class StreamModel:
@@ -617,6 +645,7 @@ class SamplerModel:
         if duplicate:
             self._send_final(sender, self._error("INVALID_ARG", f"{REQUEST_KEY_INPUT}: {key!r} is already running"))
             return
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(ACCEPTED_OUTPUT, np.array([os.getpid()], np.int64))]))
         thread.start()
 
     def _serve(self, request, sender, key: str) -> None:
