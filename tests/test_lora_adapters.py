@@ -187,7 +187,7 @@ def test_an_adapter_added_to_a_running_server_is_served_and_once_removed_refused
                                  lora_scale=[1.5])
         assert _max_diff(served[0], reference({"late": 1.5}, diffusers_image, defaults, "a red cat", 9)) \
             <= MAX_PIXEL_DIFF
-        removed = machgen_build("lora", "remove", str(adapted_repository), "--name", "late")
+        removed = machgen_build("lora", "remove", str(adapted_repository), "late")  # or --name late
         assert removed.returncode == 0, removed.stderr
         with pytest.raises(GenerationError, match="unknown adapter 'late'") as refused:
             client.generate(PIPELINE_NAME, "a red cat", seed=9, lora=["late"])

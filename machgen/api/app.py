@@ -268,15 +268,7 @@ def _failure_error(job: Job) -> ApiError:
 
 
 def create_app(settings: ApiSettings) -> FastAPI:
-    import os
-
     from prometheus_client import CollectorRegistry, generate_latest
-
-    # MP4s are encoded by an ffmpeg process started from a worker thread while gRPC's threads run. With the
-    # preexec_fn imageio-ffmpeg sets by default, the forked child runs Python's at-fork handlers (gRPC's among
-    # them) before it execs; seen here as ffmpeg gone before its first frame (a broken pipe, no output) when
-    # two videos finished together. Without one, subprocess spawns ffmpeg without running them.
-    os.environ.setdefault("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
     from prometheus_client.core import GaugeMetricFamily
     from starlette.exceptions import HTTPException as StarletteHTTPException
 

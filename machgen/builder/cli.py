@@ -326,12 +326,16 @@ def lora_list(
 @lora_app.command("remove")
 def lora_remove(
     repository: Path = typer.Argument(..., exists=True, file_okay=False, help="model repository"),
-    name: str = typer.Option(..., "--name", help="the adapter to remove"),
+    adapter: str = typer.Argument(None, help="the adapter to remove (or --name)"),
+    name: str = typer.Option(None, "--name", help="the adapter to remove"),
     pipeline: str = _PIPELINE,
 ) -> None:
     """Remove an adapter: requests that name it are refused from then on (INVALID_ARGUMENT)."""
     from machgen.builder.adapters import remove_adapter
 
+    if (adapter is None) == (name is None):
+        raise typer.BadParameter("name the adapter once: NAME or --name NAME")
+    name = name or adapter
     try:
         remove_adapter(repository, name, pipeline)
     except ValueError as err:

@@ -4,6 +4,7 @@ imageio-ffmpeg wheel bundles (no system ffmpeg needed)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 import wave
@@ -12,13 +13,24 @@ from pathlib import Path
 import numpy as np
 
 
+def _imageio_ffmpeg():
+    """imageio_ffmpeg, set to start ffmpeg without a preexec_fn. With the one it sets by default, the forked
+    child runs Python's at-fork handlers (gRPC's among them) before it execs: in a process with gRPC's threads
+    running (the HTTP API's jobs, a client, the tests) ffmpeg was seen gone before its first frame (a broken
+    pipe, no output), in the API when two videos finished together and in a test writing its expected video.
+    Without one, subprocess spawns ffmpeg without running them."""
+    import imageio_ffmpeg
+
+    os.environ.setdefault("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
+    return imageio_ffmpeg
+
+
 def write_mp4(frames: np.ndarray, path: Path, fps: int, quality: float = 9.0, audio: np.ndarray | None = None,
               sample_rate: int | None = None) -> None:
     """Write uint8 frames [F, H, W, 3] to ``path`` at ``fps`` frames per
     second, with ``audio`` float [channels, samples] at ``sample_rate`` as
     its sound. ``quality`` is imageio-ffmpeg's 0-10 scale (10: best)."""
-    import imageio_ffmpeg
-
+    imageio_ffmpeg = _imageio_ffmpeg()
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3 or not len(frames):
         raise ValueError(f"expected uint8 frames [F, H, W, 3], got {frames.dtype} {list(frames.shape)}")
@@ -46,9 +58,7 @@ def write_mp4(frames: np.ndarray, path: Path, fps: int, quality: float = 9.0, au
 
 def read_mp4(path: Path) -> tuple[np.ndarray, float]:
     """(uint8 frames [F, H, W, 3], fps) of a video file."""
-    import imageio_ffmpeg
-
-    reader = imageio_ffmpeg.read_frames(str(path))
+    reader = _imageio_ffmpeg().read_frames(str(path))
     meta = next(reader)
     width, height = meta["size"]
     frames = [np.frombuffer(frame, np.uint8).reshape(height, width, 3) for frame in reader]
