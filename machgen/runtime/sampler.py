@@ -226,6 +226,8 @@ class Sampler:
         state.conditioning.update(runtime.request_conditioning(state))
         stats.steps = len(state.timesteps)
         cache.start(len(state.timesteps), first_step, request.num_inference_steps)
+        # The request's adapters, the same every step (read-only: each call slices or copies its rows).
+        adapter_inputs = adapter_rows(request.adapters, guidance.rows) if self.takes_adapters else {}
         for index, timestep in enumerate(state.timesteps):
             if is_cancelled is not None and is_cancelled():
                 raise GenerationCancelled(index, len(state.timesteps))
@@ -236,9 +238,7 @@ class Sampler:
                 cache.restart()
                 state.denoiser = denoiser
             # Every guidance row of a step shares one call: one batch of rows.
-            inputs = runtime.denoiser_inputs(state, latents, timestep)
-            if self.takes_adapters:
-                inputs.update(adapter_rows(request.adapters, guidance.rows))
+            inputs = {**runtime.denoiser_inputs(state, latents, timestep), **adapter_inputs}
             noise, ran_tail = self.predict_noise(index, inputs, cache, stats, denoiser)
             stats.negative_rows_derived += len(noise) < guidance.rows
             noise = guidance.combine(cache.guidance_rows(index, noise, ran_tail, guidance.rows), state, latents)
