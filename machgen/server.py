@@ -16,6 +16,7 @@ this server's own key, which only the process that started it holds.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -68,6 +69,22 @@ def prepare_server_dir(work_dir: Path) -> Path:
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("python_backend_stubs"))
     shutil.copy2(stub, target / "backends" / "python" / "triton_python_backend_stub")
     return target
+
+
+def _spawn_copied_binary(command: list[str], attempts: int = 50, **popen_args) -> subprocess.Popen:
+    """Popen a binary this process has just copied, waiting out ETXTBSY.
+
+    While a thread copies a binary, a fork by any other thread (another replica's server starting) inherits
+    the copy's write descriptor until that child execs; exec of the copied file fails with ETXTBSY meanwhile.
+    """
+    for _ in range(attempts - 1):
+        try:
+            return subprocess.Popen(command, **popen_args)
+        except OSError as err:
+            if err.errno != errno.ETXTBSY:
+                raise
+            time.sleep(0.1)
+    return subprocess.Popen(command, **popen_args)
 
 
 def server_environment() -> dict[str, str]:
@@ -153,9 +170,9 @@ class TritonServer:
         self.remove_shm_regions()  # a killed server's
         log = open(self.log_file, "ab" if restart else "wb")  # a restarted server's log goes on
         log_start = log.tell()
-        self.process = subprocess.Popen(self.command(self._server_dir), stdout=log, stderr=subprocess.STDOUT,
-                                        env={**server_environment(), STOP_FILE_ENV: os.fspath(self.stop_file)},
-                                        start_new_session=True)
+        self.process = _spawn_copied_binary(self.command(self._server_dir), stdout=log, stderr=subprocess.STDOUT,
+                                            env={**server_environment(), STOP_FILE_ENV: os.fspath(self.stop_file)},
+                                            start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -224,12 +224,13 @@ class Supervisor:
 
     def _drain(self, timeout_s: float) -> None:
         models = public_models(self.server.model_repository)
-        self.log(f"supervisor: draining: {', '.join(models)} take no new request")
         for model in models:  # left by versions replaced earlier
             Path(drained_file(os.fspath(self.server.stop_file), model)).unlink(missing_ok=True)
         try:
             for model in models:
                 self.server.unload_model(model)
+            # Said once it is true: a client that reads it and sends a request is refused.
+            self.log(f"supervisor: draining: {', '.join(models)} take no new request")
             if not self._public_models_gone(models, timeout_s):
                 self.log(f"supervisor: requests still in flight after {timeout_s:.0f} s; stopping them at their "
                          "next step")
