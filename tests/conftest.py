@@ -304,14 +304,16 @@ def triton_server(built_repository, tmp_path_factory):
 VARIANTS = {
     # Per-step calls wait up to 50 ms for the calls of other requests: those released by one forward arrive
     # within a few ms of each other, so concurrent requests' steps share forwards by construction, not by chance.
+    # Its cache controls are as a calibration writes them (CALIBRATED_CACHE); its default policy stays none.
     "flux_batched": {"step_queue_delay_us": 50_000},
     # One request in flight and one waiting.
     "flux_queue": {"in_flight": 1, "max_queue_size": 1},
-    # Cache controls as a calibration writes them (MagCache ratios, a thinned-out negative row); its tests send
-    # a request at a time (each public instance is a process with torch loaded: the server starts faster).
-    "flux_calibrated": {"in_flight": 2},
 }
+CALIBRATED = "flux_batched"
 CALIBRATED_CONTROLS = {"warmup_steps": 2, "final_steps": 0, "max_consecutive_skips": 2, "negative_interval": 2}
+# MagCache ratios and a thinned-out negative row.
+CALIBRATED_CACHE = {"magnitude_ratios": [1.0] + [0.95] * 9,
+                    "controls": {"fbcache": CALIBRATED_CONTROLS, "magcache": CALIBRATED_CONTROLS}}
 
 
 @pytest.fixture(scope="session")
@@ -329,11 +331,9 @@ def variant_repository(tiny_flux_dir, built_repository, tmp_path_factory) -> Pat
                          options=ServingOptions(**{"component_instances": 1, "max_lora_rank": ADAPTER_RANK,
                                                    **options}),
                          log=lambda line: None)
-    folder = pipeline_dir(out, "flux_calibrated")
+    folder = pipeline_dir(out, CALIBRATED)
     manifest = PipelineManifest.read(folder)
-    cache = {**manifest.cache, "magnitude_ratios": [1.0] + [0.95] * 9,
-             "controls": {"fbcache": CALIBRATED_CONTROLS, "magcache": CALIBRATED_CONTROLS}}
-    replace(manifest, cache=cache).write(folder)
+    replace(manifest, cache={**manifest.cache, **CALIBRATED_CACHE}).write(folder)
     return out
 
 

@@ -11,7 +11,7 @@ from PIL import Image
 from machgen.client import GenerationError, MachgenClient
 from machgen.contract.manifest import PipelineManifest, pipeline_dir
 
-from conftest import PIPELINE_NAME
+from conftest import CALIBRATED, PIPELINE_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -206,7 +206,7 @@ def test_calibrated_controls_served_equal_in_process(variant_repository, variant
     """MagCache and a thinned-out negative row (controls a calibration writes) through Triton."""
     from machgen.runtime.local import LocalPipeline
 
-    name = "flux_calibrated"  # conftest.VARIANTS
+    name = CALIBRATED  # conftest.VARIANTS
     local = LocalPipeline(variant_repository, name)
     options = dict(seed=6, num_inference_steps=10, negative_prompt="a blue dog", true_cfg_scale=3.0)
     requests = [dict(cache_policy="fbcache", cache_threshold=0.3), dict(cache_policy="magcache", cache_threshold=0.3)]

@@ -13,11 +13,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.flux.spec import FLUX
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, decode_image
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, decode_image, flow_shift
 from machgen.runtime.tensors import as_torch
 
 
@@ -83,9 +82,8 @@ class FluxRuntime(FamilyRuntime):
         lat_h, lat_w = self.latent_size(request.height, request.width)
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
         cfg = scheduler.config
-        mu = calculate_shift((lat_h // 2) * (lat_w // 2), cfg.get("base_image_seq_len", 256),
-                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
-                             cfg.get("max_shift", 1.15))
+        mu = flow_shift((lat_h // 2) * (lat_w // 2), cfg.get("base_image_seq_len", 256),
+                        cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         if getattr(cfg, "use_flow_sigmas", False):
             scheduler.set_timesteps(steps, mu=mu)
         else:

@@ -14,11 +14,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.ltx.spec import LTX, LTX_I2V
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, flow_shift
 from machgen.runtime.tensors import as_numpy, as_torch
 
 
@@ -121,8 +120,8 @@ class LtxRuntime(FamilyRuntime):
 
     def shift(self, tokens: int, config) -> float:
         """The pipeline's timestep shift for a sequence of ``tokens``."""
-        return calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                               config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        return flow_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                          config.get("base_shift", 0.5), config.get("max_shift", 1.15))
 
     def scheduler(self, request):
         """A fresh scheduler with the pipeline's sigmas and shift for the video's token count."""
