@@ -9,6 +9,13 @@ stack (served vs served, diffusers vs diffusers), and prompt accuracy.
 
     python perf/bench_cache.py                      # models/shapes-flux, calibrated defaults
     python perf/bench_cache.py --record perf/RESULTS.md
+    python perf/bench_cache.py --holdout --record perf/RESULTS.md
+
+--holdout runs 64 prompt/seed pairs from a generator seed that
+`machgen-build calibrate` never uses (neither its fit nor its held-out set),
+and checks the served default against diffusers' FluxPipeline run eagerly
+(uncached), side by side: PSNR of the served default's images against
+diffusers' own, accuracy against diffusers' uncached, end-to-end speed.
 """
 
 from __future__ import annotations
@@ -31,6 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port, public_instances, record  # noqa: E402
 
 SECTION = "bench_cache"
+# --holdout's prompt set: a generator seed no calibration uses (builder/calibrate.py FIT_PROMPTS_SEED,
+# HOLDOUT_PROMPTS_SEED), so the served default meets prompts it was neither fitted nor reported on.
+BENCH_HOLDOUT_SEED = 9001
+HOLDOUT_PAIRS = 64
+# What the served default must show on it against diffusers eager (issue 25).
+PROMISE = {"psnr_mean": 33.0, "psnr_worst": 26.0, "accuracy_points": 2.0, "speedup": 2.5}
 SERVED_SETTINGS = [("fbcache", 0.1), ("fbcache", 0.2), ("fbcache", 0.3), ("fbcache", 0.4),
                    ("magcache", 0.1), ("magcache", 0.2), ("magcache", 0.3), ("magcache", 0.4)]
 
@@ -42,10 +55,14 @@ def summarise(stack, name, images, reference, seconds, passes, labels):
 
     psnrs = [psnr(a, b) for a, b in zip(images, reference)]
     accuracy = score(images, labels)
-    return {"stack": stack, "setting": f"{stack} {name}", "tail_passes": float(np.mean(passes)), "seconds": float(np.mean(seconds)),
-            "psnr_mean": float(np.mean(psnrs)), "psnr_worst": float(np.min(psnrs)),
+    return {"stack": stack, "setting": f"{stack} {name}", "tail_passes": float(np.mean(passes)),
+            "seconds": float(np.mean(seconds)), "psnr_mean": float(np.mean(psnrs)), "psnr_worst": float(np.min(psnrs)),
             "ssim": float(np.mean([ssim(a, b) for a, b in zip(images, reference)])),
-            "accuracy": accuracy.colour_shape}
+            "accuracy": accuracy.colour_shape, "images": images}
+
+
+def printable(row) -> str:
+    return json.dumps({key: value for key, value in row.items() if key != "images"})
 
 
 def served_rows(repository: Path, name: str, prompts):
@@ -73,7 +90,7 @@ def served_rows(repository: Path, name: str, prompts):
                     else (policy if threshold is None else f"{policy} {threshold:g}")
                 reference = images if reference is None else reference
                 rows.append(summarise("machgen", label, images, reference, seconds, passes, labels))
-                print(json.dumps(rows[-1]), flush=True)
+                print(printable(rows[-1]), flush=True)
     return rows
 
 
@@ -96,7 +113,7 @@ def in_process_rows(repository: Path, name: str, prompts):
         reference = images if reference is None else reference
         label = "none" if policy else f"default ({stats.cache_policy} {stats.cache_threshold})"
         rows.append(summarise("machgen in-process", label, images, reference, seconds, passes, labels))
-        print(json.dumps(rows[-1]), flush=True)
+        print(printable(rows[-1]), flush=True)
     return rows
 
 
@@ -158,8 +175,55 @@ def diffusers_rows(model_dir: Path, prompts):
             transformer.disable_cache()
         reference = images if reference is None else reference
         rows.append(summarise("diffusers", name, images, reference, seconds, counted, labels))
-        print(json.dumps(rows[-1]), flush=True)
+        print(printable(rows[-1]), flush=True)
     return rows
+
+
+def holdout_prompts(count: int):
+    """``count`` pairs no calibration saw: refused if any is in calibrate's default sets."""
+    from machgen.builder import shapes
+    from machgen.builder.calibrate import FIT_PAIRS, FIT_PROMPTS_SEED, HOLDOUT_PAIRS as CALIBRATION_HOLDOUT, \
+        HOLDOUT_PROMPTS_SEED
+
+    prompts = shapes.evaluation_prompts(count, seed=BENCH_HOLDOUT_SEED)
+    calibration = {(prompt, seed) for size, generator in ((FIT_PAIRS, FIT_PROMPTS_SEED),
+                                                           (CALIBRATION_HOLDOUT, HOLDOUT_PROMPTS_SEED))
+                   for prompt, seed, _ in shapes.evaluation_prompts(size, seed=generator)}
+    shared = calibration & {(prompt, seed) for prompt, seed, _ in prompts}
+    assert not shared, f"pairs calibration used: {sorted(shared)}"
+    return prompts
+
+
+def promise_lines(rows) -> list[str]:
+    """The served default against diffusers eager (uncached) on the same pairs."""
+    import numpy as np
+
+    from machgen.builder.evaluate import psnr
+
+    default = next(r for r in rows if r["setting"].startswith("machgen default"))
+    served_none = next(r for r in rows if r["setting"] == "machgen none")
+    eager = next(r for r in rows if r["setting"] == "diffusers none")
+    lines = []
+    for row in (default, served_none):
+        scores = [psnr(a, b) for a, b in zip(row["images"], eager["images"])]
+        mean, worst = float(np.mean(scores)), float(np.min(scores))
+        speedup = eager["seconds"] / row["seconds"]
+        points = 100 * (row["accuracy"] - eager["accuracy"])
+        holds = (mean >= PROMISE["psnr_mean"] and worst >= PROMISE["psnr_worst"]
+                 and abs(points) <= PROMISE["accuracy_points"] and speedup >= PROMISE["speedup"])
+        lines.append(f"| {row['setting']} | {mean:.2f} ({worst:.2f}) | {100 * row['accuracy']:.1f} % vs "
+                     f"{100 * eager['accuracy']:.1f} % ({points:+.1f} points) | {row['seconds']:.3f} vs "
+                     f"{eager['seconds']:.3f} | {speedup:.2f}x | {'yes' if holds else 'no'} |")
+    return [
+        "",
+        "Against diffusers' FluxPipeline run eagerly (uncached) on the same pairs: PSNR of our images against its "
+        f"images; the promise: mean >= {PROMISE['psnr_mean']:g} dB, worst >= {PROMISE['psnr_worst']:g} dB, "
+        f"accuracy within {PROMISE['accuracy_points']:g} points, at least {PROMISE['speedup']:g}x faster.",
+        "",
+        "| served | PSNR vs diffusers eager, mean (worst) dB | colour+shape | s / image | faster | holds |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *lines,
+    ]
 
 
 def main() -> int:
@@ -167,14 +231,19 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=Path("models/shapes-flux"))
     parser.add_argument("--repository", type=Path, help="model repository built from it (default: build one)")
     parser.add_argument("--name", default="shapes", help="served model name")
-    parser.add_argument("--count", type=int, default=32, help="prompt/seed pairs")
+    parser.add_argument("--count", type=int, help=f"prompt/seed pairs (default: 32; {HOLDOUT_PAIRS} with --holdout)")
+    parser.add_argument("--holdout", action="store_true",
+                        help="pairs no calibration used, and the served default against diffusers eager")
     parser.add_argument("--record", type=Path, help="write the table into this markdown file")
     args = parser.parse_args()
 
     from machgen.builder import shapes
     from machgen.builder.build import build_repository
 
-    prompts = shapes.evaluation_prompts(args.count)
+    if args.holdout:
+        prompts = holdout_prompts(args.count or HOLDOUT_PAIRS)
+    else:
+        prompts = shapes.evaluation_prompts(args.count or 32)
     with tempfile.TemporaryDirectory(prefix="machgen-bench-cache-") as scratch:
         repository = args.repository
         if repository is None:
@@ -194,8 +263,10 @@ def main() -> int:
         lines.append(f"| {r['setting']} | {r['tail_passes']:.1f} | {base['tail_passes'] / r['tail_passes']:.2f}x | "
                      f"{r['seconds']:.3f} | {base['seconds'] / r['seconds']:.2f}x | {quality} | "
                      f"{100 * r['accuracy']:.1f} % |")
+    pairs = (f"{len(prompts)} prompt/seed pairs from generator seed {BENCH_HOLDOUT_SEED}, which no calibration uses"
+             if args.holdout else f"{len(prompts)} prompt/seed pairs")
     table = "\n".join([
-        f"Model `{args.model_dir.name}` at its served defaults, {len(prompts)} prompt/seed pairs, "
+        f"Model `{args.model_dir.name}` at its served defaults, {pairs}, "
         f"{os.cpu_count()} CPU cores ({platform.machine()}), measured {time.strftime('%Y-%m-%d %H:%M')}. "
         "Quality is against the uncached output of the same stack; speed-ups are against that stack's uncached "
         "run. machgen: served through Triton, end to end; machgen in-process: the same repository run by "
@@ -206,10 +277,14 @@ def main() -> int:
         "colour+shape |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *lines,
+        *(promise_lines(rows) if args.holdout else []),
     ])
     print(table)
     if args.record:
-        record(args.record, f"{SECTION}:{args.model_dir.name}", table, "Cache reuse (perf/bench_cache.py)")
+        section = f"{SECTION}{'-holdout' if args.holdout else ''}:{args.model_dir.name}"
+        title = "Cache reuse on held-out prompts (perf/bench_cache.py --holdout)" if args.holdout \
+            else "Cache reuse (perf/bench_cache.py)"
+        record(args.record, section, table, title)
         print(f"recorded in {args.record}")
     return 0
 

@@ -2,13 +2,16 @@
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
-from machgen.builder.calibrate import Trial, choose
+from machgen.builder.calibrate import QualityTargets, Trial, calibrate, choose, magcache_schedule
 from machgen.builder.cli import app
 from machgen.contract.manifest import pipeline_dir
+from machgen.runtime.cache import CacheControls, CacheSettings
 from machgen.runtime.local import LocalPipeline
 
 from conftest import PIPELINE_NAME
@@ -17,10 +20,40 @@ from conftest import PIPELINE_NAME
 def test_choose_takes_the_fewest_passes_that_hold_both_bounds():
     trials = [Trial("none", 0, 40, 99, 99), Trial("fbcache", 0.1, 30, 40, 35), Trial("fbcache", 0.3, 18, 34, 25),
               Trial("magcache", 0.1, 22, 33.5, 27), Trial("magcache", 0.2, 18.2, 33.1, 26.5)]
-    assert choose(trials, 33, 26) == trials[4]
-    assert choose(trials, 33, 20) == trials[4]  # as few passes, better worst case
-    assert choose(trials[:3], 33, 20) == trials[2]
-    assert choose(trials[1:], 50, 40) is None
+    exact = QualityTargets(33, 26, worst_margin_db=0)
+    assert choose(trials, exact) == trials[4]
+    assert choose(trials, replace(exact, worst_psnr=20)) == trials[4]  # as few passes, better worst case
+    assert choose(trials[:3], replace(exact, worst_psnr=20)) == trials[2]
+    assert choose(trials[1:], QualityTargets(50, 40)) is None
+    # the margin on the worst image, and the prediction bound on the mean
+    assert choose(trials, replace(exact, worst_margin_db=1)) == trials[3]
+    bounded = [replace(trials[3], psnr_bound=32.9), replace(trials[4], psnr_bound=33.0)]
+    assert choose(bounded, exact) == bounded[1]
+    assert choose(bounded, replace(exact, mean_psnr=33.05)) is None
+    # as many tail passes: the one that also skips the head (MagCache) is faster
+    heads = [replace(trials[4], head_calls=20), replace(trials[4], policy="magcache", head_calls=8, psnr_worst=26.2)]
+    assert choose(heads, exact) == heads[1]
+
+
+def test_the_mean_bound_is_a_prediction_bound_for_the_held_out_mean():
+    scores = [30.0, 32.0, 34.0, 36.0]  # mean 33, sample deviation 2.58
+    bound = QualityTargets(confidence=0.95, holdout_pairs=64).mean_bound(scores)
+    assert bound == pytest.approx(33 - 1.6449 * np.std(scores, ddof=1) * np.sqrt(1 / 4 + 1 / 64), abs=1e-3)
+    # more fit pairs or lower confidence: a tighter bound; one score: the score
+    assert QualityTargets(holdout_pairs=64).mean_bound(scores * 16) > bound
+    assert QualityTargets(confidence=0.6, holdout_pairs=64).mean_bound(scores) > bound
+    assert QualityTargets().mean_bound([31.0]) == 31.0
+
+
+def test_a_magcache_schedule_is_known_before_any_generation():
+    """Calibration runs one trial per distinct MagCache schedule: it is decided by the ratios and controls alone."""
+    settings = CacheSettings(magnitude_ratios=(1.0,) + (0.95,) * 9,
+                             controls={"magcache": CacheControls(warmup_steps=2, final_steps=0,
+                                                                 max_consecutive_skips=2)})
+    # error after one skip 0.05, after two 0.05 + (1 - 0.95**2) = 0.1475
+    assert magcache_schedule(settings, 0.1)[1] == (0, 1, 3, 5, 7, 9)
+    assert magcache_schedule(settings, 0.5)[1] == (0, 1, 4, 7)  # two skips at most, then a computed step
+    assert magcache_schedule(settings, 0.6) == magcache_schedule(settings, 0.5)
 
 
 def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_path):
@@ -29,9 +62,12 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     shutil.copytree(source, repository)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\na green circle at the top left\na blue dog\n")
+    holdout = tmp_path / "holdout.txt"
+    holdout.write_text("a red cat\na white square\na yellow bird\n")  # the first is another pair: other seed
     result = CliRunner().invoke(app, ["calibrate", str(repository), "--prompts", str(prompts), "--count", "3",
-                                      "--target-psnr", "25", "--warmup-steps", "1", "--final-steps", "1",
-                                      "--max-consecutive-skips", "2"])
+                                      "--holdout-prompts", str(holdout), "--holdout-count", "2",
+                                      "--target-psnr", "25", "--confidence", "0.5", "--worst-margin", "0",
+                                      "--warmup-steps", "1", "--final-steps", "1", "--max-consecutive-skips", "2"])
     assert result.exit_code == 0, result.output
     cache = json.loads((pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json").read_text())["cache"]
     steps = json.loads((pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json").read_text())[
@@ -44,13 +80,61 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     for policy, trial in chosen.items():
         assert trial["psnr_mean"] >= 25 and trial["psnr_worst"] >= 18
         assert cache["thresholds"][policy] == trial["threshold"]
+    held_out = cache["calibration"]["held_out"]
+    assert set(held_out) == set(chosen) and cache["calibration"]["holdout_prompts"] == 2
+    default = held_out[cache["default_policy"]]
+    assert default["threshold"] == chosen[cache["default_policy"]]["threshold"]
+    assert f"held out 2 pairs: {default['tail_passes']:.1f} tail passes, mean {default['psnr_mean']:.2f} dB" \
+        in result.output
 
     # the sampler now serves MagCache and the calibrated default
     local = LocalPipeline(repository, PIPELINE_NAME)
     assert "magcache" in local.sampler.cache_settings.available()
     _, stats = local.generate("a red cat", seed=0)
     assert stats.cache_policy == cache["default_policy"]
+    # with the quality calibration measured for it on the held-out prompts; none for another setting
+    assert (stats.expected_psnr, stats.expected_psnr_worst) == (default["psnr_mean"], default["psnr_worst"])
+    _, stats = local.generate("a red cat", seed=0, cache_policy=cache["default_policy"], cache_threshold=9.5)
+    assert stats.expected_psnr is None and stats.expected_psnr_worst is None
     images, stats = local.generate("a red cat", seed=0, cache_policy="magcache", cache_threshold=0.0)
     reference, _ = local.generate("a red cat", seed=0, cache_policy="none")
     np.testing.assert_array_equal(images, reference)  # threshold 0 never skips
     assert stats.denoiser_tail_calls == steps
+
+
+def test_the_held_out_set_changes_the_report_never_the_choice(built_repository):
+    repository, _ = built_repository
+    pipeline = LocalPipeline(repository, PIPELINE_NAME)
+    served = pipeline.sampler.cache_settings
+    fit = [("a red circle at the top left", 0), ("a blue square", 1), ("a green cat", 2)]
+    holdouts = ([("a white triangle at the center", 7), ("a yellow dog", 8)],
+                [("a magenta square at the top right", 9), ("a red circle at the top left", 10)])
+    grids = {"fbcache": (0.2, 0.6), "magcache": (0.2, 0.6)}
+    seen = []
+    generate = pipeline.generate
+
+    def recorded(prompt, seed=None, **options):
+        seen.append((prompt, seed))
+        return generate(prompt, seed=seed, **options)
+
+    pipeline.generate = recorded
+    results = []
+    for holdout in holdouts:
+        pipeline.sampler.cache_settings, seen[:] = served, []
+        results.append(calibrate(pipeline, fit, holdout, QualityTargets(25, 18, confidence=0.5, worst_margin_db=0),
+                                 control_grid=[CacheControls(1, 0, 2, 2)], threshold_grids=grids,
+                                 log=lambda line: None))
+        reported = next(index for index, pair in enumerate(seen) if pair not in fit)
+        assert set(seen[:reported]) == set(fit)
+        assert set(seen[reported:]) == set(holdout)  # after the choice, the held-out set only
+
+    (first, first_trials), (second, second_trials) = results
+    assert first_trials == second_trials
+    report_only = ("held_out", "holdout_prompts")
+    assert first.calibration["held_out"] and first.calibration["held_out"] != second.calibration["held_out"]
+    assert replace(first, calibration={k: v for k, v in first.calibration.items() if k not in report_only}) == \
+        replace(second, calibration={k: v for k, v in second.calibration.items() if k not in report_only})
+    with pytest.raises(ValueError, match="held-out set must be one the fit never sees"):
+        calibrate(pipeline, fit, [fit[1]], log=lambda line: None)
+    with pytest.raises(ValueError, match="needs fit and held-out prompts"):
+        calibrate(pipeline, fit, [], log=lambda line: None)

@@ -2,6 +2,7 @@
 Triton uncached, the same pixels; served with only prompt and seed sent (its
 calibrated cache policy then applies), the same quality."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,21 @@ def test_served_model_gives_the_same_images_and_accuracy(diffusers_images, shape
     accuracy = evaluate.score(served, labels)
     assert accuracy.colour_shape >= reference.colour_shape - 0.02 and accuracy.position >= 0.95, accuracy
     assert not np.array_equal(served, uncached)  # the calibrated cache policy did apply
+
+
+def test_stats_report_the_quality_calibration_measured_on_held_out_prompts(shapes_server):
+    from machgen.client import MachgenClient
+
+    cache = json.loads((MODEL_DIR / "machgen.json").read_text())["cache"]
+    held_out = cache["calibration"]["held_out"][cache["default_policy"]]
+    assert held_out["meets_targets"] and cache["calibration"]["holdout_prompts"] >= 64
+    with MachgenClient(shapes_server.grpc_url) as client:
+        _, stats = client.generate_with_stats("shapes", PROMPTS[0][0], seed=PROMPTS[0][1])
+        _, uncached = client.generate_with_stats("shapes", PROMPTS[0][0], seed=PROMPTS[0][1], cache_policy="none")
+        _, adapted = client.generate_with_stats("shapes", PROMPTS[0][0], seed=PROMPTS[0][1], lora=["orange"])
+    assert (stats["cache_policy"], stats["cache_threshold"]) == (cache["default_policy"], held_out["threshold"])
+    assert (stats["expected_psnr"], stats["expected_psnr_worst"]) == (held_out["psnr_mean"], held_out["psnr_worst"])
+    assert uncached["expected_psnr"] is None and adapted["expected_psnr"] is None
 
 
 @pytest.mark.parametrize("adapters", [{"orange": 1.0}, {"gray": 1.0}, {"orange": 0.7, "gray": 0.4}],

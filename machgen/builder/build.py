@@ -202,6 +202,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     builder/export_cache.py) are copied from there, not exported again.
     ``preview``: fit the latent-to-RGB preview projection on the built
     repository's own decodes (builder/preview_fit.py)."""
+    from machgen.builder.calibrate import calibration_summary
     from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
@@ -300,8 +301,9 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
                              "the model would be dense")
-        files = render_repository(name, family, specs, defaults, settings, options=options,
-                                  cache=model_cache_settings(model_dir),
+        cache = model_cache_settings(model_dir)
+        log(calibration_summary(cache))
+        files = render_repository(name, family, specs, defaults, settings, options=options, cache=cache,
                                   attention=asdict(sparse) if sparse else None, serving=serving, adapters=adapters)
         assets = {asset: model_dir / asset for asset in exporter.sampler_assets}
         write_repository(out, name, files, exported, assets)
@@ -314,7 +316,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 # Engines run only inside Triton: the projection is fitted on the same components' ONNX files.
                 fit_on = Path(scratch) / "onnxruntime-repository"
                 write_repository(fit_on, name, render_repository(
-                    name, family, specs, defaults, settings, options=options, cache=model_cache_settings(model_dir),
+                    name, family, specs, defaults, settings, options=options, cache=cache,
                     serving=TargetServing("onnxruntime")), onnx_files, assets)
             fit_repository_preview(fit_on, name, log).save(pipeline_dir(out, name))
     log(f"wrote model repository {out} (public model '{name}', target {target})")

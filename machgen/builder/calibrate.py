@@ -1,24 +1,81 @@
-"""Fit each cache policy's threshold and controls to a quality target, in-process.
+"""Fit each cache policy's threshold and controls to a quality target, in-process,
+and report how the chosen settings hold on prompts the fit never saw.
 
-Runs a prompt set uncached (recording MagCache's magnitude ratios on the
-way), then each policy over a grid of thresholds and controls, and keeps per
-policy the setting that skips most while holding the target PSNR against
-the uncached images, on average and in the worst case. The policy with the
-fewest tail passes becomes the served default.
+Runs the fit prompt set uncached (recording MagCache's magnitude ratios on
+the way), then each policy over a grid of thresholds and controls, and
+keeps per policy the setting that skips most while holding the quality
+targets against the uncached images (QualityTargets: a prediction bound on
+the mean, a margin on the worst image). The policy with the fewest tail
+passes becomes the served default. Only then are the chosen settings run
+on the held-out prompt set, uncached and cached: that report is recorded
+and printed, and never feeds back into the choice.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from machgen.builder.evaluate import psnr
 from machgen.contract.manifest import PipelineManifest, find_pipeline_dir
-from machgen.runtime.cache import BlocksResidualRecorder, CacheControls, CacheSettings, magnitude_ratios
+from machgen.runtime.cache import (BlocksResidualRecorder, CacheControls, CacheSettings, StepCache, StepPlan,
+                                   magnitude_ratios)
+
+Prompts = Sequence[tuple[str, int]]
+# Pairs of the fit and of the held-out set when the caller gives no count.
+FIT_PAIRS = 64
+HOLDOUT_PAIRS = 64
+# The default prompt sets: shapes captions, each set from its own generator seed (the noise seeds with them).
+FIT_PROMPTS_SEED = 77
+HOLDOUT_PROMPTS_SEED = 4242
+
+
+@dataclass(frozen=True)
+class QualityTargets:
+    """What a calibrated setting must hold against the uncached output, on
+    prompts it was not fitted on.
+
+    The mean: a fitted setting's PSNRs predict a held-out set's mean only up
+    to sampling error, so the fit set's mean must hold ``mean_psnr`` at the
+    lower one-sided ``confidence`` prediction bound for the mean of
+    ``holdout_pairs`` new pairs: mean - z * s * sqrt(1/n + 1/m) (normal
+    quantile z, sample deviation s, n fit pairs, m held-out ones). The worst
+    image: the minimum of a set has no such bound at these sizes (it is one
+    draw from the tail), so the fit set's worst must clear ``worst_psnr`` by
+    ``worst_margin_db``; with a fit set as large as the held-out one, both
+    minima are of the same number of draws.
+    """
+
+    mean_psnr: float = 33.0
+    worst_psnr: float = 26.0
+    confidence: float = 0.95
+    worst_margin_db: float = 1.0
+    holdout_pairs: int = HOLDOUT_PAIRS
+
+    def mean_bound(self, scores: Sequence[float]) -> float:
+        """The prediction bound for a held-out set's mean PSNR, from ``scores``."""
+        if len(scores) < 2:
+            return float(np.mean(scores))
+        z = statistics.NormalDist().inv_cdf(self.confidence)
+        spread = float(np.std(scores, ddof=1))
+        return float(np.mean(scores)) - z * spread * float(np.sqrt(1 / len(scores) + 1 / self.holdout_pairs))
+
+    def holds(self, trial: "Trial") -> bool:
+        return trial.bound >= self.mean_psnr and trial.psnr_worst >= self.worst_psnr + self.worst_margin_db
+
+    def met_by(self, mean: float, worst: float) -> bool:
+        """Whether a held-out set's own figures meet the targets (no margin: they are the outcome)."""
+        return mean >= self.mean_psnr and worst >= self.worst_psnr
+
+    def to_json(self) -> dict:
+        return {"target_psnr": self.mean_psnr, "worst_psnr": self.worst_psnr, "confidence": self.confidence,
+                "worst_margin_db": self.worst_margin_db}
+
 
 THRESHOLD_GRIDS = {
     "fbcache": (0.2, 0.3, 0.4, 0.6),
@@ -38,6 +95,15 @@ class Trial:
     psnr_mean: float
     psnr_worst: float
     controls: CacheControls = CacheControls()
+    psnr_bound: float | None = None  # QualityTargets.mean_bound of the scores; None: the mean
+    head_calls: float = 0.0  # mean per image: MagCache's skipped steps run no head, First-Block Cache's do
+
+    @property
+    def bound(self) -> float:
+        return self.psnr_mean if self.psnr_bound is None else self.psnr_bound
+
+    def label(self) -> str:
+        return "none" if self.policy == "none" else f"{self.policy} {self.threshold:g}"
 
 
 def run_prompts(pipeline, prompts: Sequence[tuple[str, int]], **options) -> tuple[list[np.ndarray], list]:
@@ -66,49 +132,149 @@ def record_magnitude_ratios(pipeline, prompts: Sequence[tuple[str, int]]
     return images, stats, [float(r) for r in np.mean(per_prompt, axis=0)]
 
 
-def choose(trials: Sequence[Trial], target_psnr: float, worst_psnr: float) -> Trial | None:
-    """The trial with the fewest tail passes (to the nearest whole pass) that
-    holds both bounds; among equals, the one with the best worst case."""
-    holding = [t for t in trials if t.psnr_mean >= target_psnr and t.psnr_worst >= worst_psnr]
-    return min(holding, key=lambda t: (round(t.tail_passes), -t.psnr_worst)) if holding else None
+def magcache_schedule(settings: CacheSettings, threshold: float) -> tuple:
+    """What decides a MagCache request's images besides its prompt and seed:
+    its controls and the steps that run the blocks. MagCache decides from the
+    calibrated ratios alone, before any call, so this needs no generation."""
+    cache = StepCache("magcache", threshold, settings)
+    cache.start(len(settings.magnitude_ratios))
+    computed = []
+    for step in range(cache.total_steps):
+        if cache.plan(step) is StepPlan.COMPUTE:
+            computed.append(step)
+            cache.state.reset()
+            cache.state.has_residual = True
+        else:
+            cache.skipped(step)
+    return cache.controls, tuple(computed)
 
 
-def calibrate(pipeline, prompts: Sequence[tuple[str, int]], target_psnr: float, worst_psnr: float,
+def choose(trials: Sequence[Trial], targets: QualityTargets) -> Trial | None:
+    """The fastest trial that holds the targets: the fewest tail passes (to
+    the nearest whole pass), then the fewest head calls; among equals, the
+    one with the best worst case."""
+    holding = [t for t in trials if targets.holds(t)]
+    return min(holding, key=lambda t: (round(t.tail_passes), round(t.head_calls), -t.psnr_worst)) \
+        if holding else None
+
+
+def scored_trial(policy: str, threshold: float, controls: CacheControls, images, stats, reference,
+                 targets: QualityTargets) -> Trial:
+    scores = [psnr(a, b) for a, b in zip(images, reference)]
+    return Trial(policy, threshold, float(np.mean([s.denoiser_tail_passes for s in stats])),
+                 round(float(np.mean(scores)), 2), round(float(np.min(scores)), 2), controls,
+                 round(targets.mean_bound(scores), 2), float(np.mean([s.denoiser_head_calls for s in stats])))
+
+
+def disjoint_holdout(prompts: Prompts, holdout: Prompts) -> None:
+    if not prompts or not holdout:
+        raise ValueError(f"calibration needs fit and held-out prompts (got {len(prompts)} fit, {len(holdout)} "
+                         "held out)")
+    shared = {tuple(pair) for pair in prompts} & {tuple(pair) for pair in holdout}
+    if shared:
+        raise ValueError(f"{len(shared)} held-out prompt/seed pairs are fit pairs too (for example "
+                         f"{sorted(shared)[0]}): the held-out set must be one the fit never sees")
+
+
+def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTargets = QualityTargets(),
               control_grid: Sequence[CacheControls] = CONTROL_GRID,
+              threshold_grids: Mapping[str, Sequence[float]] = THRESHOLD_GRIDS,
               log: Callable[[str], None] = print) -> tuple[CacheSettings, list[Trial]]:
-    """New cache settings for ``pipeline`` (a LocalPipeline) at its served defaults."""
-    log(f"uncached reference: {len(prompts)} prompts")
+    """New cache settings for ``pipeline`` (a LocalPipeline) at its served
+    defaults, fitted on ``prompts`` and reported on ``holdout``."""
+    disjoint_holdout(prompts, holdout)
+    log(f"uncached reference: {len(prompts)} fit prompts")
     reference, uncached_stats, ratios = record_magnitude_ratios(pipeline, prompts)
     settings = replace(pipeline.sampler.cache_settings, magnitude_ratios=tuple(round(r, 5) for r in ratios))
     uncached_passes = float(np.mean([s.denoiser_tail_passes for s in uncached_stats]))
-    trials: list[Trial] = [Trial("none", 0.0, uncached_passes, 99.0, 99.0)]
+    trials: list[Trial] = [Trial("none", 0.0, uncached_passes, 99.0, 99.0,
+                                 head_calls=float(np.mean([s.denoiser_head_calls for s in uncached_stats])))]
     chosen: dict[str, Trial] = {}
-    for policy, grid in THRESHOLD_GRIDS.items():
+    by_schedule: dict[tuple, Trial] = {}
+    for policy, grid in threshold_grids.items():
         for controls in control_grid:
             pipeline.sampler.cache_settings = replace(settings, controls={policy: controls})
             for threshold in grid:
-                images, stats = run_prompts(pipeline, prompts, cache_policy=policy, cache_threshold=threshold)
-                scores = [psnr(a, b) for a, b in zip(images, reference)]
-                trial = Trial(policy, threshold, float(np.mean([s.denoiser_tail_passes for s in stats])),
-                              round(float(np.mean(scores)), 2), round(float(np.min(scores)), 2), controls)
+                schedule = magcache_schedule(pipeline.sampler.cache_settings, threshold) if policy == "magcache" \
+                    else None
+                if schedule in by_schedule:  # the same steps computed as a trial run already: the same images
+                    trial = replace(by_schedule[schedule], threshold=threshold)
+                else:
+                    images, stats = run_prompts(pipeline, prompts, cache_policy=policy, cache_threshold=threshold)
+                    trial = scored_trial(policy, threshold, controls, images, stats, reference, targets)
+                    if schedule is not None:
+                        by_schedule[schedule] = trial
                 trials.append(trial)
                 log(f"{policy} threshold {threshold:g}, {controls}: {trial.tail_passes:.1f} tail passes, "
-                    f"PSNR mean {trial.psnr_mean:.1f} dB, worst {trial.psnr_worst:.1f} dB")
-        best = choose([t for t in trials if t.policy == policy], target_psnr, worst_psnr)
+                    f"PSNR mean {trial.psnr_mean:.1f} dB (bound {trial.bound:.1f}), worst {trial.psnr_worst:.1f} dB")
+        best = choose([t for t in trials if t.policy == policy], targets)
         if best is not None:
             chosen[policy] = best
-    default = choose([trials[0], *chosen.values()], target_psnr, worst_psnr)
+    default = choose([trials[0], *chosen.values()], targets)
     settings = replace(
         settings,
         default_policy=default.policy,
         thresholds={**settings.thresholds, **{p: t.threshold for p, t in chosen.items()}},
         controls={**settings.controls, **{p: t.controls for p, t in chosen.items()}},
-        calibration={"target_psnr": target_psnr, "worst_psnr": worst_psnr, "prompts": len(prompts),
+        calibration={**targets.to_json(), "prompts": len(prompts), "holdout_prompts": len(holdout),
                      "chosen": {p: {k: v for k, v in asdict(t).items() if k != "controls"}
                                 for p, t in chosen.items()}})
     pipeline.sampler.cache_settings = settings
-    log(f"default: {default.policy}" + (f" threshold {default.threshold:g}" if default.policy != "none" else ""))
+    # The choice is made: only now does anything run the held-out prompts.
+    held_out = report_held_out(pipeline, chosen, holdout, targets, log)
+    settings = replace(settings, calibration={**settings.calibration, "held_out": held_out})
+    pipeline.sampler.cache_settings = settings
+    log(f"default: {default.label()}")
+    for policy, trial in chosen.items():
+        figures = held_out[policy]
+        log(f"{trial.label()}{' (default)' if policy == default.policy else ''}: "
+            f"fit {len(prompts)} pairs: {trial.tail_passes:.1f} tail passes, PSNR mean {trial.psnr_mean:.2f} dB "
+            f"(bound {trial.bound:.2f}), worst {trial.psnr_worst:.2f}; held out {len(holdout)} pairs: "
+            f"{figures['tail_passes']:.1f} tail passes, mean {figures['psnr_mean']:.2f} dB, worst "
+            f"{figures['psnr_worst']:.2f}: {'meets' if figures['meets_targets'] else 'MISSES'} "
+            f"{targets.mean_psnr:g} / {targets.worst_psnr:g} dB")
+    if default.policy in held_out and not held_out[default.policy]["meets_targets"]:
+        log("warning: the default misses the targets on the held-out prompts: calibrate on more prompts, or with "
+            "a higher --confidence or --worst-margin")
     return settings, trials
+
+
+def report_held_out(pipeline, chosen: dict[str, Trial], holdout: Prompts, targets: QualityTargets,
+                    log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Each chosen setting on ``holdout`` against its uncached images, as
+    pipeline.sampler.cache_settings serves it: passes, PSNR mean and worst."""
+    if not chosen:
+        return {}
+    log(f"held out: {len(holdout)} prompts, uncached and with each chosen setting")
+    reference, _ = run_prompts(pipeline, holdout, cache_policy="none")
+    report = {}
+    for policy, trial in chosen.items():
+        images, stats = run_prompts(pipeline, holdout, cache_policy=policy, cache_threshold=trial.threshold)
+        figures = scored_trial(policy, trial.threshold, trial.controls, images, stats, reference, targets)
+        report[policy] = {"threshold": trial.threshold, "tail_passes": figures.tail_passes,
+                          "psnr_mean": figures.psnr_mean, "psnr_worst": figures.psnr_worst,
+                          "meets_targets": targets.met_by(figures.psnr_mean, figures.psnr_worst)}
+    return report
+
+
+def calibration_summary(settings: CacheSettings) -> str:
+    """One line on a model's cache default: fitted and held-out figures."""
+    policy = settings.default_policy
+    if policy == "none":
+        return "cache default: none (every step computed)"
+    calibration = settings.calibration
+    fitted = calibration.get("chosen", {}).get(policy)
+    line = f"cache default: {policy} {settings.thresholds[policy]:g}"
+    if fitted is None:
+        return line + " (not calibrated)"
+    line += (f"; fitted on {calibration['prompts']} pairs: {fitted['tail_passes']:.1f} tail passes, PSNR mean "
+             f"{fitted['psnr_mean']:.2f} dB, worst {fitted['psnr_worst']:.2f}")
+    held_out = calibration.get("held_out", {}).get(policy)
+    if held_out is None:
+        return line + "; no held-out report (calibrated before machgen reported one: calibrate again)"
+    return line + (f"; held out {calibration['holdout_prompts']} pairs: mean {held_out['psnr_mean']:.2f} dB, worst "
+                   f"{held_out['psnr_worst']:.2f} ({'meets' if held_out['meets_targets'] else 'MISSES'} "
+                   f"{calibration['target_psnr']:g} / {calibration['worst_psnr']:g} dB)")
 
 
 def write_settings(target: Path, name: str | None, settings: CacheSettings) -> Path:

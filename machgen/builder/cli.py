@@ -139,6 +139,15 @@ def build(
         raise typer.Exit(1) from None
 
 
+def _prompt_file(path: Path, count: int, first_seed: int) -> list[tuple[str, int]]:
+    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return [(prompt, first_seed + index) for index, prompt in enumerate(lines[:count])]
+
+
+# A held-out prompt file's seeds start here: a prompt in both files is still two different pairs.
+HOLDOUT_FILE_FIRST_SEED = 1_000_000
+
+
 @app.command()
 def calibrate(
     target: Path = typer.Argument(..., exists=True, file_okay=False,
@@ -147,9 +156,20 @@ def calibrate(
     name: str = typer.Option(None, "--name", help="the pipeline to calibrate in a repository holding several"),
     target_psnr: float = typer.Option(30.0, "--target-psnr", help="mean PSNR (dB) against uncached to hold"),
     worst_psnr: float = typer.Option(None, "--worst-psnr", help="worst-image PSNR to hold (default: target - 7)"),
+    confidence: float = typer.Option(0.95, "--confidence", min=0.5, max=0.9999,
+                                     help="one-sided confidence that a held-out set's mean holds the target "
+                                          "(the fit's prediction bound)"),
+    worst_margin: float = typer.Option(1.0, "--worst-margin", min=0.0,
+                                       help="dB by which the fit's worst image must clear --worst-psnr"),
     prompts_file: Path = typer.Option(None, "--prompts", exists=True, dir_okay=False,
-                                      help="one prompt per line (default: captions of the shapes dataset)"),
-    count: int = typer.Option(16, "--count", help="prompts to use"),
+                                      help="fit prompts, one per line, seeds 0, 1, ... (default: captions of the "
+                                           "shapes dataset)"),
+    count: int = typer.Option(None, "--count", min=1, help="fit prompt/seed pairs (default: 64)"),
+    holdout_file: Path = typer.Option(None, "--holdout-prompts", exists=True, dir_okay=False,
+                                      help="held-out prompts, one per line, seeds 1000000, 1000001, ... (default: "
+                                           "shapes captions from a generator the fit set does not use)"),
+    holdout_count: int = typer.Option(None, "--holdout-count", min=1,
+                                      help="held-out prompt/seed pairs (default: 64)"),
     warmup_steps: int = typer.Option(None, "--warmup-steps",
                                      help="first steps always computed (default: fitted, 3 or 4)"),
     final_steps: int = typer.Option(None, "--final-steps", help="last steps always computed (default: 0)"),
@@ -158,22 +178,31 @@ def calibrate(
                                           help="true CFG: steps between runs of the negative row "
                                                "(default: fitted, 1, 3 or 5)"),
 ) -> None:
-    """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target; store the best as default."""
+    """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target on one prompt set, report it
+    on a held-out one; store the best as default."""
     import tempfile
 
+    from machgen.builder import shapes
     from machgen.builder.build import build_repository
-    from machgen.builder.calibrate import CONTROL_GRID, write_settings
+    from machgen.builder.calibrate import (CONTROL_GRID, FIT_PAIRS, FIT_PROMPTS_SEED, HOLDOUT_PAIRS,
+                                           HOLDOUT_PROMPTS_SEED, QualityTargets, write_settings)
     from machgen.builder.calibrate import calibrate as fit
     from machgen.runtime.cache import CacheControls
     from machgen.runtime.local import LocalPipeline
 
-    if prompts_file is not None:
-        lines = [line.strip() for line in prompts_file.read_text().splitlines() if line.strip()]
-        prompts = [(prompt, seed) for seed, prompt in enumerate(lines[:count])]
-    else:
-        from machgen.builder import shapes
+    count, holdout_count = count or FIT_PAIRS, holdout_count or HOLDOUT_PAIRS
 
-        prompts = [(prompt, seed) for prompt, seed, _ in shapes.evaluation_prompts(count, seed=77)]
+    if prompts_file is not None:
+        prompts = _prompt_file(prompts_file, count, 0)
+    else:
+        prompts = [(prompt, seed) for prompt, seed, _ in shapes.evaluation_prompts(count, seed=FIT_PROMPTS_SEED)]
+    if holdout_file is not None:
+        holdout = _prompt_file(holdout_file, holdout_count, HOLDOUT_FILE_FIRST_SEED)
+    else:
+        holdout = [(prompt, seed) for prompt, seed, _ in
+                   shapes.evaluation_prompts(holdout_count, seed=HOLDOUT_PROMPTS_SEED)]
+    targets = QualityTargets(target_psnr, target_psnr - 7 if worst_psnr is None else worst_psnr, confidence,
+                             worst_margin)
     fixed = {key: value for key, value in {
         "warmup_steps": warmup_steps, "final_steps": final_steps, "max_consecutive_skips": max_consecutive_skips,
         "negative_interval": negative_interval}.items() if value is not None}
@@ -189,8 +218,10 @@ def calibrate(
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--name") from None
         pipeline = LocalPipeline(repository, pipeline_name)
-        settings, _ = fit(pipeline, prompts, target_psnr, target_psnr - 7 if worst_psnr is None else worst_psnr,
-                          control_grid=grid, log=typer.echo)
+        try:
+            settings, _ = fit(pipeline, prompts, holdout, targets, control_grid=grid, log=typer.echo)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--holdout-prompts") from None
     written = write_settings(target, pipeline_name, settings)
     typer.echo(f"wrote the cache defaults into {written}")
 

@@ -287,6 +287,15 @@ class CacheSettings:
     def controls_for(self, policy: str) -> CacheControls:
         return self.controls.get(policy, CacheControls())
 
+    def held_out_quality(self, policy: str, threshold: float | None) -> Mapping[str, float] | None:
+        """What calibration measured for this setting on prompts it was not
+        fitted on (``psnr_mean``, ``psnr_worst`` against uncached, dB); None
+        for a setting it did not choose."""
+        figures = self.calibration.get("held_out", {}).get(policy)
+        if figures is None or threshold is None or not np.isclose(figures["threshold"], threshold):
+            return None
+        return {"psnr_mean": figures["psnr_mean"], "psnr_worst": figures["psnr_worst"]}
+
     def available(self) -> tuple[str, ...]:
         # MagCache without calibrated ratios would skip blindly.
         return tuple(p for p in POLICY_NAMES if p != "magcache" or self.magnitude_ratios)

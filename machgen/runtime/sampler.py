@@ -81,6 +81,10 @@ class GenerationStats:
     sample_rate: int | None = None
     # The LoRA adapters the request ran with: name -> scale.
     adapters: dict[str, float] = field(default_factory=dict)
+    # The cache setting's quality as calibration measured it on held-out prompts (mean and worst-image PSNR
+    # against the uncached output, dB); None where the setting is not a calibrated one, or with adapters.
+    expected_psnr: float | None = None
+    expected_psnr_worst: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -211,8 +215,12 @@ class Sampler:
         runtime = self.runtime
         policy = request.cache_policy or self.cache_settings.default_policy
         cache = StepCache(policy, request.cache_threshold, self.cache_settings)
+        # Calibrated without adapters: what it measured does not speak for a request that runs some.
+        expected = {} if request.adapters else self.cache_settings.held_out_quality(policy, cache.threshold) or {}
         stats = GenerationStats(cache_policy=policy, cache_threshold=cache.threshold, frames=request.num_frames,
-                                fps=request.fps, sample_rate=runtime.sample_rate, adapters=dict(request.adapters))
+                                fps=request.fps, sample_rate=runtime.sample_rate, adapters=dict(request.adapters),
+                                expected_psnr=expected.get("psnr_mean"),
+                                expected_psnr_worst=expected.get("psnr_worst"))
         guidance = runtime.guidance(request)
         prompts = [request.prompt] + ([request.negative_prompt] if guidance.uses_negative_prompt else [])
         embeddings = self.prompt_cache.encode(prompts, runtime.encode_prompts, stats)
