@@ -102,8 +102,8 @@ class AdapterStore:
         rows = [[(_text(name), float(scale)) for name, scale in zip(row_names, row_scales) if _text(name)]
                 for row_names, row_scales in zip(names, scales)]
         used = tuple(dict.fromkeys(name for row in rows for name, _ in row))
-        versions = tuple(self._version(name) for name in used)
-        key = (tuple(layer.name for layer in layers), used, versions)
+        # One store per runner (with_adapters), so its layers are always the same: the adapters key the bank.
+        key = (used, tuple(self._version(name) for name in used))
         with self._lock:
             bank = self._banks.get(key)
             if bank is not None:
