@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from machgen.contract.manifest import STOP_FILE_ENV
+from machgen.contract.manifest import STEP_LOG_ENV, STOP_FILE_ENV
 from machgen.runtime.processes import Stub, stub_of
 
 # The header that Triton's restricted APIs (model repository, shared memory) ask for; gRPC clients send it
@@ -159,6 +159,12 @@ class TritonServer:
             f"--grpc-restricted-protocol={RESTRICTED_APIS}:{CONTROL_KEY_HEADER}={self.control_key}",
         ]
 
+    def environment(self) -> dict[str, str]:
+        """The server's environment: what its stubs need, where machgen serve asks running requests to stop
+        (STOP_FILE_ENV), and with ``verbose`` the sampler's log of every step (STEP_LOG_ENV)."""
+        return {**server_environment(), STOP_FILE_ENV: os.fspath(self.stop_file),
+                **({STEP_LOG_ENV: "1"} if self.verbose else {})}
+
     def start(self, timeout: float = 180.0) -> "TritonServer":
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist")
@@ -171,8 +177,7 @@ class TritonServer:
         log = open(self.log_file, "ab" if restart else "wb")  # a restarted server's log goes on
         log_start = log.tell()
         self.process = _spawn_copied_binary(self.command(self._server_dir), stdout=log, stderr=subprocess.STDOUT,
-                                            env={**server_environment(), STOP_FILE_ENV: os.fspath(self.stop_file)},
-                                            start_new_session=True)
+                                            env=self.environment(), start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

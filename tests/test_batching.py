@@ -117,7 +117,8 @@ def test_a_full_queue_answers_unavailable_and_keeps_serving(variant_server):
         calls.close()
 
 
-def test_the_sampler_refuses_a_key_already_running_and_stops_the_one_a_cancel_names(triton_server):
+def test_the_sampler_refuses_a_key_already_running_stops_the_one_a_cancel_names_and_sends_progress_if_asked(
+        triton_server):
     # What the public model sends its sampler, sent by hand over one stream.
     import tritonclient.grpc as grpcclient
 
@@ -163,6 +164,11 @@ def test_the_sampler_refuses_a_key_already_running_and_stops_the_one_a_cancel_na
             while {"progress", "accepted_by"} & set(last := next_response("again")):
                 pass
             assert last["images"].shape[0] == 1
+            # The plain public model asks for no progress (it polls its client's cancellation instead).
+            quiet = [*generation("quiet", 3), client.make_input("progress", 0, model=sampler)]
+            stream.async_stream_infer(sampler, quiet, request_id="quiet", outputs=outputs)
+            assert "accepted_by" in next_response("quiet")
+            assert next_response("quiet")["images"].shape[0] == 1, "a progress response it did not ask for"
         finally:
             stream.stop_stream()
             stream.close()

@@ -52,3 +52,14 @@ def test_build_refuses_pickled_weights_by_name(weights, tmp_path):
     assert result.exit_code != 0
     assert "pickle-based weights" in result.output and Path(weights).name in result.output
     assert not (tmp_path / "repo").exists()
+
+
+def test_serve_verbose_asks_the_sampler_to_log_every_step(tmp_path):
+    """machgen serve --verbose reaches the sampler (a step log costs every step a message to the server, so it
+    is off otherwise); machgen serve always tells the samplers where to look for a stop."""
+    from machgen.contract.manifest import STEP_LOG_ENV, STOP_FILE_ENV
+    from machgen.server import TritonServer
+
+    quiet, verbose = TritonServer(tmp_path).environment(), TritonServer(tmp_path, verbose=True).environment()
+    assert STEP_LOG_ENV not in quiet and verbose[STEP_LOG_ENV] == "1"
+    assert quiet[STOP_FILE_ENV] and verbose[STOP_FILE_ENV]

@@ -65,9 +65,9 @@ def test_the_manifest_reads_back_and_another_version_is_refused(rendered, tmp_pa
     assert manifest.runtime == "machgen.families.flux.runtime:FluxRuntime"
     assert manifest.served_models["denoiser_tail"] == "flux_denoiser_tail"
     assert manifest.components["denoiser_reuse"].file == "components/denoiser_reuse/model.onnx"
-    for version in (1, 3):
+    for version in (2, 4):
         (tmp_path / "pipeline.json").write_text(json.dumps({**json.loads(text), "version": version}))
-        with pytest.raises(ManifestError, match=f"version {version}; this machgen serves version 2: rebuild"):
+        with pytest.raises(ManifestError, match=f"version {version}; this machgen serves version 3: rebuild"):
             PipelineManifest.read(tmp_path)
     (tmp_path / "pipeline.json").write_text(json.dumps({key: value for key, value in json.loads(text).items()
                                                         if key != "runtime"}))

@@ -60,7 +60,7 @@ def test_repository_has_both_experts_and_the_chunked_decoder(wan_repository):
     from machgen.contract.manifest import pipeline_dir
 
     pipeline = json.loads((pipeline_dir(wan_repository, NAME) / "pipeline.json").read_text())
-    assert pipeline["tasks"] == ["text-to-video"] and pipeline["version"] == 2
+    assert pipeline["tasks"] == ["text-to-video"] and pipeline["version"] == 3
     assert {"denoiser_head", "denoiser_tail", "denoiser_2_head", "denoiser_2_tail", "vae_decoder_first",
             "vae_decoder_next"} <= set(pipeline["components"])
     assert pipeline["family_settings"]["boundary_timestep"] == 875.0

@@ -27,6 +27,7 @@ from machgen.contract.manifest import (
     COMPONENT_FILES,
     ERROR_OUTPUT,
     MANIFEST_FILE,
+    PROGRESS_INPUT,
     REQUEST_KEY_INPUT,
     SAMPLER,
     STREAM,
@@ -234,7 +235,7 @@ def render_sampler_config(pipeline: str, family: Family) -> str:
     """The sampler: decoupled (a progress response per step, then the
     result), one instance whose threads carry every request in flight."""
     relay_inputs = (ApiTensor(REQUEST_KEY_INPUT, "BYTES", (1,), ""), ApiTensor(CANCEL_INPUT, "BYTES", (1,), ""),
-                    *STREAM_INPUTS)
+                    ApiTensor(PROGRESS_INPUT, "INT32", (1,), ""), *STREAM_INPUTS)
     relay_outputs = PROGRESS_OUTPUTS + (ApiTensor(ERROR_OUTPUT, "BYTES", (1,), ""),
                                         ApiTensor(ACCEPTED_OUTPUT, "INT64", (1,), ""))
     return (

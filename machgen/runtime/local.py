@@ -7,6 +7,7 @@ the same code gives locally.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ class LocalPipeline:
         self.manifest = PipelineManifest.read(sampler_dir)
         self._intra_op_threads = intra_op_threads
         self._sessions: dict[str, Any] = {}
+        self._opening = threading.Lock()
         self._adapters, self._max_loaded = served_adapters(self.manifest.adapters, sampler_dir)
         self.in_sampler = InSamplerComponents(self.manifest.components, sampler_dir, self._adapters,
                                               self._max_loaded)
@@ -39,12 +41,18 @@ class LocalPipeline:
     def run_component(self, component: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if component in self.in_sampler:
             return self.in_sampler.run(component, inputs)
-        if component not in self._sessions:
-            path = self.repository / self.manifest.components[component].model / "1" / \
-                COMPONENT_FILES[self.manifest.target]
-            self._sessions[component] = open_component(path, intra_op_threads=self._intra_op_threads,
-                                                       adapters=self._adapters, max_loaded=self._max_loaded)
-        return self._sessions[component].run(inputs)
+        return self._session(component).run(inputs)
+
+    def _session(self, component: str) -> Any:
+        # Opened on first use, one at a time: the text encoders are called at once (FamilyRuntime.run_components),
+        # and torch.export.load keeps global state while it reads a program.
+        with self._opening:
+            if component not in self._sessions:
+                path = self.repository / self.manifest.components[component].model / "1" / \
+                    COMPONENT_FILES[self.manifest.target]
+                self._sessions[component] = open_component(path, intra_op_threads=self._intra_op_threads,
+                                                           adapters=self._adapters, max_loaded=self._max_loaded)
+            return self._sessions[component]
 
     def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:
         """Images [1, H, W, 3] (every frame of a video) and stats; options are the API's optional inputs."""

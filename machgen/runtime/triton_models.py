@@ -5,7 +5,8 @@ classes as ``TritonPythonModel``:
 
 - ``PublicModel``: the public model NAME, one instance per request in flight.
   It holds no model code (numpy only): it relays each request to the
-  sampler and answers with its result, passing on a client's cancellation.
+  sampler and answers with its result, passing on a client's cancellation
+  (which it looks for every ``CANCEL_POLL_S``: it asks for no progress).
 - ``StreamModel``: NAME_stream, the public model's decoupled twin: the same
   relay, on one instance's threads, passing on the sampler's progress
   responses (and previews) before the result.
@@ -13,8 +14,8 @@ classes as ``TritonPythonModel``:
   in-flight request's denoising loop on its own thread (BLS calls to the
   components release the GIL, so the loops overlap), so the libraries the
   loop needs (torch, diffusers, tokenizers) are loaded once, not once per
-  request in flight. It answers a request with a progress response per step
-  and then its result.
+  request in flight. It answers a request with its result, after a
+  progress response per step where the relay asks (NAME_stream does).
 - ``OnnxComponentModel``, ``TorchComponentModel``: one pipeline component.
   (tensorrt-target components are served by Triton's TensorRT backend.)
 
@@ -58,8 +59,10 @@ from machgen.contract.manifest import (
     ACCEPTED_OUTPUT,
     CANCEL_INPUT,
     ERROR_OUTPUT,
+    PROGRESS_INPUT,
     REQUEST_KEY_INPUT,
     SAMPLER,
+    STEP_LOG_ENV,
     STOP_FILE_ENV,
     PipelineManifest,
     drained_file,
@@ -72,6 +75,9 @@ from machgen.runtime.tensors import is_torch
 
 # A relay that hears nothing from its sampler for this long checks that the sampler still runs.
 SAMPLER_CHECK_S = 1.0
+# How often a relay asks whether its client withdrew the request, between the sampler's responses: the
+# sampler stops at its next step once told, so a cancellation costs at most this and a step.
+CANCEL_POLL_S = 0.05
 # A sampler takes a request within milliseconds; one not taken for this long was sent to an instance that
 # had died (during its reload Triton may still route to it) and will never be.
 ACCEPT_WAIT_S = 10.0
@@ -271,10 +277,10 @@ class PublicModel:
     def _answer(self, request) -> "pb_utils.InferenceResponse":
         inputs = [tensor for tensor in (pb_utils.get_input_tensor_by_name(request, name) for name in self.input_names)
                   if tensor is not None]
-        return _run_on_sampler(self.sampler, request, [*inputs, pb_utils.Tensor(PREVIEW_INTERVAL_INPUT,
-                                                                                np.zeros(1, np.int32))],
-                               self.output_names, is_cancelled=request.is_cancelled,
-                               keep_stream=self._streams.append)
+        relay = [pb_utils.Tensor(PREVIEW_INTERVAL_INPUT, np.zeros(1, np.int32)),
+                 pb_utils.Tensor(PROGRESS_INPUT, np.zeros(1, np.int32))]
+        return _run_on_sampler(self.sampler, request, [*inputs, *relay], self.output_names,
+                               is_cancelled=request.is_cancelled, keep_stream=self._streams.append)
 
 
 def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str], is_cancelled, keep_stream,
@@ -282,9 +288,10 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
     """``request`` (its ``inputs``) run by the sampler model: its final
     answer, outputs ``output_names`` or an error. Every progress response
     goes to ``on_progress(outputs by name)``, and ``on_silence()`` is called
-    after each ``SAMPLER_CHECK_S`` without one; once ``is_cancelled()`` says
-    so the sampler is told to stop (at its next step, answering CANCELLED).
-    Every stream read goes to ``keep_stream`` (see PublicModel.initialize)."""
+    after each ``CANCEL_POLL_S`` without one; once ``is_cancelled()`` says so
+    (asked at each response and each silence) the sampler is told to stop
+    (at its next step, answering CANCELLED). Every stream read goes to
+    ``keep_stream`` (see PublicModel.initialize)."""
     key = uuid.uuid4().hex
     call = pb_utils.InferenceRequest(
         model_name=sampler, inputs=[*inputs, pb_utils.Tensor(REQUEST_KEY_INPUT, _text(key))],
@@ -293,19 +300,36 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
         request_id=request.request_id())
     answer = None
     cancel_sent = False
-    last_step = 0
+    last_step = None  # known to a relay that asked for progress
+
+    def stop_if_withdrawn() -> None:
+        nonlocal cancel_sent
+        if cancel_sent or not is_cancelled():
+            return
+        # Stops the loop at its next step; its answer (CANCELLED) is still read.
+        pb_utils.Logger.log_info(f"request {request.request_id() or '-'}: withdrawn by its client; stopping it")
+        cancel_sent = True
+        stop = pb_utils.InferenceRequest(model_name=sampler, requested_output_names=[],
+                                         inputs=[pb_utils.Tensor(CANCEL_INPUT, _text(key))])
+        stop_stream = stop.exec(decoupled=True)
+        keep_stream(stop_stream)
+        for _ in stop_stream:  # its one (empty) final response
+            pass
+
     sent_at = time.time()
     stream = call.exec(decoupled=True)
     keep_stream(stream)
     for response in _responses_while_alive(stream, sampler, sent_at):
         if response is _SILENCE:
+            stop_if_withdrawn()
             if on_silence is not None:
                 on_silence()
             continue
         if response is None:  # the sampler's stub died under the request
-            pb_utils.Logger.log_warn(f"request {request.request_id() or '-'}: {sampler} died after step {last_step}")
-            answer = _error_response(f"{sampler} stopped while it ran the request (after step {last_step}); it is "
-                                     "being loaded again: send the request again", pb_utils.TritonError.UNAVAILABLE)
+            where = "" if last_step is None else f" after step {last_step}"
+            pb_utils.Logger.log_warn(f"request {request.request_id() or '-'}: {sampler} died{where}")
+            answer = _error_response(f"{sampler} stopped while it ran the request{where}; it is being loaded "
+                                     "again: send the request again", pb_utils.TritonError.UNAVAILABLE)
             break
         if response.has_error():  # the sampler model itself failed (not loaded, stopping)
             answer = _error_response(f"{sampler}: {response.error().message()}", pb_utils.TritonError.UNAVAILABLE)
@@ -316,20 +340,10 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
             answer = _error_response(error["message"], getattr(pb_utils.TritonError, error["status"]))
         elif "images" in outputs:
             answer = pb_utils.InferenceResponse([outputs[name] for name in output_names if name in outputs])
-        elif cancel_sent:
-            continue
-        elif is_cancelled():
-            # Stops the loop at its next step; its answer (CANCELLED) is still read.
-            pb_utils.Logger.log_info(f"request {request.request_id() or '-'}: withdrawn by its client after step "
-                                     f"{last_step}; stopping it")
-            cancel_sent = True
-            stop = pb_utils.InferenceRequest(model_name=sampler, requested_output_names=[],
-                                             inputs=[pb_utils.Tensor(CANCEL_INPUT, _text(key))])
-            stop_stream = stop.exec(decoupled=True)
-            keep_stream(stop_stream)
-            for _ in stop_stream:  # its one (empty) final response
-                pass
         else:
+            stop_if_withdrawn()
+            if cancel_sent:
+                continue
             last_step = int(outputs[PROGRESS_OUTPUT].as_numpy()[0])
             if on_progress is not None:
                 on_progress(outputs)
@@ -349,13 +363,13 @@ def _send_heartbeat(sender, progress: np.ndarray, elapsed: float) -> None:
 
 def _responses_while_alive(stream, sampler: str, sent_at: float):
     """The responses of ``stream`` to its last (the sampler's stream must be
-    read to its end), or None once the request is found lost: a dead
-    decoupled stub never ends its streams (Triton 2.51), so a thread reads
-    them, and after each ``SAMPLER_CHECK_S`` of silence (``_SILENCE``) the
-    relay checks that the sampler process that took the request
-    (ACCEPTED_OUTPUT, the first response, not passed on) still runs; before
-    one took it, that a sampler older than the request runs and
-    ``ACCEPT_WAIT_S`` have not passed."""
+    read to its end), ``_SILENCE`` after each ``CANCEL_POLL_S`` without one,
+    or None once the request is found lost: a dead decoupled stub never ends
+    its streams (Triton 2.51), so a thread reads them, and after each
+    ``SAMPLER_CHECK_S`` of silence the relay checks that the sampler process
+    that took the request (ACCEPTED_OUTPUT, the first response, not passed
+    on) still runs; before one took it, that a sampler older than the
+    request runs and ``ACCEPT_WAIT_S`` have not passed."""
     responses: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -367,20 +381,24 @@ def _responses_while_alive(stream, sampler: str, sent_at: float):
 
     threading.Thread(target=read, name="sampler-stream", daemon=True).start()
     accepted_by = None
+    heard_at = time.monotonic()
     while True:
         try:
-            response = responses.get(timeout=SAMPLER_CHECK_S)
+            response = responses.get(timeout=CANCEL_POLL_S)
         except queue.Empty:
-            if accepted_by is not None:
-                alive = _running(accepted_by)
-            else:
-                alive = time.time() - sent_at < ACCEPT_WAIT_S and any(
-                    stub.started <= sent_at + 0.05 for stub in instances_of(sampler, sibling_stubs()))
-            if not alive:
-                yield None
-                return
+            if time.monotonic() - heard_at >= SAMPLER_CHECK_S:
+                heard_at = time.monotonic()
+                if accepted_by is not None:
+                    alive = _running(accepted_by)
+                else:
+                    alive = time.time() - sent_at < ACCEPT_WAIT_S and any(
+                        stub.started <= sent_at + 0.05 for stub in instances_of(sampler, sibling_stubs()))
+                if not alive:
+                    yield None
+                    return
             yield _SILENCE
             continue
+        heard_at = time.monotonic()
         if response is StopIteration:
             return
         taken = None if response.has_error() else pb_utils.get_output_tensor_by_name(response, ACCEPTED_OUTPUT)
@@ -694,6 +712,9 @@ class SamplerModel:
         interval = (self.manifest.preview_interval if interval is None
                     else integer_input(PREVIEW_INTERVAL_INPUT, interval, 0, parsed.num_inference_steps))
         request_id = request.request_id() or "-"
+        progress = get_input(PROGRESS_INPUT)
+        progress = True if progress is None else bool(progress.reshape(-1)[0])
+        log_steps = os.environ.get(STEP_LOG_ENV) == "1"
         previews: list[np.ndarray] = []
 
         def on_preview(step: int, latents) -> None:
@@ -701,7 +722,10 @@ class SamplerModel:
 
         def on_step(step: int, total: int) -> None:
             running.steps_done = step
-            self.logger.log_verbose(f"request {request_id}: step {step}/{total}")
+            if log_steps:
+                self.logger.log_verbose(f"request {request_id}: step {step}/{total}")
+            if not progress:
+                return
             outputs = [pb_utils.Tensor(PROGRESS_OUTPUT, np.array([step, total], np.int32)),
                        pb_utils.Tensor(ELAPSED_OUTPUT, np.array([time.monotonic() - started], np.float32))]
             if previews:
@@ -712,7 +736,7 @@ class SamplerModel:
             return running.stop.is_set() or server_stopping()
 
         result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=is_cancelled,
-                                       on_preview=on_preview if self.preview is not None else None,
+                                       on_preview=on_preview if self.preview is not None and progress else None,
                                        preview_interval=interval)
         if is_cancelled():  # after the last step, before the decode
             raise GenerationCancelled(result.stats.steps, result.stats.steps)

@@ -58,8 +58,10 @@ class FluxRuntime(FamilyRuntime):
                                  max_length=self.settings["clip_max_length"]).input_ids.astype(np.int64)
         t5_ids = self.tokenize(self.tokenizer_2, prompts, padding="max_length", truncation=True, return_tensors="np",
                                max_length=self.settings["max_sequence_length"]).input_ids.astype(np.int64)
-        pooled = as_torch(self.run_component("text_encoder", {"input_ids": clip_ids})["pooled_prompt_embeds"])
-        embeds = as_torch(self.run_component("text_encoder_2", {"input_ids": t5_ids})["prompt_embeds"])
+        encoded = self.run_components({"text_encoder": {"input_ids": clip_ids},
+                                       "text_encoder_2": {"input_ids": t5_ids}})
+        pooled = as_torch(encoded["text_encoder"]["pooled_prompt_embeds"])
+        embeds = as_torch(encoded["text_encoder_2"]["prompt_embeds"])
         return {
             "encoder_hidden_states": embeds,
             "pooled_projections": pooled,

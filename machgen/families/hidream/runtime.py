@@ -66,13 +66,15 @@ class HiDreamRuntime(FamilyRuntime):
     def encode_prompts(self, prompts: list[str]) -> dict[str, Any]:
         """HiDreamImagePipeline.encode_prompt for a list of prompts, one row each."""
         settings = self.settings
-        pooled = [as_torch(self.run_component(encoder, {"input_ids": self._tokens(
-            tokenizer, prompts, settings["clip_tokens"])["input_ids"]})["text_embeds"])
-            for encoder, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))]
-        t5 = self.run_component("text_encoder_3", self._tokens("tokenizer_3", prompts, settings["t5_tokens"]))
-        llama = self.run_component("text_encoder_4", self._tokens("tokenizer_4", prompts, settings["llama_tokens"]))
-        return {"pooled_embeds": torch.cat(pooled, dim=-1), "t5_embeds": as_torch(t5["t5_embeds"]),
-                "llama_embeds": as_torch(llama["llama_embeds"])}
+        encoded = self.run_components({
+            "text_encoder": {"input_ids": self._tokens("tokenizer", prompts, settings["clip_tokens"])["input_ids"]},
+            "text_encoder_2": {"input_ids": self._tokens("tokenizer_2", prompts, settings["clip_tokens"])["input_ids"]},
+            "text_encoder_3": self._tokens("tokenizer_3", prompts, settings["t5_tokens"]),
+            "text_encoder_4": self._tokens("tokenizer_4", prompts, settings["llama_tokens"])})
+        pooled = [as_torch(encoded[encoder]["text_embeds"]) for encoder in ("text_encoder", "text_encoder_2")]
+        return {"pooled_embeds": torch.cat(pooled, dim=-1),
+                "t5_embeds": as_torch(encoded["text_encoder_3"]["t5_embeds"]),
+                "llama_embeds": as_torch(encoded["text_encoder_4"]["llama_embeds"])}
 
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         """The latents' height and width for a requested size (prepare_latents of the rendered size)."""
