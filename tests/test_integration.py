@@ -11,7 +11,7 @@ from PIL import Image
 from machgen.client import GenerationError, MachgenClient
 from machgen.contract.manifest import PipelineManifest, pipeline_dir
 
-from conftest import CALIBRATED, PIPELINE_NAME
+from conftest import CALIBRATED, PIPELINE_NAME, metric
 
 pytestmark = pytest.mark.integration
 
@@ -200,6 +200,23 @@ def test_cached_request_equals_the_same_policy_in_process(triton_server, built_r
         assert stats["denoiser_tail_calls"] == expected_stats.denoiser_tail_calls
         assert stats["denoiser_head_calls"] == 12 and stats["cache_policy"] == "fbcache"
     assert stats["denoiser_tail_calls"] < 12, stats  # the loose threshold really skipped
+
+
+def test_a_step_that_runs_head_and_tail_is_one_call_to_their_ensemble(triton_server):
+    """Served, a step that runs the whole denoiser calls NAME_denoiser (Triton's ensemble of head and tail:
+    one round trip, the head's outputs passed on inside the server); a First-Block Cache step, which must see
+    the head's outputs before it decides on the tail, calls the two apart."""
+    chain, head = f"{PIPELINE_NAME}_denoiser", f"{PIPELINE_NAME}_denoiser_head"
+
+    def calls() -> dict:
+        return {model: metric(triton_server, "nv_inference_request_success", model) for model in (chain, head)}
+
+    with MachgenClient(triton_server.grpc_url) as client:
+        for policy, chained in (("none", 3), ("fbcache", 0)):
+            before = calls()
+            client.generate(PIPELINE_NAME, "a red cat", seed=2, num_inference_steps=3, cache_policy=policy)
+            after = calls()
+            assert (after[chain] - before[chain], after[head] - before[head]) == (chained, 3), policy
 
 
 def test_calibrated_controls_served_equal_in_process(variant_repository, variant_server):

@@ -109,21 +109,26 @@ def find_pipeline_dir(repository: Path, name: str | None) -> Path:
 @dataclass(frozen=True)
 class ComponentEntry:
     """How the sampler reaches one component: a Triton ``model``, or a ``file``
-    (relative to the sampler's folder) it runs in its own process."""
+    (relative to the sampler's folder) it runs in its own process. A model
+    with ``steps`` is a chain of other components, a Triton ensemble: each
+    step takes its inputs by name from the chain's inputs and the outputs of
+    the steps before it."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     model: str | None = None
     file: str | None = None
+    steps: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         where = {"model": self.model} if self.model is not None else {"file": self.file}
-        return {**where, "inputs": list(self.inputs), "outputs": list(self.outputs)}
+        chain = {"steps": list(self.steps)} if self.steps else {}
+        return {**where, "inputs": list(self.inputs), "outputs": list(self.outputs), **chain}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ComponentEntry":
         return cls(inputs=tuple(data["inputs"]), outputs=tuple(data["outputs"]), model=data.get("model"),
-                   file=data.get("file"))
+                   file=data.get("file"), steps=tuple(data.get("steps", ())))
 
 
 @dataclass(frozen=True)
@@ -196,5 +201,7 @@ class PipelineManifest:
 
     @property
     def served_models(self) -> dict[str, str]:
-        """Component name to the Triton model serving it, for those not run in the sampler."""
-        return {name: entry.model for name, entry in self.components.items() if entry.model is not None}
+        """Component name to the Triton model serving it, for those not run in the sampler (chains aside:
+        they hold no file of their own)."""
+        return {name: entry.model for name, entry in self.components.items()
+                if entry.model is not None and not entry.steps}

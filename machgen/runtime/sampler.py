@@ -15,7 +15,9 @@ image output minus its image input) and ``denoiser_reuse``, which turns the
 input embedding plus a kept ``blocks_residual`` into a prediction when a
 step skips the blocks (see runtime/cache.py). A family may switch between
 denoisers (Wan 2.2's experts: ``denoiser_2_*``); what was kept is forgotten
-at the switch.
+at the switch. Served, a step that runs head and tail calls ``denoiser``
+(the prefix itself: a Triton ensemble of the two) where the components
+include it.
 
 Batching across requests happens below this module: each in-flight request
 has its own ``generate`` call (one thread each in the served sampler), and
@@ -183,16 +185,18 @@ class Sampler:
         plan = cache.plan(step)
         head_inputs = _first_rows(inputs, cache.rows(step, plan, len(inputs["hidden_states"])))
         head_outputs = None
+        if plan is StepPlan.COMPUTE and denoiser in self.component_inputs:
+            # The served chain of head and tail: one call, the head's outputs passed on inside the server.
+            outputs = self.run_component(denoiser, head_inputs)
+            stats.denoiser_head_calls += 1
+            return self._tail_ran(outputs, outputs, len(head_inputs["hidden_states"]), cache, stats)
         if plan is not StepPlan.REUSE:
             head_outputs = self.run_component(f"{denoiser}_head", head_inputs)
             stats.denoiser_head_calls += 1
             if plan is StepPlan.COMPUTE or cache.inspect(step, head_outputs):
                 tail_outputs = self.run_component(
                     f"{denoiser}_tail", _route(self._inputs_of(denoiser, "tail"), {**head_inputs, **head_outputs}))
-                stats.denoiser_tail_calls += 1
-                stats.denoiser_tail_passes += len(head_inputs["hidden_states"])
-                cache.computed(head_outputs, tail_outputs["tail_residual"])
-                return tail_outputs["noise_pred"], True
+                return self._tail_ran(head_outputs, tail_outputs, len(head_inputs["hidden_states"]), cache, stats)
             # A row without a kept residual (a guidance row that ran no tail) comes from the guidance difference.
             head_inputs = _first_rows(head_inputs, cache.kept_rows())
         cache.skipped(step)
@@ -200,6 +204,14 @@ class Sampler:
                      "blocks_residual": cache.blocks_residual(head_outputs, len(head_inputs["hidden_states"]))}
         return self.run_component(f"{denoiser}_reuse",
                                   _route(self._inputs_of(denoiser, "reuse"), available))["noise_pred"], False
+
+    @staticmethod
+    def _tail_ran(head_outputs: Mapping[str, Any], tail_outputs: Mapping[str, Any], rows: int, cache: StepCache,
+                  stats: "GenerationStats") -> tuple[Any, bool]:
+        stats.denoiser_tail_calls += 1
+        stats.denoiser_tail_passes += rows
+        cache.computed(head_outputs, tail_outputs["tail_residual"])
+        return tail_outputs["noise_pred"], True
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None,
                  is_cancelled: Callable[[], bool] | None = None, on_preview: PreviewCallback | None = None,
@@ -286,10 +298,14 @@ def adapter_rows(adapters: Sequence[tuple[str, float]], rows: int) -> dict[str, 
     return {ADAPTER_NAMES_INPUT: names, ADAPTER_SCALES_INPUT: scales}
 
 
-def load_sampler(manifest: PipelineManifest, assets_dir: str, run_component: RunComponent) -> Sampler:
-    """The sampler a repository's manifest describes (served and in-process)."""
+def load_sampler(manifest: PipelineManifest, assets_dir: str, run_component: RunComponent,
+                 chains: bool = False) -> Sampler:
+    """The sampler a repository's manifest describes (served and in-process). With ``chains`` it calls the
+    manifest's chains (Triton ensembles of a denoiser's head and tail) for a step that runs both: served,
+    that saves a round trip; in-process there is none to save, and each part is called by its name."""
     runtime = load_object(manifest.runtime)(manifest.family_settings, assets_dir, run_component)
     root, _ = served_adapters(manifest.adapters, assets_dir)
-    return Sampler(runtime, run_component, {name: entry.inputs for name, entry in manifest.components.items()},
+    components = {name: entry.inputs for name, entry in manifest.components.items() if chains or not entry.steps}
+    return Sampler(runtime, run_component, components,
                    cache_settings=CacheSettings.from_json(manifest.cache), prompt_cache_size=manifest.prompt_cache_size,
                    adapters=None if root is None else lambda: installed_adapters(root))

@@ -585,7 +585,7 @@ class SamplerModel:
                                      serving_host())
         self.in_sampler = InSamplerComponents(self.manifest.components, model_dir,
                                               *served_adapters(self.manifest.adapters, model_dir))
-        self.sampler = load_sampler(self.manifest, str(model_dir), self._run_component)
+        self.sampler = load_sampler(self.manifest, str(model_dir), self._run_component, chains=True)
         self.preview = LatentPreview.load(model_dir)  # None: the build fitted none (--no-preview)
         self.logger = pb_utils.Logger
         # Requests running, by the key their relay gave them.
