@@ -11,7 +11,7 @@ MODEL ?= models/shapes-flux
 NAME ?= shapes
 PROMPT ?= a red circle at the top left
 
-.PHONY: install test test-fast demo repository clean
+.PHONY: install system-tools test test-fast demo repository clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# HAProxy, Prometheus, Chromium and its driver, PostgreSQL from Debian's packages where they are missing; where they
+# cannot be installed, one line says so and the tests that need them skip, naming them.
+system-tools:
+	@bash tools/system-tools.sh
+	@for tool in haproxy prometheus chromium chromedriver; do \
+		command -v $$tool >/dev/null 2>&1 && echo "$$tool: $$($$tool --version 2>/dev/null | head -n 1)"; \
+	done; ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sed 's/^/postgresql: /'; true
+
 # Two workers (the CI machine's cores); a test module runs whole on one worker, so its repositories are built once.
 # One thread each: two workers fill the two cores, and more threads only contend (torch's OpenMP threads spin while
 # they wait for work).
@@ -27,7 +35,7 @@ PYTEST_WORKERS ?= 2
 PYTEST_THREADS ?= 1
 PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
 
-test: install
+test: install system-tools
 	OMP_NUM_THREADS=$(PYTEST_THREADS) $(BIN)/python -m pytest -ra --durations=15 $(PYTEST_PARALLEL)
 
 # The unit tier: no export, no server (what exports or serves is marked so, and refused here).

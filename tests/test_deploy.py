@@ -214,7 +214,7 @@ def test_an_invalid_object_fails_the_checks(helm):
 def test_promtool_tests_the_rules():
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed (Debian: apt-get install prometheus; .ci/run installs it)")
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus; make system-tools installs it)")
     checked = subprocess.run([promtool, "test", "rules", os.fspath(RULES / "rules_test.yaml")],
                              capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -2,7 +2,7 @@
 
 A user's path through it: the API key, a prompt, steps and a seed, Generate; the progress bar moves, the result
 shows, the recent-jobs list has the job as completed. The picture shown is the API's own answer to the same
-request. Skipped, naming what is missing, without chromium, chromedriver or selenium (.ci/run installs them).
+request. Skipped, naming what is missing, without chromium, chromedriver or selenium (`make system-tools`, which `make test` runs, installs them).
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def test_generate_in_the_playground(api_server, browser, tmp_path):
     assert browser.find_elements(By.CSS_SELECTOR, f'#jobs li[data-job-id="{job}"] .output-link')
 
     browser.save_screenshot(str(tmp_path / "playground.png"))
-    if os.environ.get("MACHGEN_SCREENSHOT"):  # how docs/playground.png is made
+    # The tiny model's page, on request; docs/playground.png shows the trained model (perf/playground_screenshot.py).
+    if os.environ.get("MACHGEN_SCREENSHOT"):
         target = Path(os.environ["MACHGEN_SCREENSHOT"])
         target.parent.mkdir(parents=True, exist_ok=True)
         browser.save_screenshot(str(target))

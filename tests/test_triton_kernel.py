@@ -33,8 +33,8 @@ def _inputs(tokens=(2, 6, 8), heads=2, head_dim=32):
 @pytest.mark.parametrize("precision, tolerance", [
     ("fp32", 1e-5),
     pytest.param("bf16", 2e-2, marks=pytest.mark.skipif(
-        DEVICE == "cpu", reason="Triton 3.9's interpreter multiplies bfloat16 as raw bits (checked: tl.dot of "
-                                "two bf16 tiles is off by 1e10); perf/gpu_check.sh checks bf16 on a GPU")),
+        DEVICE == "cpu", reason="needs CUDA: Triton 3.9's interpreter multiplies bfloat16 as raw bits (checked: "
+                                "tl.dot of two bf16 tiles is off by 1e10); perf/gpu_check.sh checks bf16 on a GPU")),
 ])
 def test_kernel_equals_the_reference(precision, tolerance):
     q, k, v = _inputs(tokens=(1, 10, 10))  # 100 tokens: the last blocks are partial
