@@ -9,9 +9,12 @@ up this virtual environment (and the installed machgen package).
 
 The server runs in explicit model-control mode with every model loaded, so
 that one model can be reloaded without touching the others (a Python stub
-that dies is not restarted by Triton itself); its model-repository and
-shared-memory APIs answer only requests carrying ``CONTROL_KEY_HEADER`` with
-this server's own key, which only the process that started it holds.
+that dies is not restarted by Triton itself); its model-repository,
+shared-memory, logging and trace APIs (reading their settings too: Triton
+restricts a category whole) answer only requests carrying
+``CONTROL_KEY_HEADER`` with this server's own key, which only the process
+that started it holds: a stranger who reaches the port can neither unload a
+model nor switch verbose logging or tracing on.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from pathlib import Path
 from machgen.contract.manifest import STEP_LOG_ENV, STOP_FILE_ENV
 from machgen.runtime.processes import Stub, stub_of
 
-# The header that Triton's restricted APIs (model repository, shared memory) ask for; gRPC clients send it
-# as GRPC_CONTROL_KEY_HEADER (Triton prefixes a restricted protocol's header).
+# The header that Triton's restricted APIs (RESTRICTED_APIS) ask for; gRPC clients send it as
+# GRPC_CONTROL_KEY_HEADER (Triton prefixes a restricted protocol's header). Refused: HTTP 403, gRPC UNAVAILABLE
+# (Triton 2.51's code for it), both "This API/protocol is restricted, expecting header '...'".
 CONTROL_KEY_HEADER = "machgen-control-key"
 GRPC_CONTROL_KEY_HEADER = f"triton-grpc-protocol-{CONTROL_KEY_HEADER}"
-RESTRICTED_APIS = "model-repository,shared-memory"
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 
 
 class ServerError(RuntimeError):
