@@ -272,6 +272,80 @@ def test_lora_add_refuses_what_does_not_fit_the_model(adapted_repository, adapte
     assert sorted(list_adapters(adapted_repository)) == ["attn", "ff"]
 
 
+# --- a rebuild of a repository that holds added adapters (the rest of what a rebuild keeps: test_rebuild.py)
+
+@pytest.fixture(scope="module")
+def rebuilt_repository(built_repository, tiny_flux_dir, adapter_dirs, tmp_path_factory) -> Path:
+    """The tiny Flux in a repository of its own (every component from the export cache built_repository
+    filled), with "attn" (rank 4) and "ff" (rank 2) added by the CLI."""
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp("rebuilt-repository")
+    build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lambda line: None, preview=False,
+                     options=ServingOptions(in_flight=2, component_instances=1, max_lora_rank=ADAPTER_RANK))
+    for name in ("attn", "ff"):
+        added = machgen_build("lora", "add", str(out), str(adapter_dirs[name]), "--name", name)
+        assert added.returncode == 0, added.stderr
+    return out
+
+
+def rebuild(repository: Path, model_dir: Path, *options: str) -> subprocess.CompletedProcess:
+    return machgen_build("build", str(model_dir), "--name", PIPELINE_NAME, "--out", str(repository), "--no-preview",
+                         "--component-instances", "1", *options)
+
+
+def test_a_rebuild_keeps_the_added_adapters_and_serves_both(rebuilt_repository, tiny_flux_dir, reference):
+    from machgen.contract.adapters import adapters_root
+    from machgen.runtime.local import LocalPipeline
+
+    folder = pipeline_dir(rebuilt_repository, PIPELINE_NAME)
+    stored = {name: (adapters_root(folder) / name / "adapter.safetensors").read_bytes() for name in ("attn", "ff")}
+    # Other serving options: every generated file is written again, the adapters stay.
+    rebuilt = rebuild(rebuilt_repository, tiny_flux_dir, "--max-lora-rank", str(ADAPTER_RANK), "--in-flight", "3")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "carried over adapters: attn, ff" in rebuilt.stdout
+    assert "count: 3" in (rebuilt_repository / PIPELINE_NAME / "config.pbtxt").read_text()
+    listed = machgen_build("lora", "list", str(rebuilt_repository))
+    assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == ["attn", "ff"]
+    assert {name: (adapters_root(folder) / name / "adapter.safetensors").read_bytes() for name in stored} == stored
+    defaults = PipelineManifest.read(folder).defaults.to_json()
+    pipeline = LocalPipeline(rebuilt_repository, PIPELINE_NAME)
+    for adapters in ({"attn": 1.0}, {"ff": 1.0}):
+        images, stats = pipeline.generate("a red cat", seed=5, cache_policy="none", **_lora(adapters))
+        assert _max_diff(images[0], reference(adapters, diffusers_image, defaults, "a red cat", 5)) \
+            <= MAX_PIXEL_DIFF, adapters
+
+
+def test_a_rebuild_the_adapters_no_longer_fit_is_refused_by_name_unless_they_are_dropped(rebuilt_repository,
+                                                                                          tiny_flux_dir):
+    from machgen.builder.adapters import list_adapters
+    from machgen.builder.build import build_repository
+    from machgen.builder.rebuild import RebuildRefused
+    from machgen.builder.repository import ServingOptions
+
+    before = {path: path.stat().st_mtime_ns for path in rebuilt_repository.rglob("*")}
+    # Without adapter inputs none can be served; refused before any export.
+    with pytest.raises(RebuildRefused) as refused:
+        build_repository(tiny_flux_dir, PIPELINE_NAME, rebuilt_repository, log=lambda line: None, preview=False,
+                         options=ServingOptions(max_lora_rank=0))
+    for name in ("attn", "ff"):
+        assert f"adapter '{name}': this build serves no per-request adapters" in str(refused.value)
+    # A smaller maximum rank: "attn" (rank 4) no longer fits, "ff" (rank 2) does.
+    refused = rebuild(rebuilt_repository, tiny_flux_dir, "--max-lora-rank", "3")
+    assert refused.returncode == 1
+    assert "adapter 'attn': " in refused.stderr and "rank 4 is over this build's maximum 3" in refused.stderr
+    assert "'ff'" not in refused.stderr and "--drop-unfit-adapters" in refused.stderr
+    assert {path: path.stat().st_mtime_ns for path in rebuilt_repository.rglob("*")} == before
+    assert sorted(list_adapters(rebuilt_repository)) == ["attn", "ff"]
+
+    dropped = rebuild(rebuilt_repository, tiny_flux_dir, "--max-lora-rank", "3", "--drop-unfit-adapters")
+    assert dropped.returncode == 0, dropped.stderr
+    assert "deleted adapter 'attn' (--drop-unfit-adapters): " in dropped.stdout
+    assert "rank 4 is over this build's maximum 3" in dropped.stdout
+    assert sorted(list_adapters(rebuilt_repository)) == ["ff"]
+
+
 # --- the component side and the API's validation, without a server
 
 def _write_adapter(root: Path, name: str, layers: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:

@@ -195,16 +195,24 @@ def _reached_by_swap(component, module_names, layers) -> bool:
 def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
                      options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
                      target_options: TargetOptions = TargetOptions(), export_cache: Path | None = None,
-                     log: Callable[[str], None] = print, preview: bool = True) -> list[ComponentResult]:
+                     log: Callable[[str], None] = print, preview: bool = True, drop_unfit_adapters: bool = False,
+                     discard_changes: bool = False) -> list[ComponentResult]:
     """Export, check and write every component of the model in ``model_dir``
     (with ``lora`` fused into its weights first), served with ``options``;
     components found in ``export_cache`` (default: $MACHGEN_EXPORT_CACHE,
     builder/export_cache.py) are copied from there, not exported again.
     ``preview``: fit the latent-to-RGB preview projection on the built
-    repository's own decodes (builder/preview_fit.py)."""
+    repository's own decodes (builder/preview_fit.py).
+
+    Over an earlier build of the pipeline in ``out`` it keeps what users
+    added since (adapters, a calibration, edits, their own files) or,
+    before exporting anything, refuses with rebuild.RebuildRefused naming
+    it; ``drop_unfit_adapters`` deletes the adapters that no longer fit,
+    ``discard_changes`` replaces or deletes the rest (builder/rebuild.py)."""
     from machgen.builder.calibrate import calibration_summary
     from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
+    from machgen.builder.rebuild import plan_rebuild
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
     from machgen.plugins.ops import attention_swapped
 
@@ -246,6 +254,11 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
 
             pipe.to(device=device, dtype=getattr(torch, dtype))  # the components' modules share these weights
     serving = TargetServing(target, torch_device=device, torch_dtype=dtype)
+    cache_settings = model_cache_settings(model_dir)
+    files = render_repository(name, family, specs, defaults, settings, options=options, cache=cache_settings,
+                              attention=asdict(sparse) if sparse else None, serving=serving, adapters=adapters)
+    # Before minutes of export: what the repository holds that this build would lose.
+    plan = plan_rebuild(out, name, files, specs, adapters, drop_unfit_adapters, discard_changes)
     root = cache_root(export_cache)
     cache = ExportCache(root) if root is not None else None
     # What decides an export besides the component (the tensorrt target exports the ONNX file onnxruntime runs).
@@ -301,12 +314,11 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
                              "the model would be dense")
-        cache = model_cache_settings(model_dir)
-        log(calibration_summary(cache))
-        files = render_repository(name, family, specs, defaults, settings, options=options, cache=cache,
-                                  attention=asdict(sparse) if sparse else None, serving=serving, adapters=adapters)
+        log(calibration_summary(cache_settings))
         assets = {asset: model_dir / asset for asset in exporter.sampler_assets}
-        write_repository(out, name, files, exported, assets)
+        plan.refuse_overwriting(_exported_paths(name, files, exported), discard_changes)
+        write_repository(out, name, plan.files, exported, assets, keep=plan.keep, remove=plan.remove_models)
+        plan.finish(log)
         if preview:
             from machgen.builder.preview_fit import fit_repository_preview
             from machgen.contract.manifest import pipeline_dir
@@ -316,11 +328,27 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 # Engines run only inside Triton: the projection is fitted on the same components' ONNX files.
                 fit_on = Path(scratch) / "onnxruntime-repository"
                 write_repository(fit_on, name, render_repository(
-                    name, family, specs, defaults, settings, options=options, cache=cache,
+                    name, family, specs, defaults, settings, options=options, cache=cache_settings,
                     serving=TargetServing("onnxruntime")), onnx_files, assets)
             fit_repository_preview(fit_on, name, log).save(pipeline_dir(out, name))
+        plan.write_record({relative.split("/", 1)[0] for relative in files})
     log(f"wrote model repository {out} (public model '{name}', target {target})")
     return results
+
+
+def _exported_paths(name: str, files: dict[str, str], exported: dict[str, Path]) -> set[str]:
+    """Where write_repository puts the exported files, relative to the repository."""
+    from machgen.contract.manifest import in_sampler_file, model_name, pipeline_dir
+
+    models = {relative.split("/", 1)[0] for relative in files}
+    sampler = pipeline_dir(Path(), name)
+    paths = set()
+    for component, path in exported.items():
+        for produced in path.parent.iterdir():
+            served = model_name(name, component)
+            paths.add(f"{served}/1/{produced.name}" if served in models
+                      else (sampler / in_sampler_file(component, path.name)).parent.joinpath(produced.name).as_posix())
+    return paths
 
 
 def components_to_export(exporter: "FamilyExport", pipe, options: "ServingOptions", target: str = "onnxruntime",

@@ -22,7 +22,7 @@ app = typer.Typer(help="Export diffusion models and write Triton model repositor
 @app.command("families")
 def list_families(
     api_table: bool = typer.Option(False, "--api-table", help="print the rows of the families' own API inputs, "
-                                                              "as the README's table has them"),
+                                                              "as docs/model-api.md's table has them"),
 ) -> None:
     """List the supported model families (with their diffusers pipeline, tasks and own inputs)."""
     if api_table:
@@ -113,8 +113,19 @@ def build(
     preview: bool = typer.Option(True, "--preview/--no-preview",
                                  help="fit the latent-to-RGB projection that draws progress previews without the "
                                       "VAE (a few generations at the served defaults, stored in the repository)"),
+    drop_unfit_adapters: bool = typer.Option(False, "--drop-unfit-adapters",
+                                             help="rebuilding: delete the added adapters (lora add) that this "
+                                                  "build cannot serve, instead of refusing to build"),
+    discard_changes: bool = typer.Option(False, "--discard-changes",
+                                         help="rebuilding: replace or delete what was changed or added in the "
+                                              "pipeline's models since the last build (a calibration, edited or "
+                                              "added files) where this build writes its own, instead of refusing"),
 ) -> None:
-    """Export every component, check it against torch, and write the model repository."""
+    """Export every component, check it against torch, and write the model repository.
+
+    Over an earlier build of the same --name in --out, what was added since is kept: adapters (checked against
+    this build), a calibration and other changes to the manifest or configs, files of your own. Where this build
+    cannot keep something, it refuses before exporting and names it."""
     from machgen.builder.build import build_repository
     from machgen.builder.export import ParityError
     from machgen.builder.tensorrt_engine import TensorRTUnavailable
@@ -133,7 +144,8 @@ def build(
                          target_options=TargetOptions(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                                       compile=compile_programs, precision=precision,
                                                       refittable=refittable, timing_cache=timing_cache),
-                         export_cache=export_cache, preview=preview)
+                         export_cache=export_cache, preview=preview, drop_unfit_adapters=drop_unfit_adapters,
+                         discard_changes=discard_changes)
     except (ParityError, ValueError, KeyError, FileNotFoundError, TensorRTUnavailable) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
