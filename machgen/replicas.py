@@ -17,7 +17,17 @@ client sees one gRPC and one HTTP address (checked with HAProxy 2.6):
   NOT_FOUND inside HTTP 200 responses that no balancer retries; measured: 106
   failed requests through HAProxy without this order, 0 with it.
 - ``rolling_restart`` does that to each replica in turn, starting it again
-  and waiting until the balancer sees it ready before the next.
+  and waiting until the balancer sees it ready before the next. It takes a
+  replica out only while every other one serves: a replica that does not come
+  back (its tritonserver fails to start: a rebuilt repository with a model
+  that does not load, a port taken) is tried again with exponential backoff
+  (``ReplicaSettings.retry_first_s`` doubling up to ``retry_max_s``, for as
+  long as it takes), and the restart goes on to the next replica only once it
+  is back in the balancer. The others serve meanwhile, still the version they
+  ran: a restart that rolls out a broken build stops at its first replica.
+  The replica's state is in ``status()`` (served at /status beside /metrics),
+  ``machgen_replica_up`` and ``machgen_replica_start_failures_total``, and
+  the log.
 
 The balancer's configuration is rendered from deploy/haproxy/haproxy.cfg.template.
 With ``prometheus_port`` a Prometheus scrapes the balancer, every replica and
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import shutil
 import socket
@@ -36,7 +47,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -188,8 +199,6 @@ class PrometheusProcess:
         self.process: subprocess.Popen | None = None
 
     def render(self) -> str:
-        import json
-
         # YAML is a superset of JSON: the configuration needs no YAML writer.
         scrape_configs = [{"job_name": job, "scrape_interval": f"{self.interval_s:g}s",
                            "static_configs": [{"targets": [address], "labels": labels} for address, labels in found]}
@@ -223,6 +232,24 @@ class Replica:
     supervisor: Supervisor
 
 
+STARTING, SERVING, RESTARTING, RETRYING = "starting", "serving", "restarting", "retrying"
+
+
+@dataclass
+class ReplicaStatus:
+    """What machgen serve knows of one replica, kept across its restarts (a Replica is new at each)."""
+
+    state: str = STARTING
+    """starting; serving (in the balancer); restarting (a rolling restart took it out: drained, started
+    again); retrying (its start failed: tried again at ``retry_at``)."""
+    start_failures: int = 0
+    """Starts that failed, in rolling restarts, since machgen serve started."""
+    last_error: str = ""
+    retry_at: float | None = None
+    """time.monotonic() of the next try while retrying."""
+    changed_at: float = field(default_factory=time.monotonic)
+
+
 @dataclass(frozen=True)
 class ReplicaSettings:
     count: int = 2
@@ -234,6 +261,11 @@ class ReplicaSettings:
     """An installed Triton's bin/tritonserver instead of the bundled one (machgen/server.py)."""
     check_interval_ms: int = 500
     """How often the balancer asks each replica whether it is ready."""
+    retry_first_s: float = 1.0
+    """A replica that failed to start in a rolling restart is tried again after this long, then after
+    twice as long after each failure, up to ``retry_max_s``: a failure that passes (a port freed, a
+    repository fixed) is over soon, one that lasts costs a start a minute, not a loop."""
+    retry_max_s: float = 60.0
 
 
 class ReplicaSet:
@@ -252,7 +284,10 @@ class ReplicaSet:
         replica_ports = [Ports(free_port(), free_port(), free_port()) for _ in range(settings.count)]
         self.balancer = Balancer(self.work_dir, settings.host, ports, replica_ports, settings.check_interval_ms)
         self.prometheus: PrometheusProcess | None = None
+        self.statuses = [ReplicaStatus() for _ in range(settings.count)]
+        self.restarting: int | None = None  # the replica a rolling restart is at
         self._given_up = threading.Event()
+        self._stopping = threading.Event()  # a drain began: a rolling restart leaves off
         self._lock = threading.Lock()  # one rolling restart at a time, never beside a drain
 
     def _new_replica(self, index: int, ports: Ports) -> Replica:
@@ -266,10 +301,19 @@ class ReplicaSet:
 
     def _start_replica(self, replica: Replica) -> None:
         replica.server.start()
+        self._supervise(replica)
+
+    def _supervise(self, replica: Replica) -> None:
         replica.supervisor.start()
         threading.Thread(target=self._watch_given_up, args=(replica.supervisor,), daemon=True).start()
         self.log(f"replica {replica.index}: tritonserver pid {replica.server.process.pid} ready "
                  f"(HTTP {replica.server.http_url}, gRPC {replica.server.grpc_url})")
+
+    def _set_state(self, index: int, state: str, **changes) -> None:
+        status = self.statuses[index]
+        status.state, status.changed_at = state, time.monotonic()
+        for name, value in changes.items():
+            setattr(status, name, value)
 
     def _watch_given_up(self, supervisor: Supervisor) -> None:
         if supervisor.wait():  # 0 after a drain of ours
@@ -297,6 +341,7 @@ class ReplicaSet:
         self.balancer.start()
         for replica in self.replicas:
             self.balancer.wait_up(replica.index)
+            self._set_state(replica.index, SERVING)
         if prometheus_port:
             self.prometheus = PrometheusProcess(self.work_dir / "prometheus", self.settings.host, prometheus_port,
                                                 self.scrape_targets(supervisor_metrics_port))
@@ -318,12 +363,46 @@ class ReplicaSet:
             targets["machgen-supervisor"] = [(f"{host}:{supervisor_metrics_port}", {"machgen_role": "supervisor"})]
         return targets
 
+    def is_up(self, index: int) -> bool:
+        """Replica ``index`` serves: in the balancer (not out for a restart, nor failing to start) and its
+        tritonserver runs."""
+        return (self.statuses[index].state == SERVING and index < len(self.replicas)
+                and self.replicas[index].server.alive())
+
     def metrics_text(self) -> str:
-        """The supervisors' counters, labelled by replica."""
-        return metrics_text({(("replica", str(replica.index)),): replica.supervisor for replica in self.replicas})
+        """The supervisors' counters and each replica's state, labelled by replica."""
+        lines = ["# HELP machgen_replica_up 1 while the replica serves behind the balancer; 0 while it is out: "
+                 "restarting, or failing to start and being tried again.",
+                 "# TYPE machgen_replica_up gauge"]
+        lines += [f'machgen_replica_up{{replica="{index}"}} {int(self.is_up(index))}'
+                  for index in range(len(self.statuses))]
+        lines += ["# HELP machgen_replica_start_failures_total Starts of the replica's tritonserver that failed in "
+                  "rolling restarts (each is tried again, with backoff).",
+                  "# TYPE machgen_replica_start_failures_total counter"]
+        lines += [f'machgen_replica_start_failures_total{{replica="{index}"}} {status.start_failures}'
+                  for index, status in enumerate(self.statuses)]
+        supervisors = {(("replica", str(replica.index)),): replica.supervisor for replica in self.replicas}
+        return metrics_text(supervisors) + "\n".join(lines) + "\n"
+
+    def status(self) -> dict:
+        """Each replica's state, as /status serves it (JSON)."""
+        now = time.monotonic()
+        replicas = []
+        for index, status in enumerate(self.statuses):
+            replica = self.replicas[index] if index < len(self.replicas) else None
+            replicas.append({
+                "replica": index, "state": status.state, "up": self.is_up(index),
+                "since_s": round(now - status.changed_at, 1),
+                "pid": replica.server.process.pid if replica and replica.server.alive() else None,
+                "start_failures": status.start_failures, "last_error": status.last_error or None,
+                "next_try_in_s": (round(max(0.0, status.retry_at - now), 1)
+                                  if status.state == RETRYING and status.retry_at is not None else None)})
+        return {"replicas": replicas, "rolling_restart": None if self.restarting is None
+                else {"replica": self.restarting, "of": len(self.statuses)}}
 
     def serve_metrics(self, host: str, port: int):
-        return serve_metrics(host, port, self.metrics_text)
+        """/metrics (``metrics_text``) and /status (``status``, JSON) at http://HOST:PORT."""
+        return serve_metrics(host, port, self.metrics_text, status=lambda: json.dumps(self.status(), indent=1))
 
     def wait(self) -> int:
         """Block until a replica's supervisor gives up (then 1): a replica that cannot be kept up is for the
@@ -332,23 +411,72 @@ class ReplicaSet:
         return 1
 
     def rolling_restart(self) -> None:
-        """Each replica in turn: out of the balancer, drained (requests in flight finish), stopped, started
-        again on the same ports, and back in the balancer once it answers ready there."""
+        """Each replica in turn, once every other one serves: out of the balancer, drained (requests in flight
+        finish), stopped, started again on the same ports (tried again with backoff until it starts), and back
+        in the balancer once it answers ready there. Raises ServerError when a drain cut it short."""
         with self._lock:
-            for index, replica in enumerate(self.replicas):
-                started = time.monotonic()
-                self.log(f"replica {index}: restarting (rolling): out of the balancer, draining")
-                self.balancer.set_state(index, "maint")
-                replica.supervisor.drain()
-                fresh = self._new_replica(index, replica.ports)
-                self._start_replica(fresh)
-                self.replicas[index] = fresh
+            try:
+                for index in range(len(self.replicas)):
+                    self.restarting = index
+                    self._wait_for_the_others(index)
+                    self._restart(index)
+            finally:
+                self.restarting = None
+
+    def _wait_for_the_others(self, index: int) -> None:
+        """Until every replica but ``index`` is up in the balancer: one more out could leave none serving."""
+        waiting_on = None
+        while True:
+            statuses = self.balancer.statuses()
+            down = [other for other in range(len(self.replicas)) if other != index
+                    and not all(statuses.get((backend, other)) == "UP" for backend in BACKENDS)]
+            if not down:
+                return
+            if down != waiting_on:
+                waiting_on = down
+                self.log(f"replica {index}: the rolling restart waits: replica {', '.join(map(str, down))} "
+                         "does not serve, and no replica is taken out while another is down")
+            if self._stopping.wait(1.0):
+                raise ServerError(f"stopping: the rolling restart left off before replica {index}")
+
+    def _restart(self, index: int) -> None:
+        replica = self.replicas[index]
+        started = time.monotonic()
+        self.log(f"replica {index}: restarting (rolling): out of the balancer, draining")
+        self._set_state(index, RESTARTING)
+        self.balancer.set_state(index, "maint")
+        replica.supervisor.drain()
+        fresh = self._new_replica(index, replica.ports)
+        # In place before it starts: a drain meanwhile stops this one, not the old.
+        self.replicas[index] = fresh
+        delay, failed = self.settings.retry_first_s, 0
+        while True:
+            try:
+                fresh.server.start()
                 self.balancer.set_state(index, "ready")
                 self.balancer.wait_up(index)
-                self.log(f"replica {index}: back in the balancer ({time.monotonic() - started:.1f} s)")
+                break
+            except ServerError as err:
+                fresh.server.kill_process()  # what a start that failed late leaves (stubs, a server not ready)
+                self.balancer.set_state(index, "maint")  # back in only once a start succeeded
+                failed += 1
+                self._set_state(index, RETRYING, start_failures=self.statuses[index].start_failures + 1,
+                                last_error=str(err), retry_at=time.monotonic() + delay)
+                self.log(f"replica {index}: did not start (try {failed}): {err}\n"
+                         f"replica {index}: out of the balancer, trying again in {delay:.0f} s; the other replicas "
+                         f"serve, and the rolling restart goes on only once replica {index} is back")
+                if self._stopping.wait(delay):
+                    raise ServerError(f"stopping: replica {index} had not started again") from None
+                self._set_state(index, RESTARTING, retry_at=None)
+                delay = min(delay * 2, self.settings.retry_max_s)
+        self._supervise(fresh)
+        self._set_state(index, SERVING, last_error="")
+        self.log(f"replica {index}: back in the balancer ({time.monotonic() - started:.1f} s"
+                 + (f", started on try {failed + 1}" if failed else "") + ")")
 
     def drain(self) -> None:
         """Stop: every replica out of the balancer and drained side by side, then the balancer."""
+        self._stopping.set()  # a rolling restart waiting to try a replica again leaves off (and the lock)
         with self._lock:
             for replica in self.replicas:
                 try:

@@ -280,18 +280,23 @@ def metrics_text(supervisors: "dict[tuple[tuple[str, str], ...], Supervisor]") -
     return "\n".join(lines) + "\n"
 
 
-def serve_metrics(host: str, port: int, text: Callable[[], str]) -> ThreadingHTTPServer:
-    """``text()`` (Prometheus' text format) at http://HOST:PORT/metrics, on a thread; ``shutdown()`` the
-    result to stop it."""
+def serve_metrics(host: str, port: int, text: Callable[[], str],
+                  status: Callable[[], str] | None = None) -> ThreadingHTTPServer:
+    """``text()`` (Prometheus' text format) at http://HOST:PORT/metrics and, given, ``status()`` (JSON) at
+    /status, on a thread; ``shutdown()`` the result to stop it."""
+    routes = {"/metrics": (text, "text/plain; version=0.0.4"),
+              **({"/status": (status, "application/json")} if status is not None else {})}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            if self.path.split("?")[0] != "/metrics":
+            route = routes.get(self.path.split("?")[0])
+            if route is None:
                 self.send_error(404)
                 return
-            body = text().encode()
+            answer, content_type = route
+            body = answer().encode()
             self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

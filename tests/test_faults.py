@@ -2,12 +2,14 @@
 while requests run (a component's, the public model's, its streaming twin's, the sampler's), the server
 itself killed, and a SIGTERM that drains. Then machgen serve --replicas 2 (HAProxy in front of two
 supervised servers): both protocols on one address, Prometheus scraping every replica, a replica SIGKILLed
-under load and a rolling restart (SIGHUP) under load, with no request lost."""
+under load and a rolling restart (SIGHUP) under load, with no request lost, whose first replica fails to start
+once and is tried again."""
 
 import json
 import os
 import shutil
 import signal
+import textwrap
 import threading
 import time
 import urllib.parse
@@ -232,7 +234,7 @@ def test_sigterm_drains_requests_in_flight(served):
 # Here, not in a module of their own: a replica killed and restarted while another module's servers are killed
 # and restarted on the same two cores made both miss their answer deadlines.
 needs_haproxy = pytest.mark.skipif(shutil.which("haproxy") is None,
-                                   reason="needs HAProxy (Debian: apt-get install haproxy; .ci/run installs it)")
+                                   reason="needs HAProxy (Debian: apt-get install haproxy; make system-tools installs it)")
 
 REPLICA_STEPS = 12
 REPLICA_SEEDS = (0, 1, 2)
@@ -252,6 +254,7 @@ def replicas(built_repository, tiny_flux_dir, tmp_path_factory):
     if prometheus:
         extra += ["--prometheus-port", str(free_port())]
     served = ServeProcess(repository, *extra)
+    served.repository = repository
     served.prometheus_port = int(extra[-1]) if prometheus else None
     try:
         yield served
@@ -333,7 +336,7 @@ def test_one_address_serves_both_protocols_and_prometheus_scrapes_every_replica(
         balancer = response.read().decode()
     assert 'haproxy_server_status{proxy="grpc_replicas",server="r1",state="UP"} 1' in balancer
     if replicas.prometheus_port is None:
-        pytest.skip("Prometheus is not installed (Debian: apt-get install prometheus; .ci/run installs it): "
+        pytest.skip("Prometheus is not installed (Debian: apt-get install prometheus; make system-tools installs it): "
                     "its scrape is not checked")
     url = f"http://127.0.0.1:{replicas.prometheus_port}/api/v1"
 
@@ -373,12 +376,79 @@ def test_a_replica_killed_under_load_loses_no_request(replicas, replica_expected
     assert_nothing_lost(outcomes)
 
 
+FAILS_ONCE_MODEL = "machgen_fails_once"
+
+
+def add_a_model_that_fails_to_start_once(repository: Path, marker: Path) -> None:
+    """A Python model in ``repository`` whose first initialisation fails (leaving ``marker``) and every later
+    one succeeds: the next tritonserver started on the repository fails to start ("a model failed to load"),
+    as after a rebuild that broke a model, and the one after starts. Servers already running do not load it
+    (explicit model control)."""
+    model = repository / FAILS_ONCE_MODEL
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(f'name: "{FAILS_ONCE_MODEL}"\nbackend: "python"\nmax_batch_size: 0\n')
+    (model / "1" / "model.py").write_text(textwrap.dedent(f"""\
+        from pathlib import Path
+
+        MARKER = Path({str(marker)!r})
+
+
+        class TritonPythonModel:
+            def initialize(self, args):
+                if not MARKER.exists():
+                    MARKER.touch()
+                    raise RuntimeError("fails on its first start (tests/test_faults.py)")
+        """))
+
+
+def replica_status(served) -> list[dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{served.supervisor}/status", timeout=5) as response:
+        return json.load(response)["replicas"]
+
+
+def line_index(served, start: str) -> int:
+    return next(index for index, line in enumerate(served.lines) if line.startswith(start))
+
+
 @needs_haproxy
-def test_a_rolling_restart_under_load_loses_no_request(replicas, replica_expected):
+def test_a_rolling_restart_under_load_waits_out_a_replica_that_fails_to_start_and_loses_no_request(
+        replicas, replica_expected, tmp_path):
+    """SIGHUP under load, the repository holding a model that fails its first start: replica 0 does not come
+    back at first. It is said down (/status, machgen_replica_up, the log), tried again after a backoff and
+    back; replica 1 serves alone meanwhile, every kind of request answered, and is taken out only once
+    replica 0 is back. Then both run new servers, and no request was lost."""
     before = replica_pids(replicas)
+    add_a_model_that_fails_to_start_once(replicas.repository, tmp_path / "failed-once")
     load = Load(replicas, replica_expected)
     load.wait_for(6)
+    hup_at = time.time()
     replicas.process.send_signal(signal.SIGHUP)
+    failure = "replica 0: did not start (try 1): a model failed to load"
+    wait_until(lambda: any(line.startswith(failure) for line in replicas.lines), timeout=180,
+               what="replica 0's first start failing")
+    answered_before = len(load.outcomes)
+    assert replicas.metric('machgen_replica_up{replica="0"}') == 0
+    assert replicas.metric('machgen_replica_start_failures_total{replica="0"}') == 1
+    assert replicas.metric('machgen_replica_up{replica="1"}') == 1
+    status = replica_status(replicas)
+    assert status[0]["state"] in ("retrying", "restarting") and not status[0]["up"], status
+    assert status[0]["start_failures"] == 1 and FAILS_ONCE_MODEL in status[0]["last_error"], status
+    assert status[1]["state"] == "serving" and status[1]["pid"] == before[1], status
+    with urllib.request.urlopen(f"http://127.0.0.1:{replicas.metrics}/metrics", timeout=5) as response:
+        balancer = response.read().decode()
+    for backend in ("grpc", "grpc_stream", "http"):
+        assert f'haproxy_server_status{{proxy="{backend}_replicas",server="r0",state="MAINT"}} 1' in balancer
+        assert f'haproxy_server_status{{proxy="{backend}_replicas",server="r1",state="UP"}} 1' in balancer
+
+    wait_until(lambda: any(line.startswith("replica 0: back in the balancer") for line in replicas.lines),
+               timeout=240, what="replica 0 back")
+    back_at = time.time()
+    answered_while_down = load.outcomes[answered_before:]
+    assert {kind for kind, _, _ in answered_while_down} == set(KINDS), answered_while_down
+    assert replicas.metric('machgen_replica_up{replica="0"}') == 1
+    assert "started on try 2" in replicas.lines[line_index(replicas, "replica 0: back in the balancer")]
+    # No other replica out while replica 0 was: replica 1's restart began once replica 0 was back.
+    assert line_index(replicas, "replica 1: restarting") > line_index(replicas, "replica 0: back in the balancer")
     wait_until(lambda: any(line.startswith("rolling restart") for line in replicas.lines), timeout=240,
                what="the rolling restart's end")
     load.wait_for(len(load.outcomes) + 6)
@@ -386,4 +456,22 @@ def test_a_rolling_restart_under_load_loses_no_request(replicas, replica_expecte
     assert any(line.startswith("rolling restart done") for line in replicas.lines), replicas.output()
     after = replica_pids(replicas)
     assert all(after[index] != before[index] for index in before), (before, after)
+    assert [(entry["state"], entry["start_failures"]) for entry in replica_status(replicas)] == [
+        ("serving", 1), ("serving", 0)]
     assert_nothing_lost(outcomes)
+    if replicas.prometheus_port is None:
+        pytest.skip("Prometheus is not installed (Debian: apt-get install prometheus): its view of replica 0 "
+                    "is not checked")
+
+    def query(expression: str, at: float) -> dict[str, float]:
+        arguments = urllib.parse.urlencode({"query": expression, "time": f"{at:.3f}"})
+        url = f"http://127.0.0.1:{replicas.prometheus_port}/api/v1/query?{arguments}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return {row["metric"]["replica"]: float(row["value"][1]) for row in json.load(response)["data"]["result"]}
+
+    # What a scrape saw while replica 0 was out (the 5 s scrapes of the window since the SIGHUP), and after.
+    window = f"{max(1, int(back_at - hup_at))}s"
+    wait_until(lambda: query("machgen_replica_start_failures_total", time.time()) == {"0": 1, "1": 0} and
+               query("machgen_replica_up", time.time()) == {"0": 1, "1": 1}, timeout=30,
+               what="Prometheus scraping the failed start and both replicas up")
+    assert query(f"min_over_time(machgen_replica_up[{window}])", back_at)["0"] == 0
