@@ -6,9 +6,12 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import typer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from machgen.contract.api import FamilyInput
 
 app = typer.Typer(help="Serve diffusion pipelines on Triton and call them.", no_args_is_help=True,
                   add_completion=False)
@@ -33,7 +36,9 @@ def serve(
     api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file", help="the API's keys (machgen api-key)"),
     supervisor_metrics_port: int = typer.Option(8003, "--supervisor-metrics-port", min=0,
                                                 help="the supervisor's Prometheus metrics (model recoveries, "
-                                                     "server restarts) at /metrics; 0: none"),
+                                                     "server restarts) at /metrics; with --replicas also each "
+                                                     "replica's state there (machgen_replica_up) and at /status "
+                                                     "(JSON); 0: none"),
     drain_timeout: float = typer.Option(60.0, "--drain-timeout", min=0.0,
                                         help="on a stop: seconds requests in flight get to finish before they are "
                                              "stopped at their next step (answering UNAVAILABLE)"),
@@ -43,7 +48,8 @@ def serve(
     replicas: int = typer.Option(1, "--replicas", min=1,
                                  help="tritonservers on loopback behind HAProxy, which takes --http-port, "
                                       "--grpc-port and --metrics-port (its own metrics); SIGHUP restarts them one "
-                                      "after another without losing a request"),
+                                      "after another without losing a request (one that fails to start is "
+                                      "tried again, with backoff, before the next is taken out)"),
     prometheus_port: int = typer.Option(0, "--prometheus-port", min=0,
                                         help="with --replicas: a Prometheus on this port scraping the balancer, "
                                              "every replica and the supervisors (deploy/prometheus/rules.yaml)"),
@@ -158,7 +164,7 @@ def _serve_replicas(repository: Path, ports, host: str, count: int, supervision,
                 raise ServerError(f"--supervisor-metrics-port {supervisor_metrics_port}: {err}") from None
         typer.echo(f"ready: HTTP {host}:{ports.http}  gRPC {host}:{ports.grpc}  balancer metrics "
                    f"{host}:{ports.metrics}  ({count} replicas; SIGHUP: rolling restart)"
-                   + (f"  supervisor metrics {host}:{supervisor_metrics_port}" if metrics else "")
+                   + (f"  supervisor metrics {host}:{supervisor_metrics_port} (/metrics, /status)" if metrics else "")
                    + (f"  Prometheus http://{host}:{prometheus_port}" if prometheus_port else ""))
         typer.echo(f"logs: {replica_set.work_dir}")
         replica_set.wait()
@@ -285,32 +291,27 @@ TASKS = {"t2i": (False, False, False), "i2i": (True, False, False), "t2v": (Fals
          "i2v": (True, False, True), "r2v": (False, True, True)}
 
 
-def _family_flags_help() -> str:
-    """The family inputs' options, from their declarations (shown by --help)."""
-    from machgen.families.registry import family_inputs
-
-    lines = ["Model families' own inputs (the model's family must take them; --input NAME=VALUE sends any input):"]
-    for declared, families in family_inputs().values():
-        repeat = " (repeatable)" if declared.repeatable else ""
-        lines.append(f"{declared.flag} {declared.tensor.triton_dtype}{repeat}: {declared.tensor.doc} "
-                     f"[{', '.join(families)}]")
-    return "\n\n".join(lines)
+# --help is written without a server, so it cannot list a model's own inputs: the model publishes them.
+_MODEL_INPUTS_HELP = ("A model's own inputs (LTX-2's guidance, Wan 2.2's second expert's scale, ...) are taken as the "
+                      "flags the served model publishes (machgen inputs --model NAME lists them), or as --input "
+                      "NAME=VALUE; a flag the model does not publish is refused.")
 
 
-def _family_options(extra: list[str], pairs: list[str]) -> dict[str, object]:
-    """The family inputs given as their own flags (``extra``: what typer did
-    not parse) or as ``--input NAME=VALUE``, typed as their families declare them."""
-    from machgen.families.registry import family_inputs
-
-    declared = {d.name: d for d, _ in family_inputs().values()}
-    by_flag = {d.flag: d for d in declared.values()}
+def _family_options(extra: list[str], pairs: list[str], published: Mapping[str, FamilyInput],
+                    model: str) -> dict[str, object]:
+    """The model's own inputs given as the flags it publishes (``extra``:
+    what typer did not parse) or as ``--input NAME=VALUE``, typed as it
+    publishes them (``published``: MachgenClient.published_inputs)."""
+    by_flag = {declared.flag: declared for declared in published.values()}
     values: dict[str, list[str]] = {}
     words = list(extra)
     while words:
         flag = words.pop(0)
         name, _, value = flag.partition("=")
         if name not in by_flag:
-            raise typer.BadParameter(f"no such option: {name}", param_hint="OPTIONS")
+            offered = ", ".join(sorted(by_flag)) or "none"
+            raise typer.BadParameter(f"no such option: {name} ({model} publishes these of its own: {offered})",
+                                     param_hint="OPTIONS")
         if not value:
             if not words:
                 raise typer.BadParameter(f"{name} needs a value", param_hint=name)
@@ -323,24 +324,29 @@ def _family_options(extra: list[str], pairs: list[str]) -> dict[str, object]:
         values.setdefault(name, []).extend(value.split(","))
 
     def typed(text: str, triton_dtype: str):
+        from machgen.contract.api import python_type
+
+        kind = python_type(triton_dtype)
         try:
-            return {"FP32": float, "INT32": int, "INT64": int}.get(triton_dtype, str)(text)
-        except ValueError:
+            if kind is bool:
+                return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
+            return kind(text)
+        except (KeyError, ValueError):
             raise typer.BadParameter(f"{text!r} is not a {triton_dtype} value") from None
 
     options: dict[str, object] = {}
     for name, texts in values.items():
-        if name not in declared:  # not a family's: the server's metadata types it
+        if name not in published:  # every model's input, or one the model does not take: the client says
             options[name] = texts if len(texts) > 1 else texts[0]
             continue
-        dtype = declared[name].tensor.triton_dtype
-        items = [typed(text, dtype) for text in texts]
-        options[name] = items if declared[name].repeatable else items[-1]
+        tensor = published[name].tensor
+        items = [typed(text, tensor.triton_dtype) for text in texts]
+        options[name] = items if published[name].repeatable else items[-1]
     return options
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog=_family_flags_help())
+             epilog=_MODEL_INPUTS_HELP)
 def generate(
     ctx: typer.Context,
     prompt: str = typer.Option(..., "--prompt"),
@@ -409,7 +415,6 @@ def generate(
                                      param_hint="--task")
         if video != (out.suffix.lower() in (".mp4", ".wav")):
             raise typer.BadParameter(f"{task} writes {'an .mp4' if video else 'an image'} file", param_hint="--out")
-    family_options = _family_options(ctx.args, inputs or [])
     picture = None if image is None else np.asarray(Image.open(image).convert("RGB"))
     references = (np.stack([np.asarray(Image.open(path).convert("RGB")) for path in reference_images])
                   if reference_images else None)
@@ -421,6 +426,8 @@ def generate(
 
         with MachgenClient(url, protocol=protocol, retry=RetryPolicy(attempts=retries + 1),
                            on_retry=retrying) as client, _ProgressDisplay(preview_dir) as display:
+            published = client.published_inputs(model) if ctx.args or inputs else {}
+            family_options = _family_options(ctx.args, inputs or [], published, model)
             streamed = (progress or preview_dir is not None) and protocol == "grpc" and client.has_stream(model)
             if preview_dir is not None and not streamed:
                 typer.secho(f"note: no previews: {model} has no streaming twin reachable over {protocol}",
@@ -469,6 +476,33 @@ def generate(
     typer.echo(f"wrote {', '.join(map(str, paths))} ({written}, {images.shape[2]}x{images.shape[1]}, "
                f"{seconds:.2f} s, {stats['denoiser_tail_calls']}/{stats['steps']} steps ran the full denoiser, "
                f"cache {stats['cache_policy']})")
+
+
+
+@app.command("inputs")
+def list_inputs(
+    model: str = typer.Option(..., "--model", help="served model name"),
+    url: str = typer.Option("127.0.0.1:8001", "--url", help="host:port of the chosen protocol"),
+    protocol: str = typer.Option("grpc", "--protocol", help="grpc or http"),
+) -> None:
+    """List a served model's own inputs as it publishes them: machgen generate's flags for them."""
+    import json
+
+    from machgen.client import GenerationError, MachgenClient
+
+    try:
+        with MachgenClient(url, protocol=protocol) as client:
+            published = client.published_inputs(model)
+    except GenerationError as err:
+        typer.secho(f"error ({err.status}): {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    if not published:
+        typer.echo(f"{model} takes no inputs of its own (machgen generate --help lists every model's)")
+    for declared in published.values():
+        shape = "[" + ", ".join("K" if d < 0 else str(d) for d in declared.tensor.dims) + "]"
+        default = (declared.default_doc or "none") if declared.default is None else json.dumps(declared.default)
+        typer.echo(f"{declared.flag} VALUE{' (repeatable)' if declared.repeatable else ''}: {declared.name}, "
+                   f"{declared.tensor.triton_dtype} {shape}, default {default}. {declared.tensor.doc}")
 
 
 if __name__ == "__main__":  # pragma: no cover

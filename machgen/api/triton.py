@@ -6,19 +6,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
 
 import numpy as np
 
-from machgen.client.client import known_inputs
+from machgen.client.client import GENERIC_INPUTS
 from machgen.contract.api import (
     STREAM_SILENCE_S,
     AUDIO_OUTPUT,
     ELAPSED_OUTPUT,
     PREVIEW_OUTPUT,
     PROGRESS_OUTPUT,
+    FamilyInput,
     input_array,
+    model_card_of,
+    published_inputs,
     stream_error_status,
 )
 from machgen.contract.manifest import STREAM, model_name
@@ -61,10 +64,12 @@ class StepReport:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """A model the API can run: its name and its card (builder/repository.py model_card)."""
+    """A model the API can run: its name, its card (builder/repository.py
+    model_card) and its own inputs as it publishes them (by name)."""
 
     name: str
     card: dict[str, Any]
+    inputs: Mapping[str, FamilyInput] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -83,7 +88,6 @@ class TritonModels:
 
         self.url = url
         self._client = grpcaio.InferenceServerClient(url)
-        self._known = known_inputs()
         self._models: dict[str, ServedModel] = {}
         self._asked = 0.0
         self.refresh_s = refresh_s
@@ -113,16 +117,18 @@ class TritonModels:
             if not (await self._client.is_model_ready(name) and await self._client.is_model_ready(public)):
                 continue
             config = (await self._client.get_model_config(name, as_json=True))["config"]
-            card = config.get("parameters", {}).get("model", {}).get("string_value")
+            card = model_card_of(config)
             if card:
-                found[public] = ServedModel(public, json.loads(card))
+                found[public] = ServedModel(public, card, published_inputs(
+                    card["inputs"] if "inputs" in card else _own_inputs(config)))
         self._models, self._asked = found, time.monotonic()
         return found
 
-    def tensor(self, name: str, value: Any):
+    @staticmethod
+    def tensor(model: ServedModel, name: str, value: Any):
         import tritonclient.grpc as grpcclient
 
-        declared = self._known[name]
+        declared = GENERIC_INPUTS[name] if name in GENERIC_INPUTS else model.inputs[name].tensor
         array = input_array(declared, value)
         tensor = grpcclient.InferInput(name, list(array.shape), declared.triton_dtype)
         tensor.set_data_from_numpy(array)
@@ -134,7 +140,7 @@ class TritonModels:
         stats, audio where the model makes it) once done, ``on_step`` awaited
         after every step. Cancelling the calling task cancels the request
         (Triton stops it at its next step). Raises TritonFailure."""
-        tensors = [self.tensor(name, value) for name, value in inputs.items() if value is not None]
+        tensors = [self.tensor(model, name, value) for name, value in inputs.items() if value is not None]
         finished = asyncio.Event()
 
         async def one_request():
@@ -176,6 +182,13 @@ class TritonModels:
             raise
         finally:
             finished.set()
+
+
+def _own_inputs(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The inputs beyond every model's that a config lists (name, datatype, shape), for a card that does
+    not describe them (a repository built before cards did)."""
+    return [{"name": entry["name"], "datatype": entry["data_type"].removeprefix("TYPE_").replace("STRING", "BYTES"),
+             "shape": entry["dims"]} for entry in config.get("input", []) if entry["name"] not in GENERIC_INPUTS]
 
 
 async def _next_within(iterator, timeout: float):

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from machgen.contract.adapters import ADAPTER_NAMES_INPUT, ADAPTERS_DIR
-from machgen.contract.api import API_INPUTS, PROGRESS_OUTPUTS, STREAM_INPUTS, ApiTensor, public_outputs
+from machgen.contract.api import (
+    API_INPUTS,
+    MODEL_CARD_PARAMETER,
+    PROGRESS_OUTPUTS,
+    STREAM_INPUTS,
+    ApiTensor,
+    public_outputs,
+)
 from machgen.contract.manifest import (
     ACCEPTED_OUTPUT,
     CANCEL_INPUT,
@@ -204,9 +211,11 @@ def public_inputs(family: Family) -> tuple[ApiTensor, ...]:
     return API_INPUTS + tuple(declared.tensor for declared in family.inputs)
 
 
-def render_public_config(pipeline: str, family: Family, options: ServingOptions) -> str:
+def render_public_config(pipeline: str, family: Family, options: ServingOptions,
+                         card: dict[str, Any] | None = None) -> str:
     # The scheduler here batches nothing (max_batch_size 0: one request per
-    # execute); it is what gives the model a bounded queue.
+    # execute); it is what gives the model a bounded queue. The card is here
+    # too so that a client needs only the model's name to read it.
     return (
         f'name: "{pipeline}"\n'
         'backend: "python"\n'
@@ -216,6 +225,7 @@ def render_public_config(pipeline: str, family: Family, options: ServingOptions)
         + _tensor_block("input", _api_io(public_inputs(family), optional=True))
         + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio), optional=False))
         + f"instance_group [\n  {{\n    count: {options.in_flight}\n    kind: KIND_CPU\n  }}\n]\n"
+        + _parameters(_card_parameter(card))
     )
 
 
@@ -251,14 +261,23 @@ def model_card(family: Family, defaults: ServedDefaults, family_settings: dict[s
                options: ServingOptions) -> dict[str, Any]:
     """What a client needs to know of the model before it asks, enough to
     validate a request as the sampler will, but for its cache policy, which
-    a calibration may add (the HTTP API reads it from NAME_stream's config,
-    parameter "model")."""
+    a calibration may add, and the values of its family's inputs, which the
+    server checks (``inputs``: each one's name, type, shape, help, default
+    and CLI flag, so that a client need not know the family). Published in
+    the configs of NAME and NAME_stream (parameter MODEL_CARD_PARAMETER)."""
     video = any(task.endswith("-to-video") for task in family.capabilities.tasks)
     return {"family": family.name, "kind": "video" if video else "image", "tasks": list(family.capabilities.tasks),
-            "audio": family.capabilities.audio, "size_multiple": int(family_settings["size_multiple"]),
+            "audio": family.capabilities.audio, "guidance_is_cfg": family.capabilities.guidance_is_cfg,
+            "size_multiple": int(family_settings["size_multiple"]),
             "frame_multiple": int(family_settings.get("temporal_factor", 1)),
             "preview_interval": options.preview_interval,
-            "defaults": defaults.to_json(), "family_settings": family_settings}
+            "defaults": defaults.to_json(), "family_settings": family_settings,
+            "inputs": [declared.published(defaults.family_inputs.get(declared.name, declared.default))
+                       for declared in family.inputs]}
+
+
+def _card_parameter(card: dict[str, Any] | None) -> dict[str, str]:
+    return {} if card is None else {MODEL_CARD_PARAMETER: _escaped(json.dumps(card, sort_keys=True))}
 
 
 def _escaped(text: str) -> str:
@@ -280,7 +299,7 @@ def render_stream_config(pipeline: str, family: Family, options: ServingOptions,
         + "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
         + _parameters({"sampler": model_name(pipeline, SAMPLER), "in_flight": str(options.in_flight),
                        "max_queue_size": str(options.max_queue_size),
-                       **({"model": _escaped(json.dumps(card, sort_keys=True))} if card is not None else {})})
+                       **_card_parameter(card)})
     )
 
 
@@ -372,11 +391,11 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
     sampler = model_name(pipeline, SAMPLER)
     manifest = pipeline_manifest(pipeline, family, specs, defaults, family_settings, cache, options, attention,
                                  serving, adapters)
+    card = model_card(family, defaults, family_settings, options)
     files = {
-        f"{pipeline}/config.pbtxt": render_public_config(pipeline, family, options),
+        f"{pipeline}/config.pbtxt": render_public_config(pipeline, family, options, card),
         f"{pipeline}/1/model.py": _SHIM.format(cls="PublicModel"),
-        f"{model_name(pipeline, STREAM)}/config.pbtxt": render_stream_config(
-            pipeline, family, options, model_card(family, defaults, family_settings, options)),
+        f"{model_name(pipeline, STREAM)}/config.pbtxt": render_stream_config(pipeline, family, options, card),
         f"{model_name(pipeline, STREAM)}/1/model.py": _SHIM.format(cls="StreamModel"),
         f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family),
         f"{sampler}/1/model.py": _SHIM.format(cls="SamplerModel"),
@@ -394,18 +413,37 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
     return files
 
 
+def _remove_except(path: Path, out: Path, keep: set[str]) -> None:
+    """``path`` deleted but for the paths in ``keep`` (relative to ``out``) and the folders above them."""
+    relative = path.relative_to(out).as_posix()
+    if relative in keep or not (path.exists() or path.is_symlink()):
+        return
+    if path.is_dir() and not path.is_symlink() and any(kept.startswith(relative + "/") for kept in keep):
+        for child in path.iterdir():
+            _remove_except(child, out, keep)
+    elif path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
 def write_repository(out: Path, pipeline: str, files: dict[str, str], exported: dict[str, Path],
-                     sampler_assets: dict[str, Path]) -> None:
+                     sampler_assets: dict[str, Path], keep: Iterable[str] = (), remove: Iterable[str] = ()) -> None:
     """Replace the pipeline's models in ``out`` (other pipelines there are kept).
 
     An exported file (with the files beside it: external weights, metadata)
     goes to its component's model folder, or under the sampler when
     ``files`` renders no model for the component (it runs in the sampler).
+    ``keep``: paths in those models (relative to ``out``) left as they are,
+    what users added (builder/rebuild.py); ``remove``: more of the
+    pipeline's models to delete, those its last build wrote and this one
+    does not.
     """
     out.mkdir(parents=True, exist_ok=True)
     models = {relative.split("/", 1)[0] for relative in files}
-    for model in [*models, *(model_name(pipeline, c) for c in exported)]:
-        shutil.rmtree(out / model, ignore_errors=True)
+    kept = set(keep)
+    for model in {*models, *(model_name(pipeline, c) for c in exported), *remove}:
+        _remove_except(out / model, out, kept)
     for relative, text in files.items():
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,13 +452,14 @@ def write_repository(out: Path, pipeline: str, files: dict[str, str], exported: 
         (out / model / "1").mkdir(exist_ok=True)
     sampler_dir = pipeline_dir(out, pipeline)
     for component, path in exported.items():
-        served = out / model_name(pipeline, component)
-        target = served / "1" if served.is_dir() else (sampler_dir / in_sampler_file(component, path.name)).parent
+        served = model_name(pipeline, component)
+        target = (out / served / "1" if served in models
+                  else (sampler_dir / in_sampler_file(component, path.name)).parent)
         target.mkdir(parents=True, exist_ok=True)
         for produced in path.parent.iterdir():
             shutil.copy2(produced, target / produced.name)
     for asset, source in sampler_assets.items():
-        shutil.copytree(source, sampler_dir / asset)
+        shutil.copytree(source, sampler_dir / asset, dirs_exist_ok=True)
 
 
 __all__ = ["ServingOptions", "TargetServing", "public_inputs", "render_repository", "write_repository"]

@@ -21,14 +21,18 @@ from machgen.contract.api import (
     STREAM_INPUTS,
     STREAM_SILENCE_S,
     ApiTensor,
+    FamilyInput,
     Generated,
     input_array,
+    model_card_of,
+    published_inputs,
     stream_error_status,
 )
 from machgen.contract.manifest import STREAM, model_name
 
 PROTOCOLS = ("grpc", "http")
-_API = {tensor.name: tensor for tensor in API_INPUTS + STREAM_INPUTS}
+# Every model's inputs (the streaming twin's too); a model's own come from the model (published_inputs).
+GENERIC_INPUTS = {tensor.name: tensor for tensor in API_INPUTS + STREAM_INPUTS}
 
 
 @dataclass(frozen=True)
@@ -86,14 +90,6 @@ def retryable(error: "GenerationError") -> bool:
     return error.status in _RETRYABLE_STATUSES or any(sign in str(error) for sign in _RETRYABLE_MESSAGES)
 
 
-def known_inputs() -> dict[str, ApiTensor]:
-    """Every model's inputs (the streaming twin's too) and every family's own, by name (the families'
-    declarations)."""
-    from machgen.families.registry import family_inputs
-
-    return {**_API, **{name: declared.tensor for name, (declared, _) in family_inputs().items()}}
-
-
 def _stats(array: np.ndarray) -> dict[str, Any]:
     return json.loads(bytes(array.reshape(-1)[0]).decode("utf-8"))
 
@@ -138,7 +134,7 @@ class MachgenClient:
                                                         connection_timeout=timeout_s or 600.0)
         self._module = module
         self._metadata: dict[str, dict[str, Any]] = {}
-        self._known = known_inputs()
+        self._published: dict[str, dict[str, FamilyInput]] = {}
 
     def close(self) -> None:
         self._client.close()
@@ -165,12 +161,10 @@ class MachgenClient:
         return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
 
     def make_input(self, name: str, value: Any, dtype: str | None = None, model: str | None = None):
-        """One request input, typed as the API declares it (a family's own
-        input as its family does; one this client does not know as ``model``'s
-        metadata says); ``dtype`` overrides it (to send a wrong one on purpose)."""
-        declared = self._known.get(name)
-        if declared is None and model is not None:
-            declared = self.model_inputs(model).get(name)
+        """One request input, typed as the API declares it (one of ``model``'s
+        own as the model publishes it); ``dtype`` overrides it (to send a
+        wrong one on purpose)."""
+        declared = GENERIC_INPUTS.get(name) or (None if model is None else self.input_tensor(model, name))
         if declared is None:
             raise TypeError(f"unknown generation option {name!r}" + (
                 f"; {model} takes {sorted(self.model_inputs(model))}" if model is not None else ""))
@@ -257,8 +251,8 @@ class MachgenClient:
         """Generate images for ``prompt``; options are the API's optional inputs
         (negative_prompt, seed, num_inference_steps, guidance_scale, true_cfg_scale,
         height, width, cache_policy, cache_threshold, image, strength, num_frames,
-        fps, reference_images, lora, lora_scale, preview_interval) and the model's family's own (``machgen-build
-        families`` lists them; another family's are refused by the server).
+        fps, reference_images, lora, lora_scale, preview_interval) and the model's own, as the model publishes them
+        (``published_inputs``; ``machgen inputs`` lists them).
         Absent ones take the served model's defaults; without a seed, with
         retries on (the default), the client picks a random one, so that a try
         sent again makes the same image.
@@ -287,14 +281,54 @@ class MachgenClient:
         result = self.infer(model, self._inputs(model, prompt, options), outputs=outputs, on_progress=on_progress)
         return Generated(result["images"], result.get(AUDIO_OUTPUT), _stats(result["stats"]))
 
+    def _ask(self, call: str, model: str) -> dict[str, Any]:
+        """A plain (unrestricted) question about ``model``: its metadata or config, as JSON."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            if self.protocol == "grpc":
+                return getattr(self._client, call)(model, as_json=True)
+            return getattr(self._client, call)(model)
+        except InferenceServerException as err:
+            raise GenerationError(str(err.status()), err.message()) from err
+        except OSError as err:
+            raise GenerationError("StatusCode.UNAVAILABLE", f"no connection to the server: {err}") from err
+
     def model_metadata(self, model: str) -> dict[str, Any]:
         """The served model's metadata (its inputs and outputs), asked once per model."""
         if model not in self._metadata:
-            if self.protocol == "grpc":
-                self._metadata[model] = self._client.get_model_metadata(model, as_json=True)
-            else:
-                self._metadata[model] = self._client.get_model_metadata(model)
+            self._metadata[model] = self._ask("get_model_metadata", model)
         return self._metadata[model]
+
+    def model_card(self, model: str) -> dict[str, Any] | None:
+        """What the served model publishes of itself in its config (builder/repository.py
+        model_card): family, tasks, defaults, its own inputs; None where it publishes none."""
+        config = self._ask("get_model_config", model)
+        return model_card_of(config["config"] if self.protocol == "grpc" else config)
+
+    def published_inputs(self, model: str) -> dict[str, FamilyInput]:
+        """The model's own inputs (those beyond every model's), by name, as
+        the model publishes them: name, type, shape, help, default and CLI
+        flag from its card; from a model whose card does not describe them
+        (a repository built before cards did), its metadata's name, type and
+        shape. Asked once per model; this client's machgen need not know the
+        model's family."""
+        if model not in self._published:
+            card = self.model_card(model)
+            if card is not None and "inputs" in card:
+                entries = card["inputs"]
+            else:
+                entries = [entry for entry in self.model_metadata(model).get("inputs", [])
+                           if entry["name"] not in GENERIC_INPUTS]
+            self._published[model] = published_inputs(entries)
+        return self._published[model]
+
+    def input_tensor(self, model: str, name: str) -> ApiTensor | None:
+        """How ``model`` takes the input ``name`` (type, shape); None: it takes no such input."""
+        if name in GENERIC_INPUTS:
+            return GENERIC_INPUTS[name]
+        published = self.published_inputs(model).get(name)
+        return published.tensor if published is not None else self.model_inputs(model).get(name)
 
     def model_inputs(self, model: str) -> dict[str, ApiTensor]:
         """The inputs the served model declares, by name."""

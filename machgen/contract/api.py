@@ -3,9 +3,11 @@
 Every model takes ``API_INPUTS`` (each checked against what the model can
 do: an image model refuses ``num_frames``); a family may declare inputs of
 its own (``FamilyInput``: type, shape, doc, default and validation, once),
-which only its models' configs list. Clients, the generated configs, the
-sampler, the README's table and the perf inputs all read this module. Only
-numpy is imported.
+which only its models' configs list, and which a served model publishes in
+its card (``FamilyInput.published``; clients read them back with
+``published_inputs``, so they need not know the family). Clients, the
+generated configs, the sampler, docs/model-api.md's table and the perf inputs all
+read this module. Only numpy is imported.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ API_INPUTS: tuple[ApiTensor, ...] = (
 class FamilyInput:
     """An input only one family's models take, declared once in the family's
     spec. Its tensor goes into those models' configs and, rendered by
-    ``markdown_row``, the README's table; the client and ``machgen generate``
+    ``markdown_row``, docs/model-api.md's table; the client and ``machgen generate``
     take it by name (the CLI as ``flag``, repeatable for a vector).
     ``parse(field, value, settings)`` validates a sent value against the
     model (its manifest's family settings), raising InvalidArgument;
@@ -80,7 +82,7 @@ class FamilyInput:
     default: Any
     parse: Callable[[str, np.ndarray, Mapping[str, Any]], Any]
     cli_flag: str | None = None
-    # The README's default column where ``default`` alone does not say it.
+    # The API table's default column (docs/model-api.md) where ``default`` alone does not say it.
     default_doc: str | None = None
 
     @property
@@ -95,11 +97,59 @@ class FamilyInput:
     def repeatable(self) -> bool:
         return self.tensor.dims != (1,)
 
+    def published(self, default: Any) -> dict[str, Any]:
+        """This input as a served model's card describes it (``default``: the
+        model's own), for clients that do not know its family."""
+        return {"name": self.name, "datatype": self.tensor.triton_dtype, "shape": list(self.tensor.dims),
+                "doc": self.tensor.doc, "default": default, "default_doc": self.default_doc, "flag": self.flag,
+                "repeatable": self.repeatable}
+
     def markdown_row(self) -> str:
-        """This input's row of the README's API table."""
+        """This input's row of the API table in docs/model-api.md."""
         shape = "[" + ", ".join("K" if d < 0 else str(d) for d in self.tensor.dims) + "]"
         default = self.default_doc or f"model's ({self.default})"
         return f"| `{self.name}` | {self.tensor.triton_dtype} | {shape} | {self.tensor.doc} | {default} |"
+
+
+# A served model's card (builder/repository.py model_card), as JSON text in the config parameter of this key of
+# the public model NAME and of NAME_stream: a plain model-config call reads it.
+MODEL_CARD_PARAMETER = "model"
+
+
+def model_card_of(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The card a served model's config (as Triton's model-config answers it, JSON) carries; None: none."""
+    import json
+
+    text = config.get("parameters", {}).get(MODEL_CARD_PARAMETER, {}).get("string_value")
+    return json.loads(text) if text else None
+
+
+def published_inputs(entries: Iterable[Mapping[str, Any]]) -> dict[str, FamilyInput]:
+    """A served model's own inputs, by name, from what it publishes: its
+    card's ``inputs`` (FamilyInput.published), or only name, datatype and
+    shape (a repository built before cards described them: its metadata's
+    inputs). Each checks a value's type and shape alone; the server checks
+    the value against the model."""
+    found = {}
+    for entry in entries:
+        tensor = ApiTensor(entry["name"], entry["datatype"], tuple(int(d) for d in entry["shape"]),
+                           entry.get("doc", ""))
+        found[tensor.name] = FamilyInput(
+            tensor, default=entry.get("default"), default_doc=entry.get("default_doc"), cli_flag=entry.get("flag"),
+            parse=lambda field, value, settings, tensor=tensor: published_value(tensor, field, value))
+    return found
+
+
+def published_value(tensor: ApiTensor, field: str, value: np.ndarray) -> Any:
+    """``value`` checked against the type and shape ``tensor`` declares: a scalar, or a list."""
+    kinds = {str: "OSU", bool: "b", int: "iu", float: "fiu"}[python_type(tensor.triton_dtype)]
+    if value.dtype.kind not in kinds:
+        raise InvalidArgument(field, f"expected {tensor.triton_dtype} values, got {value.dtype}")
+    if tensor.dims == (1,):
+        return _text(field, value) if value.dtype.kind in "OSU" else _scalar(field, value).item()
+    if value.ndim != len(tensor.dims) or any(0 <= d != n for d, n in zip(tensor.dims, value.shape)):
+        raise InvalidArgument(field, f"expected shape {list(tensor.dims)} (-1: any length), got {list(value.shape)}")
+    return value.tolist()
 
 
 API_OUTPUTS: tuple[ApiTensor, ...] = (
@@ -170,7 +220,9 @@ class Generated:
     stats: dict[str, Any]
 
 
-_NUMPY_DTYPES = {"BYTES": np.object_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8}
+_NUMPY_DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
+                 "INT64": np.int64, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+                 "FP16": np.float16, "FP32": np.float32, "FP64": np.float64}
 _MAX_GUIDANCE = 100.0
 _MAX_CACHE_THRESHOLD = 10.0
 _MAX_FPS = 240
@@ -179,6 +231,12 @@ MAX_REFERENCE_IMAGES = 8
 
 def numpy_dtype(triton_dtype: str):
     return _NUMPY_DTYPES[triton_dtype]
+
+
+def python_type(triton_dtype: str) -> type:
+    """The type a JSON field or a command-line word of ``triton_dtype`` is read as."""
+    kind = np.dtype(numpy_dtype(triton_dtype)).kind
+    return {"O": str, "b": bool, "f": float}.get(kind, int)
 
 
 def input_array(tensor: ApiTensor, value: Any) -> np.ndarray:
