@@ -104,7 +104,7 @@ async def concurrent_events(api_url: str, name: str, jobs: int, steps: int) -> d
         created = await asyncio.gather(*[
             http.post(f"{api_url}/v1/images/generations", json={
                 "model": name, "prompt": f"a shape number {i}", "seed": i, "num_inference_steps": steps,
-                "preview_interval": 4, "background": True}) for i in range(jobs)])
+                "preview_interval": 4, "async": True}) for i in range(jobs)])
         ids = [response.json()["id"] for response in created]
 
         async def follow(job_id: str) -> tuple[int, int, str]:

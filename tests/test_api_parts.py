@@ -126,3 +126,78 @@ def test_a_stream_read_gives_way_to_a_cancel_even_while_responses_keep_coming():
             await _next_within(Silent(), 0.05)
 
     asyncio.run(scenario())
+
+
+def test_a_signed_url_opens_its_path_until_it_expires_and_no_other(tmp_path):
+    from machgen.api.keys import SIGNING_KEY_FILE, UrlSigner
+
+    signer = UrlSigner.in_folder(tmp_path)
+    url = signer.sign("/v1/jobs/img_a/content", {"index": "1"}, expires=1000)
+    path, query = url.split("?")
+    signed = dict(part.split("=") for part in query.split("&"))
+    assert signed["index"] == "1" and signed["expires"] == "1000"
+    assert signer.check(path, signed, now=999) is None
+    assert "expired" in signer.check(path, signed, now=1000)
+    assert "not valid" in signer.check("/v1/jobs/img_b/content", signed, now=999)
+    assert "not valid" in signer.check(path, {**signed, "index": "0"}, now=999)
+    assert "not valid" in signer.check(path, {**signed, "expires": "5000"}, now=999)
+    # The key is kept (owner-only): URLs handed out before a restart still open after it.
+    assert (tmp_path / SIGNING_KEY_FILE).stat().st_mode & 0o077 == 0
+    assert UrlSigner.in_folder(tmp_path).check(path, signed, now=999) is None
+    assert "not valid" in UrlSigner(b"another key").check(path, signed, now=999)
+
+
+def test_openais_enumerated_fields_are_honoured_or_refused_by_name():
+    from machgen.api.schemas import openai_choice
+
+    assert openai_choice("output_format", "webp", "png") == "webp" and openai_choice("quality", None, "x") == "x"
+    for name, value, code in [("output_format", "gif", "invalid_value"), ("quality", "high", "unsupported_value"),
+                              ("background", "transparent", "unsupported_value"), ("style", 1, "invalid_value")]:
+        with pytest.raises(ApiError) as refused:
+            openai_choice(name, value, None)
+        assert (refused.value.status, refused.value.param, refused.value.code) == (400, name, code)
+
+
+def test_a_cancelled_video_is_one_of_openais_statuses_failed_with_its_reason():
+    from machgen.api.schemas import video_object
+
+    from openai_schema import validate
+
+    job = Job("video_a", "video", "ti2v", "alice", {"prompt": "x", "width": 64, "height": 64, "num_frames": 17,
+                                                   "fps": 16, "seeds": [3]}, status="cancelled")
+    video = video_object(job)
+    validate(video, "VideoResource")
+    assert video["status"] == "failed" and video["error"]["code"] == "cancelled" and video["seconds"] == "1.0625"
+
+
+def test_the_store_deletes_a_job_and_pages_either_way(tmp_path):
+    store = JobStore(tmp_path)
+    for index in range(4):
+        store.insert(Job(f"video_{index}", "video", "ti2v", "alice", {}))
+    store.result_dir("video_1").mkdir()
+    store.delete("video_1")
+    assert store.get("video_1") is None and not store.result_dir("video_1").exists()
+    assert [job.id for job in store.list(ascending=True)] == ["video_0", "video_2", "video_3"]
+    assert [job.id for job in store.list(after="video_0", ascending=True, limit=1)] == ["video_2"]
+    assert [job.id for job in store.list(after="video_3")] == ["video_2", "video_0"]
+
+
+def test_framework_validation_errors_are_openais_error_object(tmp_path):
+    """A route's typed parameter that FastAPI itself refuses answers 400 in OpenAI's shape, not 422."""
+    from fastapi.testclient import TestClient
+
+    from machgen.api.app import ApiSettings, create_app
+
+    app = create_app(ApiSettings(data_dir=tmp_path))
+
+    @app.get("/typed")
+    async def typed_route(count: int):
+        return {"count": count}
+
+    client = TestClient(app)  # no lifespan: no Triton needed
+    response = client.get("/typed?count=many")
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "count" and response.json()["error"]["type"]
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    missing = client.delete("/typed")
+    assert missing.status_code == 405 and set(missing.json()) == {"error"}

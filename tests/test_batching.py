@@ -193,11 +193,11 @@ def test_through_the_api_a_full_queue_is_503_and_a_waiting_job_runs_once_there_i
     url = f"{api.url}/v1/images/generations"
     try:
         running = httpx.post(url, headers=headers, json={"model": queue_model, "prompt": "a cat",
-                                                         "num_inference_steps": 1000, "background": True}).json()
+                                                         "num_inference_steps": 1000, "async": True}).json()
         wait_until(lambda: httpx.get(f"{api.url}/v1/jobs/{running['id']}", headers=headers).json()["progress"] > 0,
                    what="the first job's steps")
         waiting = httpx.post(url, headers=headers, json={"model": queue_model, "prompt": "a dog", "seed": 2,
-                                                         "num_inference_steps": 2, "background": True}).json()
+                                                         "num_inference_steps": 2, "async": True}).json()
         # A decoupled model's execute takes each request as it comes: two, one running and one waiting.
         wait_until(lambda: metric(variant_server, "nv_inference_exec_count", f"{queue_model}_stream") >= 2,
                    what="the second job at the streaming model")

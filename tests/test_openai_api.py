@@ -89,7 +89,7 @@ def test_images_edit_is_image_to_image_with_strength(api_server, triton_server):
 def test_a_jobs_events_are_its_steps_in_order_previews_at_the_interval_then_the_job(api_server):
     job = httpx.post(f"{api_server.url}/v1/images/generations", headers=auth(api_server), timeout=30, json={
         "model": PIPELINE_NAME, "prompt": "a green circle", "n": 2, "seed": 1, "num_inference_steps": 5,
-        "preview_interval": 2, "background": True}).json()
+        "preview_interval": 2, "async": True}).json()
     assert job["object"] == "job" and job["status"] in ("queued", "in_progress")
     events = events_of(api_server, job["id"])
     for index in (0, 1):
@@ -109,14 +109,18 @@ def test_a_jobs_events_are_its_steps_in_order_previews_at_the_interval_then_the_
     assert image.status_code == 200 and png_pixels(image.content).shape == (64, 64, 3)
 
 
-def test_a_streamed_image_request_sends_progress_then_the_images(api_server):
+def test_a_streamed_image_request_sends_its_partial_images_then_the_image(api_server):
+    """OpenAI's events alone (test_openai_contract.py checks them field by field); the job's own progress
+    events are at /v1/jobs/{id}/events, its id in the X-Machgen-Job-Id header."""
     with httpx.stream("POST", f"{api_server.url}/v1/images/generations", headers=auth(api_server), timeout=60,
                       json={"model": PIPELINE_NAME, "prompt": "a cat", "seed": 3, "num_inference_steps": 4,
-                            "preview_interval": 1, "stream": True}) as response:
+                            "partial_images": 3, "stream": True}) as response:
+        job_id = response.headers["x-machgen-job-id"]
         body = "".join(response.iter_text())
     names = [line[len("event: "):] for line in body.splitlines() if line.startswith("event: ")]
-    assert names.count("progress") == 4 and "image_generation.partial_image" in names
-    assert names[-2:] == ["image_generation.completed", "completed"]
+    assert names == ["image_generation.partial_image"] * 3 + ["image_generation.completed"]
+    steps = [data["step"] for name, data in events_of(api_server, job_id) if name == "progress"]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_bad_requests_get_openais_error_body_with_the_field(api_server):
@@ -170,7 +174,7 @@ def test_without_a_valid_key_401_and_over_a_keys_limit_429(api_server, api_keys)
     with pytest.raises(openai.AuthenticationError):
         openai_client(api_server, key="mg-wrong").images.generate(model=PIPELINE_NAME, prompt="a cat")
     _, _, limited_key = api_keys
-    long_job = {"model": PIPELINE_NAME, "prompt": "a cat", "num_inference_steps": 1000, "background": True}
+    long_job = {"model": PIPELINE_NAME, "prompt": "a cat", "num_inference_steps": 1000, "async": True}
     first = httpx.post(f"{api_server.url}/v1/images/generations", json=long_job, headers=auth(api_server, limited_key))
     assert first.status_code == 200
     try:
@@ -211,7 +215,7 @@ def test_a_webhook_is_signed_per_standard_webhooks_and_retried_after_a_failure(a
     _Receiver.deliveries = []
     try:
         job = httpx.post(f"{api_server.url}/v1/images/generations", headers=auth(api_server), timeout=30, json={
-            "model": PIPELINE_NAME, "prompt": "a cat", "seed": 1, "num_inference_steps": 2, "background": True,
+            "model": PIPELINE_NAME, "prompt": "a cat", "seed": 1, "num_inference_steps": 2, "async": True,
             "callback_url": f"http://127.0.0.1:{receiver.server_address[1]}/hook"}).json()
         deadline = time.monotonic() + 30
         while len(_Receiver.deliveries) < 2 and time.monotonic() < deadline:
@@ -242,7 +246,7 @@ def test_jobs_outlive_the_api_process_and_those_it_was_running_are_failed(triton
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     _Receiver.deliveries = [(None, b"")]  # every delivery answered 200
     first = ApiProcess(triton_server.grpc_url, data, keys_file, key, new_secret(), tmp_path / "api.log").wait_ready()
-    long_job = {"model": PIPELINE_NAME, "prompt": "a dog", "num_inference_steps": 1000, "background": True,
+    long_job = {"model": PIPELINE_NAME, "prompt": "a dog", "num_inference_steps": 1000, "async": True,
                 "callback_url": f"http://127.0.0.1:{receiver.server_address[1]}/hook"}
     try:
         done = httpx.post(f"{first.url}/v1/images/generations", headers=auth(first), timeout=60, json={

@@ -164,12 +164,15 @@ def _video_bytes_frames(data: bytes, folder) -> np.ndarray:
 @pytest.mark.integration
 def test_the_openai_videos_api_makes_the_served_video_and_its_mp4(ti2v_server, ti2v_api, tmp_path):
     """videos.create (text, and an input_reference picture), retrieve until completed, download_content:
-    the MP4's frames are those of the Triton output's own encoding."""
+    the MP4's frames are those of the Triton output's own encoding; each answer one of OpenAI's schemas."""
     import io
     import time
 
+    import httpx
     import openai
     from PIL import Image
+
+    from openai_schema import validate
 
     from machgen.client import MachgenClient
     from machgen.client.video import read_mp4, write_mp4
@@ -184,6 +187,8 @@ def test_the_openai_videos_api_makes_the_served_video_and_its_mp4(ti2v_server, t
                                       input_reference=("start.png", buffer.getvalue(), "image/png"),
                                       extra_body={"seed": 3, "num_inference_steps": 3})
     assert text.status in ("queued", "in_progress") and text.object == "video"
+    headers = {"Authorization": f"Bearer {ti2v_api.key}"}
+    validate(httpx.get(f"{ti2v_api.url}/v1/videos/{text.id}", headers=headers).json(), "VideoResource")
     expected_options = [{}, {"image": start}]
     with MachgenClient(ti2v_server.grpc_url) as triton:
         for video, options in zip((text, from_image), expected_options):
@@ -192,25 +197,37 @@ def test_the_openai_videos_api_makes_the_served_video_and_its_mp4(ti2v_server, t
                 time.sleep(0.1)
                 video = client.videos.retrieve(video.id)
             assert video.status == "completed" and video.progress == 100, video
+            validate(httpx.get(f"{ti2v_api.url}/v1/videos/{video.id}", headers=headers).json(), "VideoResource")
             frames, stats = triton.generate_with_stats(NAME, PROMPT, seed=3, num_inference_steps=3, **options)
             write_mp4(frames, tmp_path / "expected.mp4", fps=stats["fps"])
             expected = read_mp4(tmp_path / "expected.mp4")[0]
             served = _video_bytes_frames(client.videos.download_content(video.id).content, tmp_path)
             assert served.shape == expected.shape == frames.shape
             assert np.abs(served.astype(int) - expected.astype(int)).max() <= MAX_PIXEL_DIFF
-            thumbnail = client.videos.download_content(video.id, variant="thumbnail").content
-            assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumbnail))), frames[0])
+            thumbnail = client.videos.download_content(video.id, variant="thumbnail")
+            assert thumbnail.response.headers["content-type"] == "image/webp"  # OpenAI's thumbnail format
+            assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumbnail.content))), frames[0])  # lossless
+    spritesheet = httpx.get(f"{ti2v_api.url}/v1/videos/{text.id}/content?variant=spritesheet", headers=headers)
+    assert spritesheet.status_code == 400 and spritesheet.json()["error"]["code"] == "unsupported_value"
     listed = [video.id for video in client.videos.list()]
     assert listed[:2] == [from_image.id, text.id]
+    newest = httpx.get(f"{ti2v_api.url}/v1/videos?limit=1", headers=headers).json()
+    validate(newest, "VideoListResource")
+    assert [v["id"] for v in newest["data"]] == [from_image.id] and newest["has_more"]
+    oldest_first = client.videos.list(order="asc", after=text.id, limit=100)
+    assert [video.id for video in oldest_first.data][:1] == [from_image.id] and not oldest_first.has_more
 
 
 @pytest.mark.integration
 def test_deleting_a_running_video_stops_it_within_two_steps(ti2v_server, ti2v_api):
-    """videos.delete: the job is cancelled, the server stops the request within two steps of seeing the
-    withdrawal, and the slot is free for the next video."""
+    """videos.delete: OpenAI's deleted object, the video gone (404 after); the server stops its request
+    within two steps of seeing the withdrawal, and the slot is free for the next video."""
     import time
 
+    import httpx
     import openai
+
+    from openai_schema import validate
 
     from conftest import steps_after_stop_asked
 
@@ -219,9 +236,14 @@ def test_deleting_a_running_video_stops_it_within_two_steps(ti2v_server, ti2v_ap
     deadline = time.monotonic() + 60
     while client.videos.retrieve(video.id).progress < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    deleted = client.videos.delete(video.id)
-    assert deleted.status == "cancelled" and deleted.progress < 100
-    assert client.videos.retrieve(video.id).status == "cancelled"
+    deleted = httpx.delete(f"{ti2v_api.url}/v1/videos/{video.id}", headers={"Authorization": f"Bearer {ti2v_api.key}"},
+                           timeout=60).json()
+    validate(deleted, "DeletedVideoResource")
+    assert deleted == {"id": video.id, "object": "video.deleted", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(video.id)
+    with pytest.raises(openai.NotFoundError):
+        client.videos.delete(video.id)
     assert steps_after_stop_asked(ti2v_server, f"{video.id}-0") <= 1
     again = client.videos.create(model=NAME, prompt=PROMPT, extra_body={"num_inference_steps": 2})
     while again.status not in ("completed", "failed") and time.monotonic() < deadline:

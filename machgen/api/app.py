@@ -18,17 +18,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from machgen.api.jobs import JobManager, JobMetrics, new_job_id
-from machgen.api.keys import KeyRing, read_keys
+from machgen.api.keys import KeyRing, UrlSigner, read_keys
 from machgen.api.schemas import (
     ADAPTER_FIELDS,
     IGNORED_OPENAI_FIELDS,
     MAX_VARIANTS,
+    MEDIA_TYPES,
     MODEL_FIELDS,
     SEED_LIMIT,
     ApiError,
+    bounded,
     decode_picture,
     invalid,
     job_object,
+    openai_choice,
     parse_size,
     public_object,
     typed,
@@ -68,6 +71,8 @@ class ApiSettings:
     queue_retry_s: float = 1.0
     # Steps between previews of a job that does not say (None: the model's default).
     preview_interval: int | None = None
+    # How long a result URL (response_format "url") downloads without the key, seconds (OpenAI's: an hour).
+    url_ttl_s: float = 3600.0
 
 
 @dataclass
@@ -78,6 +83,7 @@ class _State:
     keys: KeyRing
     webhooks: WebhookSender
     jobs: JobManager
+    signer: UrlSigner
     tasks: list = field(default_factory=list)
 
 
@@ -166,12 +172,8 @@ async def _model(state: _State, name: Any, kind: str) -> ServedModel:
 
 
 def _model_inputs(fields: dict[str, Any], model: ServedModel, used: set[str]) -> dict[str, Any]:
-    """The request's fields that are the model's inputs, typed; any other unknown field is refused."""
-    from machgen.families.registry import get_family
-
-    family_inputs = {}
-    with contextlib.suppress(KeyError):
-        family_inputs = {declared.name: declared for declared in get_family(model.card["family"]).inputs}
+    """The request's fields that are the model's inputs, typed (the model's
+    own as it publishes them); any other unknown field is refused."""
     inputs = {}
     for name, value in fields.items():
         if name in used or name in IGNORED_OPENAI_FIELDS or value is None:
@@ -180,11 +182,22 @@ def _model_inputs(fields: dict[str, Any], model: ServedModel, used: set[str]) ->
             inputs[name] = typed(name, value, MODEL_FIELDS[name])
         elif name in ADAPTER_FIELDS:
             inputs[name] = typed_list(name, value, ADAPTER_FIELDS[name])
-        elif name in family_inputs:
-            inputs[name] = value
+        elif name in model.inputs:
+            inputs[name] = _published_field(name, value, model.inputs[name].tensor)
         else:
             raise invalid(name, f"unknown parameter '{name}'", code="unknown_parameter")
     return inputs
+
+
+def _published_field(name: str, value: Any, tensor) -> Any:
+    """A field of one of the model's own inputs, typed as the model publishes it (its shape is checked with
+    the request)."""
+    from machgen.contract.api import python_type
+
+    kind = python_type(tensor.triton_dtype)
+    if tensor.dims == (1,):
+        return typed(name, value, kind)
+    return typed_list(name, value, kind) if len(tensor.dims) == 1 else value
 
 
 class _AnyAdapter:
@@ -198,18 +211,17 @@ class _AnyAdapter:
 
 
 def _check_request(model: ServedModel, inputs: dict[str, Any]) -> None:
-    """The request checked as the sampler will check it: a bad field answers
-    400 naming it before any job exists (the server checks again)."""
+    """The request checked as the sampler will check it, but for the values
+    of the model's own inputs (their type and shape only, as the model
+    publishes them): a bad field answers 400 naming it before any job exists
+    (the server checks again, and its INVALID_ARGUMENT names the field too)."""
     from machgen.contract.api import API_INPUTS, InvalidArgument, input_array, parse_request
     from machgen.contract.specs import Capabilities, ServedDefaults
-    from machgen.families.registry import get_family
     from machgen.runtime.cache import POLICY_NAMES
 
-    try:
-        family = get_family(model.card["family"])
-    except KeyError:
-        return  # a family this machgen does not know: the server alone checks
-    declared = {t.name: t for t in API_INPUTS} | {d.name: d.tensor for d in family.inputs}
+    if "guidance_is_cfg" not in model.card:
+        return  # a card from before cards described the model's own inputs: the server alone checks
+    declared = {t.name: t for t in API_INPUTS} | {name: d.tensor for name, d in model.inputs.items()}
     arrays = {}
     for name, value in inputs.items():
         if name in declared:
@@ -220,10 +232,10 @@ def _check_request(model: ServedModel, inputs: dict[str, Any]) -> None:
     try:
         parse_request(arrays.get, ServedDefaults.from_json(model.card["defaults"]),
                       size_multiple=model.card["size_multiple"],
-                      capabilities=Capabilities(tuple(model.card["tasks"]), family.capabilities.guidance_is_cfg,
+                      capabilities=Capabilities(tuple(model.card["tasks"]), model.card["guidance_is_cfg"],
                                                 model.card["audio"]),
                       cache_policies=POLICY_NAMES, frame_multiple=model.card["frame_multiple"],
-                      family_inputs=family.inputs, settings=model.card.get("family_settings", {}),
+                      family_inputs=tuple(model.inputs.values()), settings=model.card.get("family_settings", {}),
                       adapters=_AnyAdapter)
     except InvalidArgument as err:
         raise invalid(err.field, str(err)) from None
@@ -251,6 +263,105 @@ def _callback(state: _State, fields: dict[str, Any]) -> str | None:
     return url
 
 
+def image_options(fields: dict[str, Any], edit: bool) -> dict[str, Any]:
+    """OpenAI's image fields besides model, prompt, n, size, image and mask, each honoured or refused by
+    name (a value outside OpenAI's set: invalid_value; one OpenAI defines that is not honoured here:
+    unsupported_value). As OpenAI's: generations take ``moderation`` and ``style``, edits ``input_fidelity``;
+    the others' are unknown parameters."""
+    if fields.get("background") is True:
+        raise invalid("background", "'background' is OpenAI's transparency choice (opaque or auto); to be "
+                                    "answered at once with the job, send 'async': true")
+    choices = ("response_format", "output_format", "background", "quality",
+               *(("input_fidelity",) if edit else ("moderation", "style")))
+    options = {name: openai_choice(name, fields.get(name), None) for name in choices}
+    options["response_format"] = options["response_format"] or "b64_json"
+    options["output_format"] = options["output_format"] or "png"
+    compression = fields.get("output_compression")
+    if compression is not None:
+        compression = bounded("output_compression", compression, 0, 100)
+        if options["output_format"] == "png" and compression != 100:
+            raise invalid("output_compression", "'output_compression' applies to jpeg and webp output, not png")
+    options["output_compression"] = compression
+    options["stream"] = typed("stream", fields["stream"], bool) if fields.get("stream") is not None else False
+    partial = fields.get("partial_images")
+    options["partial_images"] = 0 if partial is None else bounded("partial_images", partial, 0, 3)
+    if options["partial_images"] and not options["stream"]:
+        raise invalid("partial_images", "partial images are streamed: send 'stream': true with them")
+    options["user"] = typed("user", fields["user"], str) if fields.get("user") is not None else None
+    return options
+
+
+def partial_image_interval(model: ServedModel, inputs: dict[str, Any], wanted: int) -> int:
+    """Steps between previews that make ``wanted`` partial images of each image, spread over its denoising
+    (an edit denoises the last ``strength`` of its steps; no preview follows the last step)."""
+    from machgen.contract.api import DEFAULT_STRENGTH
+
+    steps = int(inputs.get("num_inference_steps") or model.defaults["num_inference_steps"])
+    if inputs.get("image") is not None:
+        steps = max(int(steps * (inputs.get("strength") or DEFAULT_STRENGTH)), 1)
+    return max(steps // (wanted + 1), 1)
+
+
+def image_usage(model: ServedModel, inputs: dict[str, Any], n: int) -> dict[str, Any]:
+    """OpenAI's image usage, counted as the model sees its request: text tokens, the text sequence its
+    prompt is padded to (max_sequence_length); image tokens, the picture's cells of size_multiple pixels
+    square (an edit's input image; each output image)."""
+    multiple = int(model.card["size_multiple"])
+    text = int(model.defaults.get("max_sequence_length") or 0)
+    picture = inputs.get("image")
+    image_in = (picture.shape[0] // multiple) * (picture.shape[1] // multiple) if picture is not None else 0
+    output = n * (int(inputs["width"]) // multiple) * (int(inputs["height"]) // multiple)
+    return {"input_tokens": text + image_in, "output_tokens": output, "total_tokens": text + image_in + output,
+            "input_tokens_details": {"text_tokens": text, "image_tokens": image_in},
+            "output_tokens_details": {"text_tokens": 0, "image_tokens": output}}
+
+
+def image_usage_of_one(usage: dict[str, Any], n: int) -> dict[str, Any]:
+    """The usage of one of a request's ``n`` images (a streamed image's completed event)."""
+    output = usage["output_tokens"] // n
+    return {**usage, "output_tokens": output, "total_tokens": usage["input_tokens"] + output,
+            "output_tokens_details": {"text_tokens": 0, "image_tokens": output}}
+
+
+def _partial_image(preview_url: str, request: dict[str, Any]) -> str:
+    """A preview (a PNG data URL at the latents' size) as a partial image: base64 of the request's size and
+    output format."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from machgen.api.jobs import picture_bytes
+
+    with Image.open(io.BytesIO(base64.b64decode(preview_url.split(",", 1)[1]))) as preview:
+        picture = preview.convert("RGB").resize((int(request["width"]), int(request["height"])),
+                                                Image.Resampling.NEAREST)
+    encoded = picture_bytes(np.asarray(picture), request.get("output_format", "png"),
+                            request.get("output_compression"))
+    return base64.b64encode(encoded).decode()
+
+
+def _query(request, allowed: dict[str, type]) -> dict[str, Any]:
+    """The query's parameters, typed; one the route does not take is refused by name (as a body's are)."""
+    for name in request.query_params:
+        if name not in allowed:
+            raise invalid(name, f"unknown query parameter '{name}'; this route takes "
+                                f"{', '.join(allowed) or 'none'}", code="unknown_parameter")
+    return {name: typed(name, request.query_params[name], kind) for name, kind in allowed.items()
+            if name in request.query_params}
+
+
+def _page(request, extra: dict[str, type] | None = None) -> tuple[int, str | None, bool, dict[str, Any]]:
+    """OpenAI's list parameters: (``limit`` 0-100, default 20; ``after``; ascending, from ``order`` asc or
+    desc, default desc; the query, ``extra`` included)."""
+    query = _query(request, {"limit": int, "after": str, "order": str, **(extra or {})})
+    limit = bounded("limit", query.get("limit", 20), 0, 100)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", f"'order' must be asc or desc, not {order!r}")
+    return limit, query.get("after"), order == "asc", query
+
+
 def _failure_error(job: Job) -> ApiError:
     """A failed or cancelled job as the synchronous request's error answer."""
     error = job.error or {"code": "internal", "message": "the job failed"}
@@ -270,6 +381,7 @@ def _failure_error(job: Job) -> ApiError:
 def create_app(settings: ApiSettings) -> FastAPI:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import GaugeMetricFamily
+    from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     registry = CollectorRegistry()
@@ -292,7 +404,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         state = _State(settings, store, triton,
                        KeyRing(read_keys(settings.keys_file) if settings.keys_file is not None else None),
                        webhooks, JobManager(store, triton, webhooks, JobMetrics(registry), settings.result_ttl_s,
-                                            settings.queue_retry_s))
+                                            settings.queue_retry_s), UrlSigner.in_folder(settings.data_dir))
         app.state.machgen = state
         state.tasks.append(asyncio.get_running_loop().create_task(_expire_results(store)))
         try:
@@ -331,6 +443,16 @@ def create_app(settings: ApiSettings) -> FastAPI:
         message = f"no route {request.method} {request.url.path}" if error.status_code in (404, 405) \
             else str(error.detail)
         return JSONResponse(ApiError(error.status_code, message, code=code).body(), status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        """FastAPI's own checks (a parameter of the wrong type) answered in OpenAI's shape, not its 422."""
+        problems = error.errors()
+        where = problems[0].get("loc", ()) if problems else ()
+        param = str(where[-1]) if where else None
+        message = "; ".join(f"'{'.'.join(str(part) for part in problem.get('loc', ()))}': {problem.get('msg')}"
+                            for problem in problems) or "the request is not valid"
+        return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception):
@@ -418,17 +540,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
         prompt = fields.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise invalid("prompt", "'prompt' is required: a non-empty string")
-        n = typed("n", fields.get("n", 1), int)
-        if not 1 <= n <= MAX_VARIANTS:
-            raise invalid("n", f"'n' must be in [1, {MAX_VARIANTS}], not {n}")
-        response_format = fields.get("response_format") or "b64_json"
-        if response_format not in ("b64_json", "url"):
-            raise invalid("response_format", "'response_format' must be 'b64_json' or 'url'")
-        stream = typed("stream", fields.get("stream", False), bool)
-        background = fields.get("background")  # OpenAI's is a transparency choice; true here: answer at once
-        run_async = typed("async", fields.get("async", False), bool) or background is True
-        if isinstance(background, str) and background == "transparent":
-            raise invalid("background", "transparent backgrounds are not supported", code="unsupported_value")
+        n = bounded("n", fields["n"], 1, MAX_VARIANTS) if fields.get("n") is not None else 1
+        options = image_options(fields, edit)
+        stream = options["stream"]
+        run_async = typed("async", fields.get("async", False), bool)
+        if run_async and stream:
+            raise invalid("stream", "a request answered at once ('async': true) is not streamed")
         seed = _seed(fields)
         inputs = {"prompt": prompt}
         if edit:
@@ -447,59 +564,88 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 inputs["height"], inputs["width"] = inputs["image"].shape[:2]
         else:
             inputs["width"], inputs["height"] = parse_size(fields.get("size"), model.defaults)
-        used = {"model", "prompt", "n", "response_format", "stream", "background", "async", "size", "seed",
-                "callback_url", "image", "mask"}
+        used = {"model", "prompt", "n", "async", "size", "seed", "callback_url", "image", "mask", *options}
         inputs.update(_model_inputs(fields, model, used))
+        if options["partial_images"] and "preview_interval" not in inputs:
+            inputs["preview_interval"] = partial_image_interval(model, inputs, options["partial_images"])
         with_preview_default(inputs)
         callback_url = _callback(state, fields)
         _check_request(model, {**inputs, "seed": seed})
         variants = [{**inputs, "seed": seed + index} for index in range(n)]
         recorded = {name: value for name, value in inputs.items() if name != "image"}
-        recorded.update(n=n, seeds=[seed + index for index in range(n)], response_format=response_format,
-                        edit=edit, callback_url=callback_url)
+        recorded.update(n=n, seeds=[seed + index for index in range(n)], edit=edit, callback_url=callback_url,
+                        usage=image_usage(model, inputs, n), **options)
         job = await submit(request, state, "image", model, variants, recorded, waits_in_queue=run_async)
         if run_async:
             return job_object(job)
         if stream:
-            return StreamingResponse(_image_stream(state, job, response_format, str(request.base_url)),
+            return StreamingResponse(_image_stream(state, job, str(request.base_url)),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "X-Machgen-Job-Id": job.id})
         job = await state.jobs.wait(job.id)
         if job.status != "completed":
             raise _failure_error(job)
-        return image_answer(state, job, response_format, str(request.base_url))
+        return image_answer(state, job, str(request.base_url))
 
-    def image_answer(state: _State, job: Job, response_format: str, base_url: str) -> dict[str, Any]:
+    def result_url(state: _State, job: Job, index: int, base_url: str) -> str:
+        """A URL of one image that a plain GET downloads, keys or not, until it expires (an hour, or the
+        results' own expiry when sooner)."""
+        expires = int(min(time.time() + settings.url_ttl_s, job.expires_at or float("inf")))
+        return base_url.rstrip("/") + state.signer.sign(f"/v1/jobs/{job.id}/content", {"index": str(index)},
+                                                        expires)
+
+    def image_answer(state: _State, job: Job, base_url: str) -> dict[str, Any]:
+        """OpenAI's ImagesResponse (and machgen's ``machgen``: job id, seeds, stats)."""
         data = []
         for index, name in enumerate(job.outputs):
-            if response_format == "url":
-                data.append({"url": base_url.rstrip("/") + f"/v1/jobs/{job.id}/content?index={index}"})
+            if job.request.get("response_format") == "url":
+                data.append({"url": result_url(state, job, index, base_url)})
             else:
                 data.append({"b64_json": base64.b64encode((state.store.result_dir(job.id) / name).read_bytes())
                              .decode()})
-        return {"created": job.created_at, "data": data, "output_format": "png",
-                "size": f"{job.request['width']}x{job.request['height']}",
+        return {"created": job.created_at, "data": data, "background": "opaque",
+                "output_format": job.request.get("output_format", "png"),
+                "size": f"{job.request['width']}x{job.request['height']}", "usage": job.request.get("usage"),
                 "machgen": {"job_id": job.id, "seeds": job.request["seeds"], "stats": job.stats}}
 
-    async def _image_stream(state: _State, job: Job, response_format: str, base_url: str) -> AsyncIterator[bytes]:
+    async def _image_stream(state: _State, job: Job, base_url: str) -> AsyncIterator[bytes]:
+        """OpenAI's image stream: ``partial_images`` partial images of each image (numbered from 0 per image),
+        then each image's completed event; an error event if the job fails. Edits' events are image_edit.*.
+        machgen's progress events are the job's own (/v1/jobs/{id}/events, the X-Machgen-Job-Id header)."""
+        request = job.request
+        prefix = "image_edit" if request["edit"] else "image_generation"
+        described = {"size": f"{request['width']}x{request['height']}", "quality": "auto", "background": "opaque",
+                     "output_format": request.get("output_format", "png")}
+        wanted = request.get("partial_images") or 0
+        sent: dict[int, int] = {}
         events = state.jobs.events(job.id)
-        if events is not None:
+        if events is not None and wanted:
             async for event, data in events.follow():
                 if event in ("completed", "failed", "cancelled"):
                     break
-                yield _sse(event, data)
-                if event == "preview":
-                    yield _sse("image_generation.partial_image",
-                               {"type": "image_generation.partial_image", "partial_image_index": data["index"],
-                                "b64_json": data["image"].split(",", 1)[1]})
+                index = data.get("index", 0)
+                if event != "preview" or sent.get(index, 0) >= wanted:
+                    continue
+                partial = await asyncio.to_thread(_partial_image, data["image"], request)
+                yield _sse(f"{prefix}.partial_image", {
+                    "type": f"{prefix}.partial_image", "b64_json": partial, "created_at": int(time.time()),
+                    **described, "partial_image_index": sent.get(index, 0),
+                    "machgen": {"job_id": job.id, "index": index, "step": data["step"]}})
+                sent[index] = sent.get(index, 0) + 1
         job = await state.jobs.wait(job.id)
         if job.status != "completed":
-            yield _sse(job.status, job_object(job))
+            yield _sse("error", {"type": "error", **_failure_error(job).body()})
             return
-        for index, entry in enumerate(image_answer(state, job, response_format, base_url)["data"]):
-            yield _sse("image_generation.completed", {"type": "image_generation.completed", "index": index,
-                                                      "created_at": job.created_at, **entry})
-        yield _sse("completed", job_object(job))
+        answer = image_answer(state, job, base_url)
+        for index, name in enumerate(job.outputs):
+            encoded = base64.b64encode((state.store.result_dir(job.id) / name).read_bytes()).decode()
+            yield _sse(f"{prefix}.completed", {
+                "type": f"{prefix}.completed", "b64_json": encoded, "created_at": job.completed_at or job.created_at,
+                **described, "usage": image_usage_of_one(request["usage"], request["n"]),
+                **({"url": answer["data"][index]["url"]} if request.get("response_format") == "url" else {}),
+                "machgen": {"job_id": job.id, "index": index, "seed": request["seeds"][index],
+                            "stats": job.stats[index] if index < len(job.stats) else None}})
 
     @app.post("/v1/images/generations")
     async def images_generations(request: Request):
@@ -564,15 +710,15 @@ def create_app(settings: ApiSettings) -> FastAPI:
         return video_object(job)
 
     @app.get("/v1/videos")
-    async def list_videos(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
+    async def list_videos(request: Request):
         state = state_of(request)
         owner, _ = _caller(state, request)
-        jobs = state.store.list("video", owner if state.keys.required else None, min(max(limit, 1), 100), after)
-        data = [video_object(state.jobs.running[j.id].job if j.id in state.jobs.running else j) for j in jobs]
-        if order == "asc":
-            data.reverse()
+        limit, after, ascending, _ = _page(request)
+        jobs = state.store.list("video", owner if state.keys.required else None, limit + 1, after, ascending)
+        data = [video_object(state.jobs.running[j.id].job if j.id in state.jobs.running else j)
+                for j in jobs[:limit]]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) == limit}
+                "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
 
     @app.get("/v1/videos/{video_id}")
     async def get_video(video_id: str, request: Request):
@@ -580,37 +726,52 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str, request: Request):
+        """OpenAI's delete: the video is gone (stopped first if it runs), its id answers 404 after."""
         state = state_of(request)
         job = job_for(state, request, video_id, "video")
         await state.jobs.cancel(job.id)
-        return video_object(state.store.get(job.id) or job)
+        state.jobs.forget(job.id)
+        state.store.delete(job.id)
+        return {"id": job.id, "object": "video.deleted", "deleted": True}
 
     @app.get("/v1/videos/{video_id}/content")
-    async def video_content(video_id: str, request: Request, variant: str = "video"):
+    async def video_content(video_id: str, request: Request):
         state = state_of(request)
-        job = job_for(state, request, video_id, "video")
-        names = {"video": ("video.mp4", "video/mp4"), "thumbnail": ("thumbnail.png", "image/png")}
-        if variant not in names:
-            raise invalid("variant", f"'variant' must be video or thumbnail, not {variant!r}")
-        return result_file(state, job, *names[variant])
+        variant = openai_video_variant(_query(request, {"variant": str}).get("variant", "video"))
+        return result_file(state, job_for(state, request, video_id, "video"), variant)
 
-    def result_file(state: _State, job: Job, name: str, media_type: str):
+    def openai_video_variant(variant: str) -> str:
+        if variant not in ("video", "thumbnail", "spritesheet"):
+            raise invalid("variant", f"'variant' must be video, thumbnail or spritesheet, not {variant!r}")
+        if variant == "spritesheet":
+            raise invalid("variant", "'variant' spritesheet is not made here: video or thumbnail",
+                          code="unsupported_value")
+        return variant
+
+    def result_file(state: _State, job: Job, stem: str):
+        """The job's result file named ``stem``.EXTENSION, with the media type of its extension."""
         if job.status != "completed":
             raise ApiError(409 if not job.finished else 404, f"job {job.id} is {job.status}: it has no content"
                            + (" yet" if not job.finished else ""), code="not_ready")
-        path = state.store.result_dir(job.id) / name
-        if name not in job.outputs or not path.exists():
+        name = next((name for name in job.outputs if name.rsplit(".", 1)[0] == stem), None)
+        path = state.store.result_dir(job.id) / (name or stem)
+        if name is None or not path.exists():
             raise ApiError(404, f"the results of job {job.id} have expired", code="expired")
-        return FileResponse(path, media_type=media_type)
+        return FileResponse(path, media_type=MEDIA_TYPES[name.rsplit(".", 1)[1]])
 
     # ---- jobs
     @app.get("/v1/jobs")
-    async def list_jobs(request: Request, limit: int = 20, after: str | None = None, kind: str | None = None):
+    async def list_jobs(request: Request):
         state = state_of(request)
         owner, _ = _caller(state, request)
-        jobs = state.store.list(kind, owner if state.keys.required else None, min(max(limit, 1), 100), after)
-        return {"object": "list", "data": [job_object(state.jobs.running[j.id].job if j.id in state.jobs.running
-                                                      else j) for j in jobs]}
+        limit, after, ascending, query = _page(request, {"kind": str})
+        if query.get("kind") not in (None, "image", "video"):
+            raise invalid("kind", f"'kind' must be image or video, not {query['kind']!r}")
+        jobs = state.store.list(query.get("kind"), owner if state.keys.required else None, limit + 1, after,
+                                ascending)
+        data = [job_object(state.jobs.running[j.id].job if j.id in state.jobs.running else j) for j in jobs[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(jobs) > limit}
 
     @app.get("/v1/jobs/{job_id}")
     async def get_job(job_id: str, request: Request):
@@ -624,14 +785,27 @@ def create_app(settings: ApiSettings) -> FastAPI:
         return job_object(state.store.get(job.id) or job)
 
     @app.get("/v1/jobs/{job_id}/content")
-    async def job_content(job_id: str, request: Request, index: int = 0):
+    async def job_content(job_id: str, request: Request):
+        """A job's file: with the API key, or by a signed URL (result_url) that needs none until it expires."""
         state = state_of(request)
-        job = job_for(state, request, job_id)
+        signed = "signature" in request.query_params
+        query = _query(request, {"index": int, **({"expires": str, "signature": str} if signed else {})})
+        index = query.get("index", 0)
+        if signed:
+            problem = state.signer.check(request.url.path, dict(request.query_params), time.time())
+            if problem is not None:
+                raise ApiError(403, f"{problem}: ask for the image again, or download it with the API key",
+                               param="signature", code="invalid_signature", kind="permission_error")
+            job = state.store.get(job_id)
+            if job is None:
+                raise ApiError(404, f"no job with id '{job_id}'", param="id", code="not_found")
+        else:
+            job = job_for(state, request, job_id)
         if job.kind == "video":
-            return result_file(state, job, "video.mp4", "video/mp4")
+            return result_file(state, job, "video")
         if not 0 <= index < max(job.request.get("n", 1), 1):
             raise invalid("index", f"'index' must be in [0, {job.request.get('n', 1) - 1}]")
-        return result_file(state, job, f"image-{index}.png", "image/png")
+        return result_file(state, job, f"image-{index}")
 
     @app.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: str, request: Request):

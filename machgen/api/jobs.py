@@ -31,10 +31,19 @@ def new_job_id(kind: str) -> str:
 
 
 def png_bytes(picture: np.ndarray) -> bytes:
+    return picture_bytes(picture, "png")
+
+
+def picture_bytes(picture: np.ndarray, output_format: str, compression: int | None = None) -> bytes:
+    """``picture`` as OpenAI's ``output_format`` (png, jpeg or webp); ``compression`` is OpenAI's
+    output_compression, 0-100, the encoder's quality (100, the default: a lossless WebP, JPEG's best)."""
     from PIL import Image
 
+    quality = 100 if compression is None else compression
+    options = {"png": {"format": "PNG"}, "jpeg": {"format": "JPEG", "quality": quality},
+               "webp": {"format": "WEBP", "quality": quality, "lossless": quality == 100}}[output_format]
     buffer = io.BytesIO()
-    Image.fromarray(picture).save(buffer, format="PNG")
+    Image.fromarray(picture).save(buffer, **options)
     return buffer.getvalue()
 
 
@@ -137,6 +146,10 @@ class JobManager:
             self._run(running, model, variants, wait_when_queue_full), name=f"job-{job.id}")
         return running
 
+    def forget(self, job_id: str) -> None:
+        """A deleted job's kept events dropped."""
+        self._finished_events.pop(job_id, None)
+
     def events(self, job_id: str) -> JobEvents | None:
         running = self.running.get(job_id)
         return running.events if running is not None else self._finished_events.get(job_id)
@@ -202,7 +215,8 @@ class JobManager:
             if job.request.get("callback_url"):
                 from machgen.api.schemas import public_object
 
-                self.webhooks.send(job.request["callback_url"], f"{job.kind}.{job.status}", public_object(job))
+                public = public_object(job)  # a video's status is one of OpenAI's: cancelled is failed
+                self.webhooks.send(job.request["callback_url"], f"{job.kind}.{public['status']}", public)
 
     async def _variant(self, running: Running, model: ServedModel, index: int, inputs: dict[str, Any],
                        wait_when_queue_full: bool) -> dict[str, Any]:
@@ -258,11 +272,14 @@ class JobManager:
             fps = int(result["stats"].get("fps") or job.request.get("fps") or 16)
             write_mp4(result["images"], folder / "video.mp4", fps=fps, audio=result.get("audio"),
                       sample_rate=result["stats"].get("sample_rate"))
-            (folder / "thumbnail.png").write_bytes(png_bytes(result["images"][0]))
-            names = ["video.mp4", "thumbnail.png"]
+            # OpenAI's thumbnail is WebP; lossless, so it is the first frame exactly.
+            (folder / "thumbnail.webp").write_bytes(picture_bytes(result["images"][0], "webp"))
+            names = ["video.mp4", "thumbnail.webp"]
         else:
+            output_format = job.request.get("output_format", "png")
             for index, result in enumerate(results):
-                name = f"image-{index}.png"
-                (folder / name).write_bytes(png_bytes(result["images"][0]))
+                name = f"image-{index}.{output_format}"
+                (folder / name).write_bytes(picture_bytes(result["images"][0], output_format,
+                                                          job.request.get("output_compression")))
                 names.append(name)
         return names, [result["stats"] for result in results]

@@ -4,15 +4,19 @@ One key a line: ``NAME sha256:HEX [MAX_JOBS]`` (``#`` starts a comment);
 MAX_JOBS is the key's limit of jobs in flight (the API's default when
 absent). ``machgen api-key add FILE NAME`` makes a key, appends its line and
 prints the key once.
+
+Result URLs stand in for a key: ``UrlSigner`` signs them, with their expiry.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlencode
 
 KEY_PREFIX = "mg-"
 
@@ -73,3 +77,46 @@ class KeyRing:
             if hmac.compare_digest(candidate.digest, wanted):
                 found = candidate
         return found
+
+
+SIGNING_KEY_FILE = "url-signing.key"
+
+
+class UrlSigner:
+    """Result URLs a plain GET downloads without the API key: the path and
+    query signed (HMAC-SHA256 under a key kept in the data folder, so URLs
+    outlive a restart) with their expiry, ``expires`` and ``signature`` added
+    to the query."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+
+    @classmethod
+    def in_folder(cls, folder: Path) -> "UrlSigner":
+        path = Path(folder) / SIGNING_KEY_FILE
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as out:
+                out.write(secrets.token_hex(32))
+        return cls(bytes.fromhex(path.read_text().strip()))
+
+    def _signature(self, path: str, query: dict[str, str]) -> str:
+        canonical = path + "?" + urlencode(sorted(query.items()))
+        return hmac.new(self._key, canonical.encode(), hashlib.sha256).hexdigest()
+
+    def sign(self, path: str, query: dict[str, str], expires: int) -> str:
+        """``path`` with its query, ``expires`` (Unix seconds) and the signature of all of it."""
+        signed = {**query, "expires": str(expires)}
+        return path + "?" + urlencode({**signed, "signature": self._signature(path, signed)})
+
+    def check(self, path: str, query: dict[str, str], now: float) -> str | None:
+        """Why the signed ``query`` (its ``signature`` included) does not open ``path`` now; None: it does."""
+        query = dict(query)
+        signature = query.pop("signature", "")
+        if not hmac.compare_digest(self._signature(path, query), signature):
+            return "the URL's signature is not valid"
+        expires = query.get("expires", "")
+        if not expires.isdigit() or int(expires) <= now:
+            return "the URL has expired"
+        return None

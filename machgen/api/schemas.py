@@ -19,9 +19,27 @@ MODEL_FIELDS: dict[str, type] = {
 }
 # Per-request LoRA adapters: a name or a list of names, a weight or a list of weights (the API's lora, lora_scale).
 ADAPTER_FIELDS: dict[str, type] = {"lora": str, "lora_scale": float}
-# OpenAI's fields that change nothing here (one output format, no moderation), accepted as they are.
-IGNORED_OPENAI_FIELDS = {"quality", "style", "user", "moderation", "output_compression", "output_format",
-                         "partial_images", "input_fidelity"}
+# None: each of OpenAI's fields is honoured or refused by name (openai_choice, image_options in app.py).
+IGNORED_OPENAI_FIELDS: frozenset[str] = frozenset()
+# OpenAI's image fields that take one of a set of values: (every value OpenAI defines, those honoured here).
+# A value OpenAI defines that is not honoured is refused as unsupported, naming the field (never ignored).
+OPENAI_CHOICES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "response_format": (("url", "b64_json"), ("url", "b64_json")),
+    "output_format": (("png", "jpeg", "webp"), ("png", "jpeg", "webp")),
+    "background": (("transparent", "opaque", "auto"), ("opaque", "auto")),
+    "quality": (("standard", "hd", "low", "medium", "high", "auto"), ("auto",)),
+    "moderation": (("low", "auto"), ()),
+    "style": (("vivid", "natural"), ()),
+    "input_fidelity": (("high", "low"), ()),
+}
+_UNSUPPORTED = {
+    "background": "the models served here draw opaque pictures",
+    "quality": "the quality is the model's own, set by num_inference_steps (a machgen extension)",
+    "moderation": "this server moderates nothing; leave the field out",
+    "style": "a dall-e-3 option; these models take no style (describe it in the prompt)",
+    "input_fidelity": "how much of the picture is redrawn is 'strength' (a machgen extension, 0-1)",
+}
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
 MAX_VARIANTS = 10
 SEED_LIMIT = 2**63
 
@@ -45,6 +63,28 @@ class ApiError(Exception):
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def openai_choice(name: str, value: Any, default: str | None) -> str | None:
+    """One of OpenAI's enumerated fields: its value (``default`` when absent), or 400 naming the field for
+    a value OpenAI does not define (invalid_value) or one this server does not honour (unsupported_value)."""
+    if value is None:
+        return default
+    known, honoured = OPENAI_CHOICES[name]
+    if not isinstance(value, str) or value not in known:
+        raise invalid(name, f"'{name}' must be one of {', '.join(known)}, not {value!r}")
+    if value not in honoured:
+        raise invalid(name, f"'{name}' {value!r} is not supported here: {_UNSUPPORTED[name]}",
+                      code="unsupported_value")
+    return value
+
+
+def bounded(name: str, value: Any, low: int, high: int) -> int:
+    """An integer field in [low, high], or 400 naming it."""
+    number = typed(name, value, int)
+    if not low <= number <= high:
+        raise invalid(name, f"'{name}' must be in [{low}, {high}], not {number}")
+    return number
 
 
 def typed(name: str, value: Any, kind: type) -> Any:
@@ -121,16 +161,21 @@ def job_object(job: Job) -> dict[str, Any]:
 
 
 def video_object(job: Job) -> dict[str, Any]:
-    """OpenAI's video object, with machgen's job fields besides."""
+    """OpenAI's video object, with machgen's job fields besides (num_frames, fps, seed, stats). OpenAI's
+    statuses are queued, in_progress, completed and failed: a video cancelled through /v1/jobs is failed,
+    its error's code ``cancelled``."""
     request = job.request
-    seconds = request["num_frames"] / request["fps"] if request.get("fps") else None
+    seconds = request["num_frames"] / request["fps"] if request.get("fps") else 0
+    status, error = job.status, job.error
+    if status == "cancelled":
+        status, error = "failed", error or {"code": "cancelled", "message": "cancelled by the caller"}
     return {
-        "id": job.id, "object": "video", "model": job.model, "status": job.status, "progress": job.progress,
+        "id": job.id, "object": "video", "model": job.model, "status": status, "progress": job.progress,
         "created_at": job.created_at, "completed_at": job.completed_at, "expires_at": job.expires_at,
         "prompt": request.get("prompt"), "size": f"{request.get('width')}x{request.get('height')}",
-        "seconds": f"{seconds:g}" if seconds is not None else None, "num_frames": request.get("num_frames"),
+        "seconds": f"{seconds:g}", "num_frames": request.get("num_frames"),
         "fps": request.get("fps"), "seed": (request.get("seeds") or [None])[0], "remixed_from_video_id": None,
-        "error": job.error, "stats": job.stats,
+        "error": error, "stats": job.stats,
     }
 
 

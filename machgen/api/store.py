@@ -131,8 +131,9 @@ class JobStore:
         return None if found is None else self.get(found[0])
 
     def list(self, kind: str | None = None, owner: str | None = None, limit: int = 50,
-             after: str | None = None) -> list[Job]:
-        """Newest first; ``after``: the jobs older than that one (pagination)."""
+             after: str | None = None, ascending: bool = False) -> list[Job]:
+        """Newest first (oldest first when ``ascending``); ``after``: the jobs past that one in that order
+        (pagination)."""
         clauses, values = [], []
         if kind is not None:
             clauses.append("kind = ?")
@@ -141,13 +142,20 @@ class JobStore:
             clauses.append("owner = ?")
             values.append(owner)
         if after is not None:
-            clauses.append("rowid < (SELECT rowid FROM jobs WHERE id = ?)")
+            clauses.append(f"rowid {'>' if ascending else '<'} (SELECT rowid FROM jobs WHERE id = ?)")
             values.append(after)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         with self._lock:
             ids = [row[0] for row in self._db.execute(
-                f"SELECT id FROM jobs {where} ORDER BY rowid DESC LIMIT ?", (*values, limit))]
+                f"SELECT id FROM jobs {where} ORDER BY rowid {'ASC' if ascending else 'DESC'} LIMIT ?",
+                (*values, limit))]
         return [job for job in (self.get(i) for i in ids) if job is not None]
+
+    def delete(self, job_id: str) -> None:
+        """The job's record and its files gone (OpenAI's DELETE of a video)."""
+        shutil.rmtree(self.result_dir(job_id), ignore_errors=True)
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     def counts(self) -> dict[str, int]:
         """Jobs by status."""
