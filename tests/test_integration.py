@@ -333,3 +333,67 @@ def test_control_apis_answer_only_the_key_machgen_serve_holds(triton_server):
         assert client.get_model_repository_index(headers=triton_server.control_headers(protocol))
         assert client.is_model_ready(PIPELINE_NAME)
         client.close()
+
+
+def test_logging_and_trace_settings_answer_only_the_key_machgen_serve_holds(triton_server):
+    """Switching verbose logging or tracing on (and reading their settings: Triton restricts a category
+    whole) is refused without the server's key on both protocols, the settings left as they were: HTTP 403,
+    gRPC UNAVAILABLE (Triton 2.51's code for a restricted protocol). With the key both change, and are put
+    back (the session's server serves the other tests)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import tritonclient.grpc as grpc_client
+    import tritonclient.http as http_client
+    from tritonclient.utils import InferenceServerException
+
+    from machgen.server import CONTROL_KEY_HEADER, GRPC_CONTROL_KEY_HEADER
+
+    def raw_http(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://{triton_server.http_url}{path}", method=method,
+                                         data=None if body is None else json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    refusal = {"error": f"This API is restricted, expecting header '{CONTROL_KEY_HEADER}'"}
+    for path, body in (("/v2/logging", {"log_verbose_level": 1}), ("/v2/trace/setting", {"trace_rate": "7"})):
+        assert raw_http("POST", path, body) == (403, refusal), path
+        assert raw_http("GET", path) == (403, refusal), path
+
+    http = http_client.InferenceServerClient(triton_server.http_url)
+    grpc = grpc_client.InferenceServerClient(triton_server.grpc_url)
+    key = {"http": triton_server.control_headers("http"), "grpc": triton_server.control_headers("grpc")}
+    wrong_key = {GRPC_CONTROL_KEY_HEADER: "not-the-key"}
+    refused_calls = {
+        "log settings update": lambda headers: grpc.update_log_settings({"log_verbose_level": 1}, headers=headers),
+        "log settings": lambda headers: grpc.get_log_settings(headers=headers),
+        "trace settings update": lambda headers: grpc.update_trace_settings(settings={"trace_rate": "7"},
+                                                                            headers=headers),
+        "trace settings": lambda headers: grpc.get_trace_settings(headers=headers)}
+    for what, call in refused_calls.items():
+        for headers in (None, wrong_key):
+            with pytest.raises(InferenceServerException) as refused:
+                call(headers)
+            assert (refused.value.status(), refused.value.message()) == (
+                "StatusCode.UNAVAILABLE", f"This protocol is restricted, expecting header '{GRPC_CONTROL_KEY_HEADER}'"
+            ), what
+    logging, trace = http.get_log_settings(headers=key["http"]), http.get_trace_settings(headers=key["http"])
+    assert logging["log_verbose_level"] == 0 and trace["trace_rate"] != "7"  # the refused updates changed nothing
+    try:
+        assert http.update_log_settings({"log_verbose_level": 1}, headers=key["http"])["log_verbose_level"] == 1
+        assert http.update_trace_settings(settings={"trace_rate": "7"}, headers=key["http"])["trace_rate"] == "7"
+        by_grpc = grpc.get_log_settings(headers=key["grpc"], as_json=True)["settings"]
+        assert by_grpc["log_verbose_level"] == {"uint32_param": 1}
+        assert grpc.update_log_settings({"log_verbose_level": 0}, headers=key["grpc"],
+                                        as_json=True)["settings"]["log_verbose_level"] == {"uint32_param": 0}
+        assert grpc.update_trace_settings(settings={"trace_rate": trace["trace_rate"]}, headers=key["grpc"],
+                                          as_json=True)["settings"]["trace_rate"] == {"value": [trace["trace_rate"]]}
+    finally:
+        http.update_log_settings({"log_verbose_level": 0}, headers=key["http"])
+        http.update_trace_settings(settings={"trace_rate": trace["trace_rate"]}, headers=key["http"])
+        http.close()
+        grpc.close()
