@@ -13,6 +13,8 @@ from conftest import build_tiny_repository, levels, load_diffusers, picture, ser
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "ltx"
+# Image-to-video: another pipeline of the module's one repository.
+I2V_NAME = "ltx_i2v"
 PROMPT = "a red circle at the top"
 
 
@@ -80,17 +82,23 @@ def test_first_block_cache_skips_steps_of_a_video(local_ltx):
 
 
 @pytest.mark.integration
-def test_served_text_to_video_equals_diffusers(ltx_repository, ltx_pipeline):
+def test_one_server_serves_both_tasks_as_diffusers_and_in_process(ltx_repository, ltx_pipeline, local_ltx_i2v):
+    """The module's repository holds text-to-video and image-to-video: one server of it serves both."""
     from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
 
     defaults = json.loads((pipeline_dir(ltx_repository, NAME) / "pipeline.json").read_text())["defaults"]
+    image = picture(32, 64, seed=6)
     with serving(ltx_repository) as server, \
             MachgenClient(server.grpc_url) as client:
         frames, stats = client.generate_with_stats(NAME, PROMPT, seed=3, num_frames=13, fps=16)
+        i2v_frames = client.generate(I2V_NAME, PROMPT, image=image, seed=4, num_frames=9)
     expected = diffusers_video(ltx_pipeline, defaults, 3, num_frames=13, fps=16)
     assert np.abs(frames.astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
     assert (stats["frames"], stats["fps"]) == (13, 16)
+    # In process the same pipeline equals LTXImageToVideoPipeline (test_in_process_image_to_video_equals_diffusers).
+    in_process, _ = local_ltx_i2v.generate(PROMPT, image=image, seed=4, num_frames=9)
+    assert np.abs(i2v_frames.astype(np.int16) - in_process).max() <= 1
 
 
 # --------------------------------------------------------------- image-to-video
@@ -100,10 +108,11 @@ def tiny_ltx_i2v_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_ltx_i2v(tiny_ltx_i2v_dir, tmp_path_factory):
+def local_ltx_i2v(tiny_ltx_i2v_dir, ltx_repository, tmp_path_factory):
     from machgen.runtime.local import LocalPipeline
 
-    return LocalPipeline(build_tiny_repository(tmp_path_factory, tiny_ltx_i2v_dir, NAME, in_flight=1), NAME)
+    build_tiny_repository(tmp_path_factory, tiny_ltx_i2v_dir, I2V_NAME, in_flight=1, into=ltx_repository)
+    return LocalPipeline(ltx_repository, I2V_NAME)
 
 
 @pytest.mark.parametrize("size, call", [

@@ -16,6 +16,8 @@ from conftest import build_tiny_repository, levels, load_diffusers, picture, ser
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 MAX_AUDIO_DIFF = 1e-4  # of samples in [-1, 1] (the tiny model's sound peaks near 0.1)
 NAME = "ltx2"
+# Image-to-video and the sparse-attention build: other pipelines of the module's one repository.
+I2V_NAME = "ltx2_i2v"
 PROMPT = "a robot dancing"
 # Every guidance off: one row per step.
 UNGUIDED = {"guidance_scale": 1.0, "stg_scale": 0.0, "modality_scale": 1.0, "audio_guidance_scale": 1.0,
@@ -40,6 +42,12 @@ def ltx2_repository(tiny_ltx2_dir, tmp_path_factory):
     # within a few ms; the served default, 0, is for CPU latency).
     return build_tiny_repository(tmp_path_factory, tiny_ltx2_dir, NAME, in_flight=3,
                                  step_queue_delay_us=50_000)
+
+
+@pytest.fixture(scope="module")
+def ltx2_server(ltx2_repository):
+    with serving(ltx2_repository) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +155,7 @@ def test_only_a_model_with_sound_declares_the_audio_output(ltx2_repository):
 
 
 @pytest.mark.integration
-def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_forwards(ltx2_repository,
+def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_forwards(ltx2_server,
                                                                                        local_ltx2, ltx2_pipeline,
                                                                                        tmp_path):
     from machgen.client import MachgenClient
@@ -163,23 +171,23 @@ def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_fo
         with MachgenClient(url) as client:
             return client.generate_all(NAME, PROMPT, cache_policy="none", **settings)
 
-    with serving(ltx2_repository) as server:
-        solo = [generate(settings, server.grpc_url) for settings in requests]
-        with MachgenClient(server.grpc_url) as client:
-            before = client.rows_and_forwards(f"{NAME}_denoiser_tail")
-            with ThreadPoolExecutor(len(requests)) as pool:
-                together = list(pool.map(lambda settings: generate(settings, server.grpc_url), requests))
-            after = client.rows_and_forwards(f"{NAME}_denoiser_tail")
-        with MachgenClient(server.http_url, protocol="http") as client:
-            over_http = client.generate_all(NAME, PROMPT, cache_policy="none", **requests[0])
-        from typer.testing import CliRunner
+    server = ltx2_server
+    solo = [generate(settings, server.grpc_url) for settings in requests]
+    with MachgenClient(server.grpc_url) as client:
+        before = client.rows_and_forwards(f"{NAME}_denoiser_tail")
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda settings: generate(settings, server.grpc_url), requests))
+        after = client.rows_and_forwards(f"{NAME}_denoiser_tail")
+    with MachgenClient(server.http_url, protocol="http") as client:
+        over_http = client.generate_all(NAME, PROMPT, cache_policy="none", **requests[0])
+    from typer.testing import CliRunner
 
-        from machgen.cli import app
+    from machgen.cli import app
 
-        clip = tmp_path / "clip.mp4"
-        done = CliRunner().invoke(app, ["generate", "--url", server.grpc_url, "--model", NAME, "--task", "t2v",
-                                        "--prompt", PROMPT, "--seed", "3", "--num-frames", "9", "--out", str(clip)])
-        assert done.exit_code == 0, done.output
+    clip = tmp_path / "clip.mp4"
+    done = CliRunner().invoke(app, ["generate", "--url", server.grpc_url, "--model", NAME, "--task", "t2v",
+                                    "--prompt", PROMPT, "--seed", "3", "--num-frames", "9", "--out", str(clip)])
+    assert done.exit_code == 0, done.output
     for settings, generated in zip(requests, solo):
         expected = diffusers_clip(ltx2_pipeline, defaults, settings["seed"],
                                   **{k: v for k, v in settings.items() if k != "seed"})
@@ -200,6 +208,143 @@ def test_served_video_and_sound_equal_diffusers_and_concurrent_requests_share_fo
     assert generated.shape[1] <= sound.shape[1] <= generated.shape[1] + 2048
 
 
+# A machgen that does not know LTX-2, in a subprocess: its registry finds every family package but ltx2's, an
+# import of LTX-2's code fails, and at exit none was imported. Then runs machgen's CLI with the arguments after -c.
+WITHOUT_LTX2 = """
+import pkgutil, sys, types
+from machgen.families import registry
+registry.pkgutil = types.SimpleNamespace(
+    iter_modules=lambda path: [m for m in pkgutil.iter_modules(path) if m.name != "ltx2"])
+sys.modules["machgen.families.ltx2"] = None
+assert "ltx2" not in registry.family_names() and "flux" in registry.family_names()
+try:
+    from machgen.cli import app
+    app(prog_name="machgen")
+finally:
+    assert not [m for m in sys.modules if m.startswith("machgen.families.ltx2") and sys.modules[m]], \
+        "LTX-2's code was imported"
+"""
+
+
+def machgen_without_ltx2(*args: str, timeout: float = 300.0):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", WITHOUT_LTX2, *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.integration
+def test_a_client_that_does_not_know_the_family_sends_its_inputs_as_the_model_publishes_them(ltx2_server,
+                                                                                             tmp_path):
+    """machgen generate and machgen api learn LTX-2's guidance inputs from the served model (its card on a
+    plain model-config call), not from their registry: the flags, typed as published, reach the model."""
+    from PIL import Image
+
+    from machgen.client import MachgenClient
+
+    listed = machgen_without_ltx2("inputs", "--model", NAME, "--url", ltx2_server.grpc_url)
+    assert listed.returncode == 0, listed.stderr
+    # the tiny model's card sets its own default (machgen.json), which it publishes
+    assert "--stg-block VALUE (repeatable): stg_blocks, INT32 [K], default [1]." in listed.stdout
+    assert "--audio-guidance-rescale VALUE: audio_guidance_rescale, FP32 [1], default 0.7." in listed.stdout
+
+    common = dict(seed=5, num_frames=5, num_inference_steps=2, cache_policy="none")
+    guided = dict(stg_blocks=[0], stg_scale=3.0, guidance_rescale=0.0)
+    out = tmp_path / "frame.png"
+    made = machgen_without_ltx2(
+        "generate", "--url", ltx2_server.grpc_url, "--model", NAME, "--prompt", PROMPT, "--no-progress",
+        "--seed", "5", "--num-frames", "5", "--steps", "2", "--cache-policy", "none", "--out", str(out),
+        "--stg-block", "0", "--stg-scale=3", "--input", "guidance_rescale=0")
+    assert made.returncode == 0, made.stderr
+    frames = np.stack([np.asarray(Image.open(tmp_path / f"frame-{i}.png")) for i in range(5)])
+    with MachgenClient(ltx2_server.grpc_url) as client:
+        expected = client.generate(NAME, PROMPT, **common, **guided)
+        unguided = client.generate(NAME, PROMPT, **common)
+    assert np.array_equal(frames, expected)
+    assert np.abs(frames.astype(np.int16) - unguided).max() > MAX_PIXEL_DIFF  # the inputs had their effect
+
+    # A value the model refuses comes back as the server's INVALID_ARGUMENT naming the input (over HTTP too).
+    refused = machgen_without_ltx2(
+        "generate", "--url", ltx2_server.http_url, "--protocol", "http", "--model", NAME, "--prompt", PROMPT,
+        "--num-frames", "5", "--steps", "1", "--out", str(tmp_path / "refused.png"), "--stg-block", "7")
+    assert refused.returncode == 2 and "invalid input 'stg_blocks'" in refused.stderr, refused.stderr
+    # another family's input is not this model's flag: refused by name, with the model's own
+    foreign = machgen_without_ltx2(
+        "generate", "--url", ltx2_server.grpc_url, "--model", NAME, "--prompt", PROMPT,
+        "--out", str(tmp_path / "foreign.png"), "--guidance-scale-2", "4")
+    assert foreign.returncode == 2 and "--guidance-scale-2" in foreign.stderr and "--stg-block" in foreign.stderr
+
+    api_without_ltx2(ltx2_server, tmp_path)
+
+
+def api_without_ltx2(server, tmp_path) -> None:
+    """machgen api, not knowing LTX-2, takes its inputs by the published description: their type and shape
+    checked, their values passed on to the server, whose INVALID_ARGUMENT names the input."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from conftest import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "api.log"
+    with open(log, "wb") as output:
+        api = subprocess.Popen([sys.executable, "-c", WITHOUT_LTX2, "api", "--triton", server.grpc_url,
+                                "--port", str(port), "--data-dir", str(tmp_path / "api")],
+                               stdout=output, stderr=subprocess.STDOUT)
+
+    def call(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def finished(video: dict) -> dict:
+        deadline = time.monotonic() + 120
+        while video["status"] in ("queued", "in_progress") and time.monotonic() < deadline:
+            time.sleep(0.2)
+            video = call("GET", f"/v1/videos/{video['id']}")[1]
+        return video
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert api.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if call("GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        video = {"model": NAME, "prompt": PROMPT, "num_frames": 5, "num_inference_steps": 2, "seed": 5}
+        for field, value, code in [("stg_blocks", ["first"], "invalid_value"),
+                                   ("stg_blocks", [[0]], "invalid_value"),
+                                   ("stg_scale", [1.0, 2.0], "invalid_value"),
+                                   ("guidance_scale_2", 4.0, "unknown_parameter")]:
+            status, answer = call("POST", "/v1/videos", {**video, field: value})
+            assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, field, code), answer
+        status, answer = call("POST", "/v1/videos", {**video, "stg_blocks": [7]})
+        assert status == 200, answer
+        failed = finished(answer)
+        assert failed["status"] == "failed" and failed["error"]["param"] == "stg_blocks", failed
+        assert "invalid input 'stg_blocks'" in failed["error"]["message"]
+        done = finished(call("POST", "/v1/videos", {**video, "stg_blocks": [0], "stg_scale": 3.0})[1])
+        assert done["status"] == "completed", done
+    finally:
+        api.terminate()
+        api.wait(timeout=30)
+    # (uvicorn ends by raising the SIGTERM it handled)
+    assert api.returncode in (0, -15) and "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
 # --------------------------------------------------------------- image-to-video
 @pytest.fixture(scope="module")
 def tiny_ltx2_i2v_dir(tmp_path_factory):
@@ -207,10 +352,11 @@ def tiny_ltx2_i2v_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_ltx2_i2v(tiny_ltx2_i2v_dir, tmp_path_factory):
+def local_ltx2_i2v(tiny_ltx2_i2v_dir, ltx2_repository, tmp_path_factory):
     from machgen.runtime.local import LocalPipeline
 
-    return LocalPipeline(build_tiny_repository(tmp_path_factory, tiny_ltx2_i2v_dir, NAME, in_flight=1), NAME)
+    build_tiny_repository(tmp_path_factory, tiny_ltx2_i2v_dir, I2V_NAME, in_flight=1, into=ltx2_repository)
+    return LocalPipeline(ltx2_repository, I2V_NAME)
 
 
 @pytest.mark.parametrize("size, call", [
@@ -337,11 +483,11 @@ def sparse_ltx2_build(tiny_ltx2_dir, ltx2_repository, tmp_path_factory):
     """(repository, attention options, build log), built after the dense one (its exports in the cache)."""
     from machgen.builder.build import AttentionOptions, build_repository
 
-    out = tmp_path_factory.mktemp("ltx2-sparse-repository")
     attention = AttentionOptions("sparse-fp8", block=4, mask_method="topk", topk_ratio=0.25)
     logs: list[str] = []
-    build_repository(tiny_ltx2_dir, SPARSE_NAME, out, attention=attention, log=logs.append, preview=False)
-    return out, attention, logs
+    build_repository(tiny_ltx2_dir, SPARSE_NAME, ltx2_repository, attention=attention, log=logs.append,
+                     preview=False)
+    return ltx2_repository, attention, logs
 
 
 @pytest.fixture(scope="module")

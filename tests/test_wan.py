@@ -14,6 +14,8 @@ from conftest import build_tiny_repository, levels, load_diffusers, picture, ser
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 NAME = "wan"
+# Image-to-video: another pipeline of the module's one repository, served by the module's one server.
+I2V_NAME = "wan_i2v"
 PROMPT = "a red circle at the top"
 
 
@@ -39,6 +41,14 @@ def local_wan(wan_repository):
     from machgen.runtime.local import LocalPipeline
 
     return LocalPipeline(wan_repository, NAME)
+
+
+@pytest.fixture(scope="module")
+def wan_server(wan_repository, wan_i2v_repository):
+    """One server of the module's repository: text-to-video and image-to-video side by side."""
+    assert wan_i2v_repository == wan_repository
+    with serving(wan_repository) as server:
+        yield server
 
 
 def diffusers_video(pipe, defaults, prompt: str, seed: int, **call) -> np.ndarray:
@@ -151,8 +161,7 @@ def test_video_requests_are_validated_against_the_model(local_wan):
 
 
 @pytest.mark.integration
-def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wan_repository, local_wan,
-                                                                              wan_pipeline):
+def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wan_server, local_wan, wan_pipeline):
     from machgen.client import MachgenClient
 
     defaults = local_wan.manifest.defaults.to_json()
@@ -163,14 +172,14 @@ def test_served_video_equals_diffusers_and_concurrent_requests_share_forwards(wa
         with MachgenClient(url) as client:
             return client.generate_with_stats(NAME, PROMPT, cache_policy="none", **settings)
 
-    with serving(wan_repository) as server:
-        solo = [generate(settings, server.grpc_url) for settings in requests]
-        with MachgenClient(server.grpc_url) as client:
-            before = {model: client.rows_and_forwards(f"{NAME}_{model}")
-                      for model in ("denoiser_tail", "denoiser_2_tail", "vae_decoder_next")}
-            with ThreadPoolExecutor(len(requests)) as pool:
-                together = list(pool.map(lambda settings: generate(settings, server.grpc_url), requests))
-            after = {model: client.rows_and_forwards(f"{NAME}_{model}") for model in before}
+    server = wan_server
+    solo = [generate(settings, server.grpc_url) for settings in requests]
+    with MachgenClient(server.grpc_url) as client:
+        before = {model: client.rows_and_forwards(f"{NAME}_{model}")
+                  for model in ("denoiser_tail", "denoiser_2_tail", "vae_decoder_next")}
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda settings: generate(settings, server.grpc_url), requests))
+        after = {model: client.rows_and_forwards(f"{NAME}_{model}") for model in before}
     for settings, (frames, stats) in zip(requests, solo):
         expected = diffusers_video(wan_pipeline, defaults, PROMPT, settings["seed"],
                                    **{k: v for k, v in settings.items() if k != "seed"})
@@ -193,8 +202,8 @@ def tiny_wan_i2v_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def wan_i2v_repository(tiny_wan_i2v_dir, tmp_path_factory):
-    return build_tiny_repository(tmp_path_factory, tiny_wan_i2v_dir, NAME)
+def wan_i2v_repository(tiny_wan_i2v_dir, wan_repository, tmp_path_factory):
+    return build_tiny_repository(tmp_path_factory, tiny_wan_i2v_dir, I2V_NAME, into=wan_repository)
 
 
 def diffusers_image_to_video(tiny_dir, defaults, image: np.ndarray, seed: int, **call) -> np.ndarray:
@@ -212,7 +221,7 @@ def diffusers_image_to_video(tiny_dir, defaults, image: np.ndarray, seed: int, *
 def test_in_process_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan_i2v_dir, size, call):
     from machgen.runtime.local import LocalPipeline
 
-    local = LocalPipeline(wan_i2v_repository, NAME)
+    local = LocalPipeline(wan_i2v_repository, I2V_NAME)
     image = picture(*size, seed=7)
     frames, stats = local.generate(PROMPT, image=image, seed=8, cache_policy="none", **call)
     expected = diffusers_image_to_video(tiny_wan_i2v_dir, local.manifest.defaults.to_json(), image, 8, **call)
@@ -224,7 +233,7 @@ def test_image_to_video_needs_its_picture(wan_i2v_repository):
     from machgen.contract.api import InvalidArgument
     from machgen.runtime.local import LocalPipeline
 
-    local = LocalPipeline(wan_i2v_repository, NAME)
+    local = LocalPipeline(wan_i2v_repository, I2V_NAME)
     for options, field in [({}, "image"), ({"image": picture(48, 32, 0), "strength": 0.5}, "strength"),
                            ({"image": picture(40, 32, 0)}, "image")]:
         with pytest.raises(InvalidArgument) as error:
@@ -233,15 +242,14 @@ def test_image_to_video_needs_its_picture(wan_i2v_repository):
 
 
 @pytest.mark.integration
-def test_served_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan_i2v_dir):
+def test_served_image_to_video_equals_diffusers(wan_server, wan_i2v_repository, tiny_wan_i2v_dir):
     from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
 
     image = picture(48, 32, seed=9)
-    with serving(wan_i2v_repository) as server, \
-            MachgenClient(server.grpc_url) as client:
-        frames, stats = client.generate_with_stats(NAME, PROMPT, image=image, seed=2, num_frames=9)
-    defaults = json.loads((pipeline_dir(wan_i2v_repository, NAME) / "pipeline.json").read_text())["defaults"]
+    with MachgenClient(wan_server.grpc_url) as client:
+        frames, stats = client.generate_with_stats(I2V_NAME, PROMPT, image=image, seed=2, num_frames=9)
+    defaults = json.loads((pipeline_dir(wan_i2v_repository, I2V_NAME) / "pipeline.json").read_text())["defaults"]
     expected = diffusers_image_to_video(tiny_wan_i2v_dir, defaults, image, 2, num_frames=9)
     assert max_diff(frames, expected) <= MAX_PIXEL_DIFF
     assert stats["frames"] == 9
