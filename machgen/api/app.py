@@ -21,7 +21,6 @@ from machgen.api.jobs import JobManager, JobMetrics, new_job_id
 from machgen.api.keys import KeyRing, UrlSigner, read_keys
 from machgen.api.schemas import (
     ADAPTER_FIELDS,
-    IGNORED_OPENAI_FIELDS,
     MAX_VARIANTS,
     MEDIA_TYPES,
     MODEL_FIELDS,
@@ -176,7 +175,7 @@ def _model_inputs(fields: dict[str, Any], model: ServedModel, used: set[str]) ->
     own as it publishes them); any other unknown field is refused."""
     inputs = {}
     for name, value in fields.items():
-        if name in used or name in IGNORED_OPENAI_FIELDS or value is None:
+        if name in used or value is None:
             continue
         if name in MODEL_FIELDS:
             inputs[name] = typed(name, value, MODEL_FIELDS[name])

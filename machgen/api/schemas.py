@@ -19,8 +19,6 @@ MODEL_FIELDS: dict[str, type] = {
 }
 # Per-request LoRA adapters: a name or a list of names, a weight or a list of weights (the API's lora, lora_scale).
 ADAPTER_FIELDS: dict[str, type] = {"lora": str, "lora_scale": float}
-# None: each of OpenAI's fields is honoured or refused by name (openai_choice, image_options in app.py).
-IGNORED_OPENAI_FIELDS: frozenset[str] = frozenset()
 # OpenAI's image fields that take one of a set of values: (every value OpenAI defines, those honoured here).
 # A value OpenAI defines that is not honoured is refused as unsupported, naming the field (never ignored).
 OPENAI_CHOICES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
