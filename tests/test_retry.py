@@ -16,6 +16,9 @@ from machgen.client import NO_RETRY, GenerationError, MachgenClient, RetryPolicy
     # a stream HAProxy reset when the replica behind it died (tests/test_faults.py)
     ("StatusCode.UNKNOWN", "Stream removed (Data frame with END_STREAM flag received) (RST_STREAM (Received "
                            "RST_STREAM with error code 8))", True),
+    # a request HAProxy sent to a replica just before a rolling restart drained it (tests/test_faults.py)
+    ("StatusCode.NOT_FOUND", "Request for unknown model: 'flux' has no available versions", True),
+    ("StatusCode.NOT_FOUND", "Request for unknown model: 'flx' is not found", False),
     ("StatusCode.INVALID_ARGUMENT", "invalid input 'height': 66 is not a multiple of 16", False),
     ("400", "invalid input 'seed': -1 is outside [0, 9223372036854775807]", False),
     ("StatusCode.CANCELLED", "cancelled after 3 of 28 steps", False),

@@ -59,8 +59,12 @@ _GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "St
 # stopping, not the request wrong. gRPC and HTTP statuses; a Python stub that died answers INTERNAL with
 # this message (Triton 2.51 gives it no other status). A stream that a balancer in front of several servers
 # reset because the server behind it died (HAProxy: RST_STREAM, CANCEL) fails UNKNOWN "Stream removed".
+# A model the server knows but holds no loaded version of ("has no available versions", NOT_FOUND) is being
+# drained or loaded: a request a balancer sent to a replica just before taking it out arrives after the
+# drain unloaded its models; sent again, it reaches a replica that serves. A model the server does not know
+# at all ("is not found") is the request's fault.
 _RETRYABLE_STATUSES = {"StatusCode.UNAVAILABLE", "503", "502", "504"}
-_RETRYABLE_MESSAGES = ("is not healthy", "Stream removed")
+_RETRYABLE_MESSAGES = ("is not healthy", "Stream removed", "has no available versions")
 
 
 @dataclass(frozen=True)
