@@ -456,8 +456,10 @@ def test_a_rolling_restart_under_load_waits_out_a_replica_that_fails_to_start_an
     assert any(line.startswith("rolling restart done") for line in replicas.lines), replicas.output()
     after = replica_pids(replicas)
     assert all(after[index] != before[index] for index in before), (before, after)
-    assert [(entry["state"], entry["start_failures"]) for entry in replica_status(replicas)] == [
-        ("serving", 1), ("serving", 0)]
+    status = replica_status(replicas)
+    # Replica 1's start may fail too on a loaded machine (seen with 3 test workers on 2 cores: Triton's Python backend
+    # aborting at start), and is retried the same way; the model that fails once cannot fail it (its marker is there).
+    assert [entry["state"] for entry in status] == ["serving", "serving"] and status[0]["start_failures"] == 1, status
     assert_nothing_lost(outcomes)
     if replicas.prometheus_port is None:
         pytest.skip("Prometheus is not installed (Debian: apt-get install prometheus): its view of replica 0 "
