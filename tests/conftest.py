@@ -386,13 +386,16 @@ def steps_after_stop_asked(server, request_id: str, timeout: float = 30.0) -> in
     import re
     import time
 
-    pattern = (rf"request {re.escape(request_id)}: asked to stop after step (\d+).*"
-               rf"request {re.escape(request_id)}: cancelled after (\d+) of")
+    # Either line may come first: the sampler's thread can stop and log before the relay's own log line
+    # (written after the stop is set) reaches the server's log.
+    asked = re.compile(rf"request {re.escape(request_id)}: asked to stop after step (\d+)")
+    cancelled = re.compile(rf"request {re.escape(request_id)}: cancelled after (\d+) of")
     deadline = time.monotonic() + timeout
     while True:
-        found = re.search(pattern, server.log_file.read_text(errors="replace"), re.DOTALL)
-        if found:
-            return int(found.group(2)) - int(found.group(1))
+        log = server.log_file.read_text(errors="replace")
+        asked_at, stopped_at = asked.search(log), cancelled.search(log)
+        if asked_at and stopped_at:
+            return int(stopped_at.group(1)) - int(asked_at.group(1))
         if time.monotonic() > deadline:
             raise AssertionError(f"no stop of request {request_id} in the server log")
         time.sleep(0.1)
