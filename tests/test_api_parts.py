@@ -201,3 +201,33 @@ def test_framework_validation_errors_are_openais_error_object(tmp_path):
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     missing = client.delete("/typed")
     assert missing.status_code == 405 and set(missing.json()) == {"error"}
+
+
+def test_a_listener_slower_than_the_job_gets_every_preview_and_a_late_one_the_latest():
+    """A stream's listener (OpenAI's partial images) that is busy while the job sends its next previews still
+    gets each of them, in order; one that starts listening late gets the latest preview of each variant."""
+    import asyncio
+
+    from machgen.api.jobs import JobEvents
+
+    async def run():
+        events = JobEvents()
+        received: list[tuple[str, int]] = []
+
+        async def slow_listener():
+            async for event, data in events.follow():
+                received.append((event, data["step"]))
+                await asyncio.sleep(0.05)  # encoding a partial image, say
+
+        listening = asyncio.create_task(slow_listener())
+        await asyncio.sleep(0)
+        for step in (1, 2, 3):
+            await events.emit("preview", {"index": 0, "step": step})
+        await events.emit("completed", {"index": 0, "step": 4})
+        await asyncio.wait_for(listening, timeout=5)
+        late = [(event, data["step"]) async for event, data in events.follow()]
+        return received, late
+
+    received, late = asyncio.run(run())
+    assert received == [("preview", 1), ("preview", 2), ("preview", 3), ("completed", 4)]
+    assert late == [("preview", 3), ("completed", 4)]

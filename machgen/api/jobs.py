@@ -58,36 +58,40 @@ def preview_picture(preview: np.ndarray) -> np.ndarray:
 
 class JobEvents:
     """One job's events: kept for a late listener (only the latest preview of
-    each variant), handed to every listener as they come."""
+    each variant), and every one of them handed to each listener from the
+    moment it listens (a listener slower than the job misses no preview)."""
 
     def __init__(self):
         self.history: list[tuple[int, str, dict[str, Any]]] = []  # (sequence number, event, data)
         self.closed = False
         self._count = 0
-        self._changed = asyncio.Condition()
+        self._listeners: set[asyncio.Queue] = set()
 
     async def emit(self, event: str, data: dict[str, Any]) -> None:
         if event == "preview":
             self.history = [entry for entry in self.history
                             if not (entry[1] == "preview" and entry[2]["index"] == data["index"])]
         self._count += 1
-        self.history.append((self._count, event, data))
+        entry = (self._count, event, data)
+        self.history.append(entry)
         self.closed = self.closed or event in TERMINAL_EVENTS
-        async with self._changed:
-            self._changed.notify_all()
+        for listener in self._listeners:
+            listener.put_nowait(entry)
 
     async def follow(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        last = 0
-        while True:
-            for number, event, data in list(self.history):
-                if number > last:
-                    last = number
-                    yield event, data
-            if self.closed:
-                return
-            async with self._changed:
-                if not self.closed and (not self.history or self.history[-1][0] == last):
-                    await self._changed.wait()
+        """What the history holds now, then every event as it comes, until the job's last."""
+        listener: asyncio.Queue = asyncio.Queue()
+        # No await between the copy and the registration: no event falls between the two.
+        kept = list(self.history)
+        self._listeners.add(listener)
+        try:
+            for _, event, data in kept:
+                yield event, data
+            while not (self.closed and listener.empty()):
+                _, event, data = await listener.get()
+                yield event, data
+        finally:
+            self._listeners.discard(listener)
 
 
 @dataclass
