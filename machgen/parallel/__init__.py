@@ -1,0 +1,14 @@
+"""One generation on several ranks (GPUs, or CPU processes in the tests).
+
+- ``layout``: a parallel layout (``cfg=2,ulysses=2,ring=2``) and what a
+  family allows; no torch (the build CLI and the manifest read it).
+- ``mesh``: which rank does what, and the process groups of each axis.
+- ``cfg``: classifier-free-guidance parallel: the guidance rows split over
+  ranks, gathered once per step.
+- ``ulysses``: heads scattered and sequence gathered by one stacked
+  all-to-all, attention on whole sequences, the output all-to-all back.
+- ``ring``: key/value blocks passed round the ring while the current block
+  is computed, partial results merged by log-sum-exp in float32.
+- ``usp``: Ulysses inside ring, the attention every sequence layout runs.
+- ``ranks``: the rank processes (spawned, gloo or NCCL) and their teardown.
+"""

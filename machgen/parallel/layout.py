@@ -1,0 +1,122 @@
+"""A parallel layout and what a model allows of it; plain data, no torch.
+
+A layout multiplies three degrees: ``cfg`` (the guidance rows of a step
+split over rank groups), ``ulysses`` and ``ring`` (the token sequence split
+over ranks; ``ulysses x ring`` is the sequence degree). Its ranks are
+numbered cfg-major, then ring, then Ulysses: the ranks of a Ulysses group,
+whose all-to-all moves the most bytes, are neighbours (one NVLink island).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+AXES = ("cfg", "ulysses", "ring")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot be parsed, or that the model does not allow."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How many ranks share one generation, and how."""
+
+    cfg: int = 1  # rank groups the guidance rows (conditional, unconditional) are split over
+    ulysses: int = 1  # ranks exchanging heads for sequence by all-to-all (divides the head count)
+    ring: int = 1  # ranks passing key/value blocks round a ring
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            degree = getattr(self, axis)
+            if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+                raise LayoutError(f"parallel layout: {axis} must be a whole number of at least 1, not {degree!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg * self.ulysses * self.ring
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def is_single(self) -> bool:
+        return self.world_size == 1
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelLayout":
+        """``"cfg=2,ulysses=2,ring=2"`` (any order, missing axes 1; ``""`` or ``"none"``: one rank)."""
+        text = text.strip()
+        if text in ("", "none"):
+            return cls()
+        degrees: dict[str, int] = {}
+        for part in text.split(","):
+            axis, separator, value = part.strip().partition("=")
+            axis = axis.strip()
+            if not separator or axis not in AXES:
+                raise LayoutError(f"parallel layout {text!r}: expected AXIS=DEGREE, AXIS one of {', '.join(AXES)}")
+            if axis in degrees:
+                raise LayoutError(f"parallel layout {text!r}: {axis} given twice")
+            try:
+                degrees[axis] = int(value)
+            except ValueError:
+                raise LayoutError(f"parallel layout {text!r}: {axis}={value.strip()!r} is not a whole number") \
+                    from None
+        return cls(**degrees)
+
+    def __str__(self) -> str:
+        named = [f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) > 1]
+        return ",".join(named) or "none"
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> "ParallelLayout":
+        return cls(**dict(data)) if data else cls()
+
+
+@dataclass(frozen=True)
+class ParallelSupport:
+    """What a model allows: a family declares it from the loaded model."""
+
+    # Attention heads of every attention the sequence is split for (Ulysses scatters them).
+    heads: int
+    # Whether a step's denoiser call carries guidance rows (conditional and unconditional) to split.
+    guidance_rows: bool
+    # The tokens of the smallest input the model serves (each sequence rank needs at least one).
+    min_tokens: int
+    # Whether the sequence can be split at all (False: a model whose blocks mix tokens outside attention).
+    sequence: bool = True
+    # Why the sequence cannot be split, said when a layout asks for it.
+    sequence_reason: str = ""
+
+
+def refusals(layout: ParallelLayout, support: ParallelSupport) -> list[str]:
+    """Why ``support``'s model cannot run ``layout`` (empty: it can)."""
+    reasons = []
+    if layout.cfg > 1 and not support.guidance_rows:
+        reasons.append(f"cfg={layout.cfg} needs guidance rows, and this model's steps have one row per image "
+                       "(guidance embedded, no negative-prompt pass)")
+    if layout.cfg > 2:
+        reasons.append(f"cfg={layout.cfg}: a step has two guidance rows per image (conditional and "
+                       "unconditional), so at most cfg=2")
+    if layout.sequence_degree > 1 and not support.sequence:
+        reasons.append(f"ulysses x ring = {layout.sequence_degree}: {support.sequence_reason or 'the model'}"
+                       " cannot split its sequence")
+    if layout.ulysses > 1 and support.heads % layout.ulysses:
+        reasons.append(f"ulysses={layout.ulysses} does not divide the model's {support.heads} attention heads "
+                       "(use a ring degree for the rest of the sequence degree)")
+    if layout.sequence_degree > support.min_tokens:
+        reasons.append(f"ulysses x ring = {layout.sequence_degree} is more than the {support.min_tokens} tokens "
+                       "of the model's smallest input")
+    return reasons
+
+
+def check_layout(layout: ParallelLayout, support: ParallelSupport, model: str = "the model") -> None:
+    """Raise LayoutError naming every reason ``model`` cannot run ``layout``."""
+    reasons = refusals(layout, support)
+    if reasons:
+        raise LayoutError(f"{model} cannot run the parallel layout {layout}: " + "; ".join(reasons))

@@ -1,0 +1,28 @@
+"""Unified sequence parallel (USP): Ulysses inside ring. The Ulysses
+all-to-all gives each rank whole ring-chunks of its share of the heads; ring
+attention then runs over the ring group; the output goes back by the second
+all-to-all. With one axis of degree 1 it is plain Ulysses or plain ring, so
+this is the attention every sequence layout runs.
+
+Self-attention only: queries, keys and values are chunks of one sequence.
+Attention whose keys are not split (a video model's text cross-attention)
+needs no exchange: each rank attends from its own query chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from machgen.parallel.mesh import RankMesh
+from machgen.parallel.ring import ring_attention
+from machgen.parallel.ulysses import ulysses_attention
+
+
+def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: RankMesh,
+                                scale: float | None = None, overlap: bool = True) -> torch.Tensor:
+    """Softmax attention over the whole sequence of ``mesh``'s sequence group,
+    each rank holding its chunk ([B, T/(u*r), H, D], chunks in sequence-rank order)."""
+    def ring(whole_q, whole_k, whole_v):
+        return ring_attention(whole_q, whole_k, whole_v, mesh.ring_group, scale, overlap)
+
+    return ulysses_attention(q, k, v, mesh.ulysses_group, ring)

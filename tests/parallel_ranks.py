@@ -1,0 +1,48 @@
+"""What the parallel tests run on each rank (imported by the spawned rank processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def full_inputs(batch: int, tokens: int, heads: int, dim: int, seed: int = 0):
+    """q, k, v [B, T, H, D], the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, tokens, heads, dim, generator=generator) for _ in range(3))
+
+
+def reference_attention(q, k, v):
+    """SDPA on whole sequences, in diffusers' [B, T, H, D] layout."""
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+
+def sequence_chunk(tensor, mesh):
+    degree = mesh.layout.sequence_degree
+    return tensor.chunk(degree, dim=1)[mesh.sequence_rank]
+
+
+def attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
+    """This rank's output chunk of sequence-parallel attention (overlapped and serialized ring), of its
+    cfg group's rows."""
+    from machgen.parallel.cfg import split_rows
+    from machgen.parallel.usp import sequence_parallel_attention
+
+    q, k, v = (sequence_chunk(split_rows(t, mesh.cfg_group), mesh) for t in full_inputs(batch, tokens, heads, dim))
+    return (sequence_parallel_attention(q, k, v, mesh),
+            sequence_parallel_attention(q, k, v, mesh, overlap=False))
+
+
+def gathered_rows(mesh, rows: int):
+    """split_rows then gather_rows of a [rows, 3] batch: every rank's view of the whole batch again."""
+    from machgen.parallel.cfg import gather_rows, split_rows
+
+    batch = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    part = split_rows(batch, mesh.cfg_group)
+    return part, gather_rows(part * 2, rows, mesh.cfg_group)
+
+
+def fails_on_rank_one(mesh):
+    if mesh.rank == 1:
+        raise ValueError("rank one fails on purpose")
+    torch.distributed.barrier()  # rank 0 waits for a rank that never comes: the parent must end it
