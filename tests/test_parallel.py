@@ -38,12 +38,12 @@ def test_a_malformed_layout_is_refused_naming_the_part(text, message):
 
 
 def test_a_layout_the_model_does_not_allow_is_refused_with_every_reason():
-    embedded_guidance = ParallelSupport(heads=6, guidance_rows=False, min_tokens=64)
+    embedded_guidance = ParallelSupport(heads=6, guidance_rows=False)
     assert refusals(ParallelLayout(ulysses=2, ring=3), embedded_guidance) == []
     reasons = refusals(ParallelLayout(cfg=2, ulysses=4), embedded_guidance)
     assert len(reasons) == 2 and "guidance rows" in reasons[0] and "does not divide" in reasons[1], reasons
-    assert "at most cfg=2" in refusals(ParallelLayout(cfg=4), ParallelSupport(8, True, 64))[0]
-    assert "more than the 4 tokens" in refusals(ParallelLayout(ring=8), ParallelSupport(8, True, 4))[0]
+    assert "at most cfg=2" in refusals(ParallelLayout(cfg=4), ParallelSupport(8, True))[0]
+    assert "cannot split its sequence" in refusals(ParallelLayout(ring=2), ParallelSupport(8, True, False))[0]
     with pytest.raises(LayoutError, match="tiny cannot run the parallel layout cfg=2,ulysses=4: "):
         check_layout(ParallelLayout(cfg=2, ulysses=4), embedded_guidance, "tiny")
 
@@ -93,3 +93,103 @@ def test_a_failing_rank_is_reported_and_every_rank_process_is_gone():
     with pytest.raises(RankError, match="^rank 1 failed:(.|\n)*rank one fails on purpose"):
         run_on_ranks(ParallelLayout(ring=2), "parallel_ranks:fails_on_rank_one", timeout=60)
     assert not multiprocessing.active_children()
+
+
+# --- a family under every layout it allows: the tiny Flux's torch-target build, in process ---------------------
+
+# The build's own layout; the others below run its programs as the build allows (LocalPipeline(layout=...)).
+BUILT_LAYOUT = "cfg=2,ulysses=2"
+# One image and its negative prompt (two guidance rows), true CFG; 1x1 latent packing of 64x64 gives 16 image
+# tokens and the T5 32: every sequence degree here divides both.
+GUIDED = dict(prompt="a red cat", negative_prompt="a blue dog", true_cfg_scale=4.0, seed=7)
+SAME_PIXELS = 1  # of 255: exact modes, float32 sums reordered
+CACHED = dict(num_inference_steps=8, cache_policy="fbcache", cache_threshold=0.5)
+
+
+@pytest.fixture(scope="module")
+def parallel_repository(tiny_flux_dir, tmp_path_factory):
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp("parallel-repository")
+    build_repository(tiny_flux_dir, "flux", out, target="torch", log=lambda line: None, preview=False,
+                     options=ServingOptions(in_flight=1, component_instances=1),
+                     parallel=ParallelLayout.parse(BUILT_LAYOUT))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_rank(parallel_repository):
+    """The parallel build's programs on one rank: the reference every layout must give."""
+    from machgen.runtime.local import LocalPipeline
+
+    with LocalPipeline(parallel_repository, "flux", layout=ParallelLayout()) as pipeline:
+        yield {"uncached": pipeline.generate(**GUIDED, cache_policy="none"),
+               "cached": pipeline.generate(**GUIDED, **CACHED)}
+
+
+@pytest.mark.export
+def test_the_layout_is_stored_and_the_steps_run_the_sequence_attention(parallel_repository):
+    import json
+
+    from machgen.contract.manifest import PipelineManifest, pipeline_dir
+
+    manifest = PipelineManifest.read(pipeline_dir(parallel_repository, "flux"))
+    assert ParallelLayout.from_json(manifest.parallel) == ParallelLayout.parse(BUILT_LAYOUT)
+    for component in ("denoiser_head", "denoiser_tail"):
+        info = json.loads((parallel_repository / f"flux_{component}" / "1" / "component.json").read_text())
+        assert info["parallel"]["layout"] == ParallelLayout.parse(BUILT_LAYOUT).to_json()
+        assert info["parallel"]["sequence"]["img_ids"] == 1 and "temb" not in info["parallel"]["sequence"]
+    tail = json.loads((parallel_repository / "flux_denoiser_tail" / "1" / "component.json").read_text())
+    assert tail["parallel"]["sequence"]["noise_pred"] == 1
+    # Encoders and decoders run once per request, on one device; the reuse step has no attention.
+    for component in ("text_encoder_2", "vae_decoder"):
+        assert json.loads((parallel_repository / f"flux_{component}" / "1" / "component.json").read_text())[
+            "parallel"] is None
+
+
+@pytest.mark.export
+def test_on_one_rank_the_parallel_build_equals_diffusers(single_rank, parallel_repository, tiny_flux_pipeline):
+    from machgen.contract.manifest import PipelineManifest, pipeline_dir
+
+    from test_integration import MAX_PIXEL_DIFF, diffusers_image
+
+    defaults = PipelineManifest.read(pipeline_dir(parallel_repository, "flux")).defaults.to_json()
+    prompt = GUIDED["prompt"]
+    expected = diffusers_image(tiny_flux_pipeline, defaults, prompt, GUIDED["seed"],
+                               negative_prompt=GUIDED["negative_prompt"], true_cfg_scale=GUIDED["true_cfg_scale"])
+    images, _ = single_rank["uncached"]
+    assert np.abs(images[0].astype(int) - expected.astype(int)).max() <= MAX_PIXEL_DIFF
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
+def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(layout, parallel_repository,
+                                                                              single_rank):
+    from machgen.runtime.local import LocalPipeline
+
+    with LocalPipeline(parallel_repository, "flux", layout=ParallelLayout.parse(layout)) as pipeline:
+        uncached, _ = pipeline.generate(**GUIDED, cache_policy="none")
+        cached, stats = pipeline.generate(**GUIDED, **CACHED)
+    assert not multiprocessing.active_children()
+    assert np.abs(uncached.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS
+    assert np.abs(cached.astype(int) - single_rank["cached"][0].astype(int)).max() <= SAME_PIXELS
+    # cache reuse did skip steps, and decided alike (the same steps computed)
+    assert stats.denoiser_tail_passes == single_rank["cached"][1].denoiser_tail_passes < 2 * CACHED[
+        "num_inference_steps"]
+
+
+@pytest.mark.parametrize("target, layout, message", [
+    ("onnxruntime", "ulysses=2", "parallel layouts run on the torch target"),
+    ("torch", "ulysses=4", "ulysses=4 does not divide the model's 2 attention heads"),
+    ("torch", "cfg=4", "at most cfg=2"),
+])
+def test_a_layout_the_build_cannot_run_is_refused_before_any_export(target, layout, message, tiny_flux_dir,
+                                                                     tmp_path):
+    from machgen.builder.build import build_repository
+
+    logged = []
+    with pytest.raises(LayoutError, match=message):
+        build_repository(tiny_flux_dir, "flux", tmp_path / "repository", target=target, log=logged.append,
+                         preview=False, parallel=ParallelLayout.parse(layout))
+    assert not any("exporting" in line for line in logged) and not (tmp_path / "repository").exists()

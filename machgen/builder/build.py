@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 from machgen.contract.adapters import write_component_layers
 from machgen.contract.specs import ServedDefaults
 from machgen.families.registry import Family, family_for_model
+from machgen.parallel.layout import LayoutError, ParallelLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from machgen.builder.family_export import FamilyExport
@@ -196,7 +197,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                      options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
                      target_options: TargetOptions = TargetOptions(), export_cache: Path | None = None,
                      log: Callable[[str], None] = print, preview: bool = True, drop_unfit_adapters: bool = False,
-                     discard_changes: bool = False) -> list[ComponentResult]:
+                     discard_changes: bool = False, parallel: ParallelLayout | None = None) -> list[ComponentResult]:
     """Export, check and write every component of the model in ``model_dir``
     (with ``lora`` fused into its weights first), served with ``options``;
     components found in ``export_cache`` (default: $MACHGEN_EXPORT_CACHE,
@@ -208,12 +209,18 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     added since (adapters, a calibration, edits, their own files) or,
     before exporting anything, refuses with rebuild.RebuildRefused naming
     it; ``drop_unfit_adapters`` deletes the adapters that no longer fit,
-    ``discard_changes`` replaces or deletes the rest (builder/rebuild.py)."""
+    ``discard_changes`` replaces or deletes the rest (builder/rebuild.py).
+
+    ``parallel``: the layout the denoiser's steps run under (torch target;
+    builder/parallel.py), refused before any export where the model does
+    not allow it."""
     from machgen.builder.calibrate import calibration_summary
     from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
     from machgen.builder.rebuild import plan_rebuild
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
+    from machgen.builder.parallel import check_parallel_build, runs_parallel, shard_plan, write_shard_plan
+    from machgen.parallel.op import sequence_attention_swapped
     from machgen.plugins.ops import attention_swapped
 
     if target not in TARGETS:
@@ -244,6 +251,13 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     if sparse is not None:
         log(f"attention: SparseAttention {asdict(sparse)}")
     exports, specs, adapters = components_to_export(exporter, pipe, options, target, log)
+    layout = parallel if parallel is not None and not parallel.is_single else None
+    if layout is not None:
+        check_parallel_build(layout, exporter, pipe, target, exporter.axis_ranges(defaults, settings), adapters)
+        if sparse is not None:
+            raise LayoutError(f"--parallel {layout} with --attention {attention.kind}: sparse attention inside "
+                              "a sharded attention is not built yet")
+        log(f"parallel layout: {layout} ({layout.world_size} ranks per step)")
     device, dtype = "cpu", "float32"
     if target == "torch":
         device = target_options.torch_device()
@@ -253,7 +267,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             import torch
 
             pipe.to(device=device, dtype=getattr(torch, dtype))  # the components' modules share these weights
-    serving = TargetServing(target, torch_device=device, torch_dtype=dtype)
+    serving = TargetServing(target, torch_device=device, torch_dtype=dtype,
+                            parallel=layout.to_json() if layout is not None else None)
     cache_settings = model_cache_settings(model_dir)
     files = render_repository(name, family, specs, defaults, settings, options=options, cache=cache_settings,
                               attention=asdict(sparse) if sparse else None, serving=serving, adapters=adapters)
@@ -280,21 +295,27 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             # and VAEs of a sparse build are those of the dense one (LTX-2's text connectors too, whose attention
             # is of the transformer's class but none of its swapped layers).
             swapped = sparse is not None and _reached_by_swap(component, exporter.attention_modules, sparse_layers)
-            key = (component_key(component, **export_options, attention=asdict(sparse) if swapped else None)
+            on_ranks = layout is not None and runs_parallel(component, exporter)
+            key = (component_key(component, **export_options, attention=asdict(sparse) if swapped else None,
+                                 **({"parallel": str(layout)} if on_ranks else {}))
                    if cache is not None else None)
             cached = cache.load(key, folder) if cache is not None else None
             if cached is not None:
                 nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])
             else:
                 # Swapped for the parity check too: torch then runs the operator's CPU reference.
-                with (attention_swapped(exporter.attention_modules, sparse, sparse_layers)
-                      if sparse else contextlib.nullcontext()):
+                with (attention_swapped(exporter.attention_modules, sparse, sparse_layers) if sparse else
+                      sequence_attention_swapped(exporter.attention_modules) if on_ranks else
+                      contextlib.nullcontext()):
                     if target == "torch":
                         nodes = export_torch(component, folder, dtype, device,
                                              cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)
                     else:
                         nodes = export_onnx(component, path, attention=sparse)
+                    # On one rank (the plan is written after it): the program's sequence attention is SDPA.
                     report = check_parity(component, path, dtype, device)
+                if on_ranks:
+                    write_shard_plan(folder, shard_plan(spec, layout, exporter.sequence_axes))
                 if adapter_layers is not None:
                     write_component_layers(folder, adapter_layers)
                 if cache is not None:

@@ -116,6 +116,11 @@ def build(
     drop_unfit_adapters: bool = typer.Option(False, "--drop-unfit-adapters",
                                              help="rebuilding: delete the added adapters (lora add) that this "
                                                   "build cannot serve, instead of refusing to build"),
+    parallel: str = typer.Option("none", "--parallel", metavar="LAYOUT",
+                                 help="torch target: run each denoising step on several ranks (GPUs), e.g. "
+                                      "cfg=2,ulysses=2,ring=2: cfg splits the guidance rows, ulysses (which "
+                                      "must divide the head count) and ring the token sequence; their product "
+                                      "is the GPUs per replica. A layout the model does not allow is refused"),
     discard_changes: bool = typer.Option(False, "--discard-changes",
                                          help="rebuilding: replace or delete what was changed or added in the "
                                               "pipeline's models since the last build (a calibration, edited or "
@@ -129,9 +134,14 @@ def build(
     from machgen.builder.build import build_repository
     from machgen.builder.export import ParityError
     from machgen.builder.tensorrt_engine import TensorRTUnavailable
+    from machgen.parallel.layout import LayoutError, ParallelLayout
 
     if not name.replace("_", "").replace("-", "").isalnum():
         raise typer.BadParameter("use letters, digits, '_' and '-'", param_hint="--name")
+    try:
+        layout = ParallelLayout.parse(parallel)
+    except LayoutError as err:
+        raise typer.BadParameter(str(err), param_hint="--parallel") from None
     options = ServingOptions(in_flight=in_flight, max_queue_size=max_queue_size,
                              component_instances=component_instances, batching=batching,
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
@@ -145,7 +155,7 @@ def build(
                                                       compile=compile_programs, precision=precision,
                                                       refittable=refittable, timing_cache=timing_cache),
                          export_cache=export_cache, preview=preview, drop_unfit_adapters=drop_unfit_adapters,
-                         discard_changes=discard_changes)
+                         discard_changes=discard_changes, parallel=layout)
     except (ParityError, ValueError, KeyError, FileNotFoundError, TensorRTUnavailable) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None

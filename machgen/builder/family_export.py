@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from machgen.families.registry import Family
+    from machgen.parallel.layout import ParallelSupport
 
 
 @dataclass
@@ -43,6 +44,9 @@ class FamilyExport:
     attention_modules: ClassVar[tuple[str, ...]] = ()
     # The key prefix of the adapted model's weights in a diffusers-format LoRA (per-request adapters).
     adapted_prefix: ClassVar[str] = "transformer."
+    # The axis names of the denoiser's token sequences: split over the sequence ranks of a parallel layout
+    # (its blocks must mix tokens only in the attention of ``attention_modules``).
+    sequence_axes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, family: "Family"):
         self.family = family
@@ -71,6 +75,12 @@ class FamilyExport:
         where the rule of plugins/ops.attention_swapped (unmasked, keys as
         long as the queries) would also take a cross-attention; None: every
         call in ``attention_modules`` that the rule takes."""
+        return None
+
+    def parallel_support(self, pipe: Any, ranges: dict[str, AxisRange]) -> "ParallelSupport | None":
+        """What parallel layouts the model allows (``ranges``: axis_ranges'),
+        or None: it runs on one device only. A call whose token counts the
+        sequence degree does not divide runs unsplit (runtime: parallel/program.py)."""
         return None
 
     def adapted_model(self, pipe: Any) -> "torch.nn.Module | None":

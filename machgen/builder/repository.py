@@ -122,6 +122,8 @@ class TargetServing:
     target: str = "onnxruntime"
     torch_device: str = "cpu"  # torch: where the programs run
     torch_dtype: str = "float32"  # torch: the programs' float dtype
+    # torch: the parallel layout the denoiser's steps run under (ParallelLayout as JSON); None: one device.
+    parallel: dict | None = None
 
     @property
     def file_name(self) -> str:
@@ -329,7 +331,8 @@ def pipeline_manifest(pipeline: str, family: Family, specs: dict[str, ComponentS
         name=pipeline, family=family.name, runtime=family.runtime, target=serving.target,
         tasks=family.capabilities.tasks, components=components, defaults=defaults,
         family_settings=family_settings, cache=cache.to_json(), prompt_cache_size=options.prompt_cache_size,
-        attention=attention, preview_interval=options.preview_interval, adapters=adapters)
+        attention=attention, preview_interval=options.preview_interval, adapters=adapters,
+        parallel=serving.parallel)
 
 
 def denoiser_chains(specs: dict[str, ComponentSpec],

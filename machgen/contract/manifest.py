@@ -156,6 +156,9 @@ class PipelineManifest:
     attention: Mapping[str, Any] | None = None
     # Per-request LoRA adapters (contract/adapters.py AdapterSettings as JSON); None: built without them.
     adapters: Mapping[str, Any] | None = None
+    # The parallel layout the denoiser's steps run under (parallel/layout.py ParallelLayout as JSON; each
+    # parallel component's folder holds its ShardPlan); None: one device. For the record.
+    parallel: Mapping[str, Any] | None = None
     version: int = MANIFEST_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -165,7 +168,7 @@ class PipelineManifest:
             "components": {name: entry.to_json() for name, entry in self.components.items()},
             "defaults": self.defaults.to_json(), "family_settings": dict(self.family_settings),
             "cache": dict(self.cache), "prompt_cache_size": self.prompt_cache_size, "attention": self.attention,
-            "preview_interval": self.preview_interval, "adapters": self.adapters,
+            "preview_interval": self.preview_interval, "adapters": self.adapters, "parallel": self.parallel,
         }
 
     @classmethod
@@ -182,7 +185,8 @@ class PipelineManifest:
                        defaults=ServedDefaults.from_json(data["defaults"]),
                        family_settings=data["family_settings"], cache=data.get("cache") or {},
                        prompt_cache_size=int(data.get("prompt_cache_size", 256)), attention=data.get("attention"),
-                       preview_interval=int(data.get("preview_interval", 4)), adapters=data.get("adapters"))
+                       preview_interval=int(data.get("preview_interval", 4)), adapters=data.get("adapters"),
+                       parallel=data.get("parallel"))
         except (KeyError, TypeError) as err:
             raise ManifestError(f"{source} is malformed: {err!r}") from err
 

@@ -86,8 +86,6 @@ class ParallelSupport:
     heads: int
     # Whether a step's denoiser call carries guidance rows (conditional and unconditional) to split.
     guidance_rows: bool
-    # The tokens of the smallest input the model serves (each sequence rank needs at least one).
-    min_tokens: int
     # Whether the sequence can be split at all (False: a model whose blocks mix tokens outside attention).
     sequence: bool = True
     # Why the sequence cannot be split, said when a layout asks for it.
@@ -109,9 +107,6 @@ def refusals(layout: ParallelLayout, support: ParallelSupport) -> list[str]:
     if layout.ulysses > 1 and support.heads % layout.ulysses:
         reasons.append(f"ulysses={layout.ulysses} does not divide the model's {support.heads} attention heads "
                        "(use a ring degree for the rest of the sequence degree)")
-    if layout.sequence_degree > support.min_tokens:
-        reasons.append(f"ulysses x ring = {layout.sequence_degree} is more than the {support.min_tokens} tokens "
-                       "of the model's smallest input")
     return reasons
 
 
@@ -120,3 +115,22 @@ def check_layout(layout: ParallelLayout, support: ParallelSupport, model: str = 
     reasons = refusals(layout, support)
     if reasons:
         raise LayoutError(f"{model} cannot run the parallel layout {layout}: " + "; ".join(reasons))
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How a component's tensors are split under a layout: the batched ones
+    (first axis: rows, split over the cfg groups) and the token-sequence ones
+    (by name, their token axis, split over the sequence ranks). Written to
+    the component's folder by the build; the ranks read it."""
+
+    layout: ParallelLayout
+    batched: tuple[str, ...]  # inputs and outputs whose first axis is the batch
+    sequence: Mapping[str, int]  # inputs and outputs with a token axis, and which axis
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout.to_json(), "batched": list(self.batched), "sequence": dict(self.sequence)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ShardPlan":
+        return cls(ParallelLayout.from_json(data["layout"]), tuple(data["batched"]), dict(data["sequence"]))

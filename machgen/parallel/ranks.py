@@ -1,37 +1,36 @@
 """The rank processes of a layout: spawned (never forked: a forked child
 inherits the parent's threads and CUDA state), each joining one process
-group and running a function with its ``RankMesh``.
+group and serving calls with its ``RankMesh``.
 
 The parent owns the rendezvous: a TCPStore it opens on a port the system
-picks (port 0), so there is no free-port race to retry. Every rank process
-is gone when ``run_on_ranks`` returns or raises: the ones still running
-after a failure or the timeout are killed. Results come back as numpy
-arrays (torch tensors would travel through shared memory that outlives a
-killed rank).
+picks (port 0), so there is no free-port race to retry. A ``RankPool``'s
+ranks are gone once it is stopped, and a rank that dies fails the call in
+flight at once (the others, blocked in a collective with it, are killed).
+Values come back as numpy arrays (torch tensors would travel through shared
+memory that outlives a killed rank).
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import queue
+import multiprocessing.connection
+import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from machgen.contract.manifest import load_object
 from machgen.parallel.layout import ParallelLayout
 
 # How long a rank waits for the others at the rendezvous and in a collective.
 RENDEZVOUS_S = 120.0
-
-
 # What a collective says when another rank has gone (gloo, NCCL).
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "NCCL communicator was aborted")
 
 
 class RankError(RuntimeError):
-    """A rank process failed, died or did not finish in time."""
+    """A rank process failed, died or did not answer in time."""
 
 
 def _portable(value: Any) -> Any:
@@ -48,7 +47,8 @@ def _portable(value: Any) -> Any:
 
 
 def _rank_main(rank: int, layout: dict, store_port: int, backend: str, threads: int, target: str,
-               args: Sequence[Any], results) -> None:
+               args: Sequence[Any], connection) -> None:
+    """A rank process: join the group, make the handler (``target(mesh, *args)``), answer each message."""
     import torch
     import torch.distributed as dist
 
@@ -60,76 +60,169 @@ def _rank_main(rank: int, layout: dict, store_port: int, backend: str, threads: 
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=RENDEZVOUS_S))
         dist.init_process_group(backend, store=store, rank=rank, world_size=mesh_layout.world_size,
                                 timeout=timedelta(seconds=RENDEZVOUS_S))
-        try:
-            value = load_object(target)(RankMesh(mesh_layout, rank), *args)
-            results.put((rank, "ok", _portable(value)))
-        finally:
-            dist.destroy_process_group()
+        handler: Callable[[Any], Any] = load_object(target)(RankMesh(mesh_layout, rank), *args)
     except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, "error", traceback.format_exc()))
+        connection.send(("error", traceback.format_exc()))
+        return
+    connection.send(("ready", None))
+    try:
+        while (message := connection.recv()) is not None:
+            try:
+                connection.send(("ok", _portable(handler(message))))
+            except BaseException:  # noqa: BLE001 - the parent reports it
+                connection.send(("error", traceback.format_exc()))
+    except EOFError:  # the parent has gone
+        pass
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """The ranks of ``layout``, each running ``target(mesh, *args)`` (a
+    "module:function" returning the handler of its messages) in its own
+    spawned process; ``call(message)`` gives every rank the message and
+    returns their answers in rank order."""
+
+    def __init__(self, layout: ParallelLayout, target: str, *args: Any, backend: str = "gloo", threads: int = 1,
+                 start_timeout: float = 300.0):
+        import torch.distributed as dist
+
+        self.layout = layout
+        # One call at a time: every rank must see the messages in one order, or their collectives mismatch.
+        self._calling = threading.Lock()
+        context = multiprocessing.get_context("spawn")
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=RENDEZVOUS_S))
+        self._connections, self._processes = [], []
+        for rank in range(layout.world_size):
+            parent, child = context.Pipe()
+            process = context.Process(target=_rank_main, name=f"machgen-rank-{rank}", daemon=True,
+                                      args=(rank, layout.to_json(), self._store.port, backend, threads, target,
+                                            args, child))
+            self._connections.append(parent)
+            self._processes.append(process)
+        try:
+            for process in self._processes:
+                process.start()
+            self._answers("ready", start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
+    def alive(self) -> bool:
+        return bool(self._processes) and all(process.is_alive() for process in self._processes)
+
+    def call(self, message: Any, timeout: float | None = None) -> list[Any]:
+        """Every rank's answer to ``message``. A rank that fails or dies fails the call (RankError); one that
+        died leaves the pool unusable (every rank stopped)."""
+        with self._calling:
+            if not self.alive():
+                raise RankError(f"the ranks of {self.layout} are not running")
+            for connection in self._connections:
+                connection.send(message)
+            return self._answers("ok", timeout)
+
+    def _answers(self, expected: str, timeout: float | None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        answers: dict[int, Any] = {}
+        failed: dict[int, str] = {}
+        waiting = dict(enumerate(self._connections))
+        while waiting:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            sentinels = {self._processes[rank].sentinel: rank for rank in waiting}
+            ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], timeout=left)
+            if not ready:
+                self.stop()
+                raise RankError(f"ranks {sorted(waiting)} did not answer within {timeout:.0f} s")
+            for item in ready:
+                if item in sentinels:
+                    rank = sentinels[item]
+                    if waiting.get(rank) is not None and waiting[rank].poll():
+                        continue  # its last answer is still to be read
+                    self._processes[rank].join(timeout=1.0)
+                    code = self._processes[rank].exitcode
+                    self.stop()
+                    raise RankError(f"rank {rank} died (exit code {code})"
+                                    + (f"; before it:\n{_report(failed)}" if failed else ""))
+                rank = next(rank for rank, connection in waiting.items() if connection is item)
+                outcome, value = item.recv()
+                del waiting[rank]
+                if outcome == "error":
+                    failed[rank] = value
+                    if expected == "ready":  # it will not serve: the others would wait for it forever
+                        break
+                else:
+                    answers[rank] = value
+            if failed and (expected == "ready" or any(_is_cause(report) for report in failed.values())):
+                self._collect(failed, waiting, grace=2.0)
+                if waiting or expected == "ready":  # a rank still in a collective with the failed one: stuck
+                    self.stop()
+                raise RankError(_report(failed))
+        if failed:
+            raise RankError(_report(failed))
+        return [answers[rank] for rank in range(len(self._connections))]
+
+    def _collect(self, failed: dict[int, str], waiting: dict, grace: float) -> None:
+        """The other ranks' answers within ``grace``, their failures into ``failed`` (a rank whose peer
+        failed fails too); those that answered leave ``waiting``."""
+        deadline = time.monotonic() + grace
+        for rank, connection in list(waiting.items()):
+            if connection.poll(max(deadline - time.monotonic(), 0)):
+                outcome, value = connection.recv()
+                del waiting[rank]
+                if outcome == "error":
+                    failed[rank] = value
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Every rank ended: asked to stop, then killed after ``grace``."""
+        for connection in self._connections:
+            try:
+                connection.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + grace
+        for process in self._processes:
+            if process.pid is not None:
+                process.join(timeout=max(deadline - time.monotonic(), 0))
+        for process in self._processes:
+            if process.pid is not None and process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self._connections:
+            connection.close()
+        self._processes, self._connections = [], []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _is_cause(report: str) -> bool:
+    return not any(mark in report for mark in _PEER_LOST)
+
+
+def _report(failed: dict[int, str]) -> str:
+    """Every failed rank's report, the cause first: a rank whose peer failed fails too, in its next
+    collective, and its report can come first."""
+    ordered = sorted(failed.items(), key=lambda item: (not _is_cause(item[1]), item[0]))
+    return "\n".join(f"rank {rank} failed:\n{report}" for rank, report in ordered)
+
+
+def _call_once(mesh, target: str, args: Sequence[Any]) -> Callable[[Any], Any]:
+    return lambda message: load_object(target)(mesh, *args)
 
 
 def run_on_ranks(layout: ParallelLayout, target: str, *args: Any, backend: str = "gloo", threads: int = 1,
                  timeout: float = 300.0) -> list[Any]:
-    """``target(mesh, *args)`` (a "module:function") on each rank of
-    ``layout``, in its own spawned process; the results in rank order."""
-    import torch.distributed as dist
-
-    context = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=RENDEZVOUS_S))
-    results = context.Queue()
-    processes = [context.Process(target=_rank_main, name=f"machgen-rank-{rank}", daemon=True,
-                                 args=(rank, layout.to_json(), store.port, backend, threads, target, args, results))
-                 for rank in range(layout.world_size)]
-    values: dict[int, Any] = {}
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout
-        while len(values) < len(processes):
-            try:
-                rank, outcome, value = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [p for index, p in enumerate(processes) if index not in values and p.exitcode not in
-                        (None, 0)]
-                if dead:
-                    raise RankError(f"rank process {dead[0].name} died (exit code {dead[0].exitcode})") from None
-                if time.monotonic() > deadline:
-                    raise RankError(f"the ranks did not finish within {timeout:.0f} s") from None
-                continue
-            if outcome == "error":
-                raise RankError(_failures(results, {rank: value}))
-            values[rank] = value
-        return [values[rank] for rank in range(len(processes))]
-    finally:
-        _stop(processes)
-        results.close()
-        del store
-
-
-def _failures(results, failed: dict[int, str], grace: float = 2.0) -> str:
-    """Every rank's failure reported within ``grace`` of the first, the cause first: a rank whose peer
-    failed fails too, in its next collective, and its report can come first."""
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            rank, outcome, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
-        except queue.Empty:
-            break
-        if outcome == "error":
-            failed[rank] = value
-    ordered = sorted(failed.items(), key=lambda item: (any(mark in item[1] for mark in _PEER_LOST), item[0]))
-    return "\n".join(f"rank {rank} failed:\n{report}" for rank, report in ordered)
-
-
-def _stop(processes, grace: float = 5.0) -> None:
-    """Every process ended: joined when it ends by itself, else killed."""
-    deadline = time.monotonic() + grace
-    for process in processes:
-        if process.pid is not None:
-            process.join(timeout=max(deadline - time.monotonic(), 0))
-    for process in processes:
-        if process.pid is not None and process.is_alive():
-            process.kill()
-            process.join()
+    """``target(mesh, *args)`` (a "module:function") once on each rank of
+    ``layout``, each in its own spawned process; the results in rank order.
+    Every rank process is gone when it returns or raises."""
+    with RankPool(layout, "machgen.parallel.ranks:_call_once", target, args, backend=backend, threads=threads,
+                  start_timeout=timeout) as pool:
+        return pool.call("run", timeout=timeout)

@@ -26,3 +26,18 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return ring_attention(whole_q, whole_k, whole_v, mesh.ring_group, scale, overlap)
 
     return ulysses_attention(q, k, v, mesh.ulysses_group, ring)
+
+
+def shard_sequence(tensor: torch.Tensor, axis: int, mesh: RankMesh) -> torch.Tensor:
+    """This rank's chunk of ``tensor``'s token axis (chunks in sequence-rank order)."""
+    return tensor.chunk(mesh.layout.sequence_degree, dim=axis)[mesh.sequence_rank].contiguous()
+
+
+def gather_sequence(chunk: torch.Tensor, axis: int, mesh: RankMesh) -> torch.Tensor:
+    """Every sequence rank's chunk (shard_sequence's) as the whole tensor, on every rank of the group."""
+    import torch.distributed as dist
+
+    chunk = chunk.contiguous()
+    chunks = [torch.empty_like(chunk) for _ in range(mesh.layout.sequence_degree)]
+    dist.all_gather(chunks, chunk, group=mesh.sequence_group)
+    return torch.cat(chunks, dim=axis)

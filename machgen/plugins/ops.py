@@ -17,7 +17,7 @@ import contextlib
 import functools
 import importlib
 import warnings
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -183,9 +183,8 @@ def _as_float32(attributes: dict) -> dict:
             value.encode() if isinstance(value, str) else value for name, value in attributes.items()}
 
 
-@contextlib.contextmanager
 def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig,
-                      layers: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
+                      layers: Sequence[torch.nn.Module] | None = None):
     """Inside the block, every unmasked, non-causal self-attention call of
     ``dispatch_attention_fn`` in ``modules`` (diffusers model modules,
     [B, N, H, D] layout) runs the op. Cross-attention (keys of another
@@ -193,6 +192,21 @@ def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig,
     ``layers``: only the calls made inside these attention modules, for a
     model whose cross-attention can have keys as long as its queries (LTX-2's
     audio-video attention), which the lengths cannot tell apart."""
+    def sparse(query, key, value, scale):
+        chosen = config if scale is None else SparseAttentionConfig(
+            **{**config.onnx_attributes(), "softmax_scale": scale})
+        return sparse_attention(query, key, value, chosen)
+
+    return dispatch_swapped(modules, sparse, layers)
+
+
+@contextlib.contextmanager
+def dispatch_swapped(modules: Sequence[str], attention: Callable[..., torch.Tensor],
+                     layers: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
+    """Inside the block, every unmasked, non-causal call of
+    ``dispatch_attention_fn`` in ``modules`` whose keys are as long as its
+    queries runs ``attention(query, key, value, scale)`` instead (``layers``:
+    only the calls made inside these modules)."""
     patched, hooks = [], []
     inside = [0]  # the calls in progress of one of ``layers``
 
@@ -202,9 +216,7 @@ def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig,
             if (attn_mask is not None or is_causal or dropout_p or key.shape[1] != query.shape[1]
                     or (layers is not None and not inside[0])):
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
-            chosen = config if scale is None else SparseAttentionConfig(
-                **{**config.onnx_attributes(), "softmax_scale": scale})
-            return sparse_attention(query, key, value, chosen)
+            return attention(query, key, value, scale)
         return dispatch
 
     def enter(module, args):

@@ -12,21 +12,23 @@ from machgen.contract.manifest import ComponentEntry
 
 
 def open_component(path: str | os.PathLike, intra_op_threads: int = 0, device: str | None = None,
-                   adapters: str | os.PathLike | None = None, max_loaded: int = 8) -> Any:
+                   adapters: str | os.PathLike | None = None, max_loaded: int = 8, layout: Any = None) -> Any:
     """A runner (``run(inputs) -> outputs``, ``run_batches``) for an exported
     file: ``model.onnx`` under ONNX Runtime, ``model.pt2`` under torch (on
     ``device``, or where it was built). A component that takes per-request
     adapters reads them from ``adapters`` (contract.adapters.adapters_root),
-    keeping ``max_loaded`` in memory (runtime/adapters.py)."""
+    keeping ``max_loaded`` in memory (runtime/adapters.py). A program built
+    for a parallel layout runs on its ranks (``layout``: another layout the
+    build allows)."""
     from machgen.runtime.adapters import with_adapters
 
     path = Path(path)
     if path.suffix == ".plan":
         raise ValueError(f"{path}: a TensorRT engine runs in Triton's TensorRT backend, not in-process")
     if path.suffix == ".pt2":
-        from machgen.runtime.torch_runner import TorchProgram
+        from machgen.runtime.torch_runner import open_program
 
-        program = TorchProgram.load(path.parent, device=device)
+        program = open_program(path.parent, device=device, layout=layout)
         return with_adapters(program, path.parent, adapters, max_loaded, convert=program.prepare)
     from machgen.runtime.onnx_runner import OnnxSession
 

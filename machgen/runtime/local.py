@@ -23,9 +23,12 @@ from machgen.runtime.sampler import GenerationStats, load_sampler
 class LocalPipeline:
     """``LocalPipeline(repository, name).generate(prompt, seed=..., ...)``."""
 
-    def __init__(self, repository: Path, name: str, intra_op_threads: int = 0):
+    def __init__(self, repository: Path, name: str, intra_op_threads: int = 0, layout: Any = None):
+        """``layout``: run a parallel build's components under another layout it allows (a
+        parallel.layout.ParallelLayout; one rank: as plain programs). ``close`` stops their ranks."""
         self.repository = Path(repository)
         self.name = name
+        self._layout = layout
         sampler_dir = pipeline_dir(self.repository, name)
         self.manifest = PipelineManifest.read(sampler_dir)
         self._intra_op_threads = intra_op_threads
@@ -51,8 +54,22 @@ class LocalPipeline:
                 path = self.repository / self.manifest.components[component].model / "1" / \
                     COMPONENT_FILES[self.manifest.target]
                 self._sessions[component] = open_component(path, intra_op_threads=self._intra_op_threads,
-                                                           adapters=self._adapters, max_loaded=self._max_loaded)
+                                                           adapters=self._adapters, max_loaded=self._max_loaded,
+                                                           layout=self._layout)
             return self._sessions[component]
+
+    def close(self) -> None:
+        """Stop what the components run besides this process (a parallel component's ranks)."""
+        with self._opening:
+            for session in self._sessions.values():
+                getattr(session, "close", lambda: None)()
+            self._sessions.clear()
+
+    def __enter__(self) -> "LocalPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:
         """Images [1, H, W, 3] (every frame of a video) and stats; options are the API's optional inputs."""

@@ -44,6 +44,9 @@ class TorchComponentInfo:
     cuda_graphs: bool = True
     max_cuda_graphs: int = 8  # shape buckets captured; further shapes run eagerly
     compile: bool = False  # torch.compile the program at load (minutes for a large model)
+    # A parallel build's ShardPlan (machgen/parallel/layout.py) as JSON: the program runs on its layout's
+    # ranks. None: on one device.
+    parallel: dict | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -140,7 +143,9 @@ class TorchProgram:
         """The program a build wrote to ``folder`` (model.pt2, component.json)."""
         import torch
 
-        # The program may call machgen::sparse_attention: it must be registered before loading.
+        # The program may call machgen::sparse_attention or machgen::sequence_attention: they must be
+        # registered before loading.
+        import machgen.parallel.op  # noqa: F401
         import machgen.plugins.ops  # noqa: F401
 
         folder = Path(folder)
@@ -175,3 +180,22 @@ class TorchProgram:
 
     def run_batches(self, batches: Sequence[Mapping[str, Any]], max_rows: int | None = None) -> list[dict[str, Any]]:
         return run_grouped(self.run, self.input_names, batches, max_rows)
+
+
+def open_program(folder: str | os.PathLike, device: str | None = None, layout: Any = None) -> Any:
+    """The program of a torch-target component folder: a ``TorchProgram``, or
+    on its ranks a ``ParallelProgram`` when its build has a parallel layout
+    (``layout``: run it under another layout the build allows; a
+    ParallelLayout of one rank runs it as a plain program)."""
+    info = TorchComponentInfo.read(folder)
+    if info.parallel is None:
+        return TorchProgram.load(folder, device)
+    from machgen.parallel.layout import ShardPlan
+    from machgen.parallel.program import ParallelProgram
+
+    plan = ShardPlan.from_json(info.parallel)
+    chosen = layout or plan.layout
+    if chosen.is_single:
+        return TorchProgram.load(folder, device)
+    return ParallelProgram(folder, info.inputs, info.outputs, plan, chosen,
+                           device="cuda" if (device or info.device).startswith("cuda") else None)

@@ -10,6 +10,7 @@ import torch
 from machgen.builder.family_export import ExportableComponent, FamilyExport
 from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
 from machgen.families.flux.spec import flux_specs
+from machgen.parallel.layout import ParallelSupport
 
 
 class TextEncoderPooled(torch.nn.Module):
@@ -158,6 +159,8 @@ def vae_scale_factor(vae_config) -> int:
 class FluxExport(FamilyExport):
     sampler_assets = ("tokenizer", "tokenizer_2", "scheduler")
     attention_modules = ("diffusers.models.transformers.transformer_flux",)
+    # Joint attention over the text and image tokens: each rank holds a chunk of both.
+    sequence_axes = ("image_tokens", "text_tokens")
 
     def specs(self, pipe) -> dict[str, ComponentSpec]:
         tr = pipe.transformer.config
@@ -264,6 +267,10 @@ class FluxExport(FamilyExport):
             metadata = {key[len(self.adapted_prefix):]: value for key, value in metadata.items()
                         if key.startswith(self.adapted_prefix)}
         return state, alphas, metadata
+
+    def parallel_support(self, pipe, ranges: dict[str, AxisRange]) -> ParallelSupport:
+        # Guidance rows: true CFG's negative-prompt rows (FluxPipeline's true_cfg_scale > 1).
+        return ParallelSupport(heads=pipe.transformer.config.num_attention_heads, guidance_rows=True)
 
     def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
         # Joint attention puts the T5 tokens, padded to max_sequence_length, before the image tokens.

@@ -1,0 +1,60 @@
+"""A build for a parallel layout (``machgen-build build --target torch
+--parallel cfg=2,ulysses=2``): checked against what the family allows before
+any export, its attention exported as ``machgen::sequence_attention``, and
+each parallel component's ``ShardPlan`` written beside its program."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from machgen.builder.family_export import ExportableComponent, FamilyExport
+from machgen.contract.specs import AxisRange, ComponentSpec
+from machgen.parallel.layout import LayoutError, ParallelLayout, ParallelSupport, ShardPlan, check_layout
+
+
+def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: Any, target: str,
+                         ranges: dict[str, AxisRange], adapters: Any) -> ParallelSupport:
+    """What the model allows, or LayoutError naming why ``layout`` cannot be built."""
+    name = exporter.family.name
+    if target != "torch":
+        raise LayoutError(f"--parallel {layout}: parallel layouts run on the torch target (--target torch), "
+                          f"not {target}")
+    support = exporter.parallel_support(pipe, ranges)
+    if support is None:
+        raise LayoutError(f"--parallel {layout}: family '{name}' declares no parallel layouts")
+    if adapters is not None and layout.cfg > 1:
+        raise LayoutError(f"--parallel {layout}: per-request adapters (--max-lora-rank) are not split over cfg "
+                          "groups yet; use a sequence layout or build without adapters")
+    check_layout(layout, support, f"family '{name}'")
+    return support
+
+
+def runs_parallel(component: ExportableComponent, exporter: FamilyExport) -> bool:
+    """Whether the component runs on the ranks: a per-step part of the denoiser served by its own model
+    that holds the attention (the one run in the sampler's process, and the encoders and VAEs, run once)."""
+    spec = component.spec
+    return (spec.per_step and not spec.in_sampler
+            and any(type(sub).__module__ in exporter.attention_modules for sub in component.module.modules()))
+
+
+def shard_plan(spec: ComponentSpec, layout: ParallelLayout, sequence_axes: tuple[str, ...]) -> ShardPlan:
+    """How ``spec``'s tensors split: batched ones by rows, those with a token axis (an axis named in
+    ``sequence_axes``) along it."""
+    tensors = spec.inputs + spec.outputs
+    sequence = {}
+    for tensor in tensors:
+        axis = next((index for index, size in enumerate(tensor.shape) if size in sequence_axes), None)
+        if axis is not None:
+            sequence[tensor.name] = axis
+    return ShardPlan(layout, tuple(dict.fromkeys(t.name for t in tensors if t.batched)), sequence)
+
+
+def write_shard_plan(folder: Path, plan: ShardPlan) -> None:
+    """The plan into the program's component.json (runtime/torch_runner.TorchComponentInfo.parallel)."""
+    from machgen.runtime.torch_runner import INFO_FILE
+
+    info = json.loads((folder / INFO_FILE).read_text())
+    info["parallel"] = plan.to_json()
+    (folder / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")

@@ -1,0 +1,135 @@
+"""A torch-target program run on the ranks of a layout, called like a
+``TorchProgram`` (``run``, ``run_batches``), so that the sampler, the
+in-process pipeline and the Triton component model need not know.
+
+Per call each rank takes its cfg group's rows and its chunk of every token
+sequence (the component's ``ShardPlan``), runs the program (whose
+``machgen::sequence_attention`` nodes exchange across the sequence ranks),
+and the leader (rank 0) answers with the whole outputs gathered. A call
+whose sequences the sequence degree does not divide runs them whole on every
+rank of a sequence group (the same result, without the speed-up).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from machgen.parallel.layout import ParallelLayout, ShardPlan
+from machgen.parallel.ranks import RankPool
+from machgen.runtime.onnx_runner import run_grouped
+from machgen.runtime.tensors import as_numpy
+
+
+def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any) -> dict[str, Any] | None:
+    """One call of ``program`` on this rank's share of ``inputs``; the whole outputs on the leader (None on
+    the others)."""
+    import torch
+
+    from machgen.parallel.cfg import gather_rows, split_rows
+    from machgen.parallel.op import split_sequence
+    from machgen.parallel.usp import gather_sequence, shard_sequence
+
+    tensors = {name: torch.as_tensor(value) for name, value in inputs.items()}
+    rows = next((tensors[name].shape[0] for name in plan.batched if name in tensors), 1)
+    tensors = {name: split_rows(t, mesh.cfg_group) if name in plan.batched else t for name, t in tensors.items()}
+    degree = plan.layout.sequence_degree
+    split = degree > 1 and all(t.shape[plan.sequence[name]] % degree == 0
+                               for name, t in tensors.items() if name in plan.sequence)
+    if split:
+        tensors = {name: shard_sequence(t, plan.sequence[name], mesh) if name in plan.sequence else t
+                   for name, t in tensors.items()}
+    with split_sequence(split):
+        outputs = program.run(tensors)
+    if split:
+        outputs = {name: gather_sequence(t, plan.sequence[name], mesh) if name in plan.sequence else t
+                   for name, t in outputs.items()}
+    outputs = {name: gather_rows(t, rows, mesh.cfg_group) if name in plan.batched else t
+               for name, t in outputs.items()}
+    return outputs if mesh.rank == 0 else None
+
+
+def serve_programs(mesh: Any, device: str | None) -> Any:
+    """A rank's handler: ("load", folder, plan) loads a component's program, ("run", folder, inputs) calls
+    it, ("unload", folder) lets it go."""
+    from machgen.parallel.op import set_mesh
+    from machgen.runtime.torch_runner import TorchProgram
+
+    set_mesh(mesh)
+    if device == "cuda":
+        device = f"cuda:{mesh.rank}"
+    programs: dict[str, tuple[Any, ShardPlan]] = {}
+
+    def handle(message: tuple) -> Any:
+        kind, folder, *rest = message
+        if kind == "load":
+            programs[folder] = (TorchProgram.load(folder, device=device), ShardPlan.from_json(rest[0]))
+        elif kind == "unload":
+            programs.pop(folder, None)
+        else:
+            program, plan = programs[folder]
+            return run_sharded(program, rest[0], plan, mesh)
+        return None
+
+    return handle
+
+
+_POOLS: dict[tuple[ParallelLayout, str | None, int], list] = {}  # (layout, device, threads) -> [pool, users]
+_POOLS_LOCK = threading.Lock()
+
+
+class ParallelProgram:
+    """A component's program on ``layout``'s ranks. The components of one
+    process that run one layout share its ranks (the denoiser's head and
+    tail: one rank process per GPU, not two); the last to ``close`` stops them."""
+
+    def __init__(self, folder: str | Path, inputs: Sequence[str], outputs: Sequence[str], plan: ShardPlan,
+                 layout: ParallelLayout | None = None, device: str | None = None, threads: int = 1):
+        """``layout``: another layout than the plan's (one the build allows); ``device``: "cuda" puts rank r
+        on cuda:r (NCCL), else the CPU (gloo)."""
+        self.layout = layout or plan.layout
+        self.plan = ShardPlan(self.layout, plan.batched, plan.sequence)
+        self.input_names = list(inputs)
+        self.output_names = list(outputs)
+        self.folder = str(Path(folder).resolve())
+        self._key = (self.layout, device, threads)
+        with _POOLS_LOCK:
+            if self._key not in _POOLS:
+                backend = "nccl" if device == "cuda" else "gloo"
+                _POOLS[self._key] = [RankPool(self.layout, "machgen.parallel.program:serve_programs", device,
+                                              backend=backend, threads=threads), 0]
+            _POOLS[self._key][1] += 1
+            self.pool = _POOLS[self._key][0]
+        try:
+            self.pool.call(("load", self.folder, self.plan.to_json()))
+        except BaseException:
+            self.close()
+            raise
+
+    def prepare(self, value):
+        """What travels to the ranks: numpy (adapters' banks are converted with this)."""
+        return as_numpy(value)
+
+    def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return self.pool.call(("run", self.folder, {name: as_numpy(inputs[name]) for name in self.input_names}))[0]
+
+    def run_batches(self, batches: Sequence[Mapping[str, Any]], max_rows: int | None = None) -> list[dict[str, Any]]:
+        return run_grouped(self.run, self.input_names, batches, max_rows)
+
+    def memory_report(self) -> str:
+        return f"{self.layout.world_size} ranks ({self.layout}), pids {self.pool.pids}"
+
+    def close(self) -> None:
+        with _POOLS_LOCK:
+            entry = _POOLS.get(self._key)
+            if entry is None or entry[0] is not self.pool:
+                return
+            entry[1] -= 1
+            last = entry[1] == 0
+            if last:
+                del _POOLS[self._key]
+        if last:
+            self.pool.stop()
+        elif self.pool.alive():
+            self.pool.call(("unload", self.folder))
