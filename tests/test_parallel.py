@@ -193,3 +193,94 @@ def test_a_layout_the_build_cannot_run_is_refused_before_any_export(target, layo
         build_repository(tiny_flux_dir, "flux", tmp_path / "repository", target=target, log=logged.append,
                          preview=False, parallel=ParallelLayout.parse(layout))
     assert not any("exporting" in line for line in logged) and not (tmp_path / "repository").exists()
+
+
+def _command(process) -> str:
+    """A process's command line; empty for one that has ended (a killed rank not yet reaped: a zombie)."""
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return ""
+
+
+def rank_processes(stub_pids) -> list:
+    """The running rank processes started by the given Triton stubs (spawned Pythons)."""
+    import psutil
+
+    found = []
+    for pid in stub_pids:
+        try:
+            found += [child for child in psutil.Process(pid).children() if "spawn_main" in _command(child)]
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def component_stubs(served, component: str) -> list[int]:
+    """The pids of the Python backend stubs serving ``component`` under ``machgen serve``."""
+    import psutil
+
+    server = next(p for p in psutil.Process(served.process.pid).children(recursive=True)
+                  if p.name() == "tritonserver")
+    return [p.pid for p in server.children() if f"flux_{component}" in _command(p)]
+
+
+@pytest.mark.integration
+def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank(parallel_repository, single_rank):
+    """machgen serve of the parallel build: each parallel component's stub starts its ranks; a request equals
+    the single-rank image; a SIGKILLed rank makes the component unhealthy, the step in flight is run again
+    once machgen serve has loaded it with new ranks; a stop leaves no rank process and no shared memory."""
+    import os
+    import signal
+    import threading
+    import time
+    from pathlib import Path
+
+    from machgen.client import MachgenClient
+
+    from conftest import ServeProcess
+
+    shm_before = set(os.listdir("/dev/shm"))
+    served = ServeProcess(parallel_repository)
+    try:
+        with MachgenClient(served.grpc_url) as client:
+            image = client.generate("flux", GUIDED["prompt"], negative_prompt=GUIDED["negative_prompt"],
+                                    true_cfg_scale=GUIDED["true_cfg_scale"], seed=GUIDED["seed"], cache_policy="none")
+        assert np.abs(image.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS
+        tail_ranks = rank_processes(component_stubs(served, "denoiser_tail"))
+        assert len(tail_ranks) == ParallelLayout.parse(BUILT_LAYOUT).world_size
+        assert len(rank_processes(component_stubs(served, "denoiser_head"))) == len(tail_ranks)
+
+        answers = []
+
+        def request() -> None:
+            with MachgenClient(served.grpc_url) as client:
+                answers.append(client.generate("flux", GUIDED["prompt"], negative_prompt=GUIDED["negative_prompt"],
+                                               true_cfg_scale=GUIDED["true_cfg_scale"], seed=GUIDED["seed"],
+                                               num_inference_steps=24, cache_policy="none"))
+
+        with MachgenClient(served.grpc_url) as client:
+            expected = client.generate("flux", GUIDED["prompt"], negative_prompt=GUIDED["negative_prompt"],
+                                       true_cfg_scale=GUIDED["true_cfg_scale"], seed=GUIDED["seed"],
+                                       num_inference_steps=24, cache_policy="none")
+        sender = threading.Thread(target=request)
+        sender.start()
+        time.sleep(1.0)  # the request under way
+        killed_at = time.monotonic()
+        os.kill(tail_ranks[-1].pid, signal.SIGKILL)
+        sender.join(timeout=180)
+        assert answers and np.array_equal(answers[0], expected)
+        assert time.monotonic() - killed_at < 60, "the component served again within a minute"
+        new_ranks = rank_processes(component_stubs(served, "denoiser_tail"))
+        assert len(new_ranks) == len(tail_ranks) and not {p.pid for p in new_ranks} & {p.pid for p in tail_ranks}
+        all_ranks = new_ranks + rank_processes(component_stubs(served, "denoiser_head"))
+    finally:
+        served.stop()
+    assert served.process.returncode == 0, served.output()
+    import psutil
+
+    assert not [p for p in all_ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = {name for name in set(os.listdir("/dev/shm")) - shm_before if not Path("/dev/shm", name).is_dir()}
+    assert not left, left

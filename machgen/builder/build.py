@@ -268,7 +268,9 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
 
             pipe.to(device=device, dtype=getattr(torch, dtype))  # the components' modules share these weights
     serving = TargetServing(target, torch_device=device, torch_dtype=dtype,
-                            parallel=layout.to_json() if layout is not None else None)
+                            parallel=layout.to_json() if layout is not None else None,
+                            parallel_components=tuple(component.spec.name for component, _ in exports
+                                                      if layout is not None and runs_parallel(component, exporter)))
     cache_settings = model_cache_settings(model_dir)
     files = render_repository(name, family, specs, defaults, settings, options=options, cache=cache_settings,
                               attention=asdict(sparse) if sparse else None, serving=serving, adapters=adapters)
@@ -295,7 +297,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             # and VAEs of a sparse build are those of the dense one (LTX-2's text connectors too, whose attention
             # is of the transformer's class but none of its swapped layers).
             swapped = sparse is not None and _reached_by_swap(component, exporter.attention_modules, sparse_layers)
-            on_ranks = layout is not None and runs_parallel(component, exporter)
+            on_ranks = spec.name in serving.parallel_components
             key = (component_key(component, **export_options, attention=asdict(sparse) if swapped else None,
                                  **({"parallel": str(layout)} if on_ranks else {}))
                    if cache is not None else None)

@@ -124,6 +124,9 @@ class TargetServing:
     torch_dtype: str = "float32"  # torch: the programs' float dtype
     # torch: the parallel layout the denoiser's steps run under (ParallelLayout as JSON); None: one device.
     parallel: dict | None = None
+    # The components run on the layout's ranks: one model instance each, which starts and owns its ranks
+    # (KIND_MODEL on GPUs: Triton must not place instances itself).
+    parallel_components: tuple[str, ...] = ()
 
     @property
     def file_name(self) -> str:
@@ -176,6 +179,9 @@ def _dynamic_batching(spec: ComponentSpec, options: ServingOptions) -> str:
 def render_component_config(pipeline: str, spec: ComponentSpec, options: ServingOptions,
                             serving: TargetServing = TargetServing()) -> str:
     kind = "KIND_GPU" if serving.on_gpu else "KIND_CPU"
+    instances = options.component_instances
+    if spec.name in serving.parallel_components:
+        kind, instances = ("KIND_MODEL" if serving.on_gpu else "KIND_CPU"), 1
     if serving.target == "tensorrt":
         runtime = 'platform: "tensorrt_plan"\n'
         parameters: dict[str, str] = {}
@@ -197,7 +203,7 @@ def render_component_config(pipeline: str, spec: ComponentSpec, options: Serving
         + _dynamic_batching(spec, options)
         + _tensor_block("input", _component_io(spec.inputs))
         + _tensor_block("output", _component_io(spec.outputs))
-        + f"instance_group [\n  {{\n    count: {options.component_instances}\n    kind: {kind}\n  }}\n]\n"
+        + f"instance_group [\n  {{\n    count: {instances}\n    kind: {kind}\n  }}\n]\n"
         + _parameters(parameters)
     )
 

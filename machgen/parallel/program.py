@@ -117,6 +117,10 @@ class ParallelProgram:
     def run_batches(self, batches: Sequence[Mapping[str, Any]], max_rows: int | None = None) -> list[dict[str, Any]]:
         return run_grouped(self.run, self.input_names, batches, max_rows)
 
+    def alive(self) -> bool:
+        """Whether every rank runs (a rank that died stops them all)."""
+        return self.pool.alive()
+
     def memory_report(self) -> str:
         return f"{self.layout.world_size} ranks ({self.layout}), pids {self.pool.pids}"
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import shutil
+import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from machgen.contract.manifest import load_object
@@ -77,6 +80,17 @@ def _rank_main(rank: int, layout: dict, store_port: int, backend: str, threads: 
         dist.destroy_process_group()
 
 
+def _python() -> str:
+    """The interpreter rank processes start with: this one, or inside Triton's Python backend stub (whose
+    executable is the stub) the first python3 on PATH (machgen serve puts the environment's first)."""
+    if Path(sys.executable or "").name.startswith("python"):
+        return sys.executable
+    found = shutil.which("python3") or shutil.which("python")
+    if found is None:
+        raise RankError(f"no python interpreter on PATH to start rank processes with ({sys.executable!r} is not)")
+    return found
+
+
 class RankPool:
     """The ranks of ``layout``, each running ``target(mesh, *args)`` (a
     "module:function" returning the handler of its messages) in its own
@@ -91,6 +105,7 @@ class RankPool:
         # One call at a time: every rank must see the messages in one order, or their collectives mismatch.
         self._calling = threading.Lock()
         context = multiprocessing.get_context("spawn")
+        context.set_executable(_python())
         self._store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=RENDEZVOUS_S))
         self._connections, self._processes = [], []

@@ -149,10 +149,14 @@ class _ComponentModel:
             outputs = self.runner.run_batches(batches, max_rows=self.max_rows)
         except Exception as err:  # noqa: BLE001 - every request must get an answer
             self.logger.log_error(f"{self.source}: {traceback.format_exc()}")
-            return [_error_response(f"component failed: {err}", pb_utils.TritonError.INTERNAL)
-                    for _ in requests]
+            return [_error_response(*self._failure(err)) for _ in requests]
         return [pb_utils.InferenceResponse([self._write(name, value) for name, value in result.items()])
                 for result in outputs]
+
+
+    def _failure(self, err: Exception) -> tuple:
+        """The message and code a failed batch is answered with."""
+        return f"component failed: {err}", pb_utils.TritonError.INTERNAL
 
 
 class OnnxComponentModel(_ComponentModel):
@@ -203,14 +207,15 @@ class TorchComponentModel(_ComponentModel):
 
     def initialize(self, args: dict) -> None:
         from machgen.runtime.adapters import with_adapters
-        from machgen.runtime.torch_runner import TorchProgram
+        from machgen.runtime.torch_runner import open_program
 
         config = json.loads(args["model_config"])
         device = None
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
         self.source = _model_dir(args)
-        program = TorchProgram.load(self.source, device=device)
+        # A parallel component (KIND_MODEL on GPUs) starts its ranks here, one per GPU of its layout.
+        program = open_program(self.source, device=device)
         self.runner = with_adapters(program, self.source, *_adapters_of(args, config), convert=program.prepare)
         self.max_rows = int(config["max_batch_size"]) or None
         self.logger = pb_utils.Logger
@@ -224,7 +229,23 @@ class TorchComponentModel(_ComponentModel):
         return torch.from_dlpack(tensor.to_dlpack())
 
     def _write(self, name: str, value) -> "pb_utils.Tensor":
+        if not is_torch(value):  # a parallel component's leader answers in numpy
+            return pb_utils.Tensor(name, np.ascontiguousarray(value))
         return pb_utils.Tensor.from_dlpack(name, value.contiguous())
+
+    def _failure(self, err: Exception) -> tuple:
+        if getattr(self.runner, "alive", lambda: True)():
+            return super()._failure(err)
+        # A parallel component whose rank died (its ranks are stopped): this process goes too, so that Triton
+        # calls the model not healthy and machgen serve loads it again with new ranks, as a dead stub; the
+        # sampler runs the call again once it is back (the message says "is not healthy").
+        self.logger.log_error(f"{self.source}: a rank died; the model is not healthy and this process exits")
+        threading.Timer(0.5, os._exit, (1,)).start()
+        return (f"{self.source.parent.name} is not healthy (a rank died: {err}); it is being loaded again",
+                pb_utils.TritonError.UNAVAILABLE)
+
+    def finalize(self) -> None:
+        getattr(self.runner, "close", lambda: None)()  # a parallel component's ranks
 
 
 class ComponentError(RuntimeError):
