@@ -27,3 +27,15 @@ def median_ms(function, device: torch.device | str = "cuda", repeats: int = 5, w
             function()
             times.append((time.perf_counter() - begin) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def clock_ms(function, repeats: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``function`` (the host's clock), sorted, after ``warmup`` calls."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        function()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return sorted(times)

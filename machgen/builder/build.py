@@ -219,7 +219,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
     from machgen.builder.rebuild import plan_rebuild
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
-    from machgen.builder.parallel import check_parallel_build, runs_parallel, shard_plan, write_shard_plan
+    from machgen.builder.parallel import check_parallel_build, parallel_variant, shard_plan, write_shard_plan
     from machgen.parallel.op import sequence_attention_swapped
     from machgen.plugins.ops import attention_swapped
 
@@ -267,10 +267,13 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             import torch
 
             pipe.to(device=device, dtype=getattr(torch, dtype))  # the components' modules share these weights
+    # What each component that runs on the ranks exports as (the served interface stays its spec's).
+    on_ranks = {} if layout is None else {
+        component.spec.name: variant for component, _ in exports
+        if (variant := parallel_variant(component, exporter)) is not None}
     serving = TargetServing(target, torch_device=device, torch_dtype=dtype,
                             parallel=layout.to_json() if layout is not None else None,
-                            parallel_components=tuple(component.spec.name for component, _ in exports
-                                                      if layout is not None and runs_parallel(component, exporter)))
+                            parallel_components=tuple(on_ranks))
     cache_settings = model_cache_settings(model_dir)
     files = render_repository(name, family, specs, defaults, settings, options=options, cache=cache_settings,
                               attention=asdict(sparse) if sparse else None, serving=serving, adapters=adapters)
@@ -289,6 +292,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         onnx_files: dict[str, Path] = {}  # the tensorrt target's checked ONNX files, beside its engines
         for index, (component, adapter_layers) in enumerate(exports, start=1):
             start = time.perf_counter()
+            component = on_ranks.get(component.spec.name, component)
             spec = component.spec
             log(f"[{index}/{len(exports)}] {spec.name}: exporting ({target})")
             folder = Path(scratch) / spec.name
@@ -297,9 +301,9 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             # and VAEs of a sparse build are those of the dense one (LTX-2's text connectors too, whose attention
             # is of the transformer's class but none of its swapped layers).
             swapped = sparse is not None and _reached_by_swap(component, exporter.attention_modules, sparse_layers)
-            on_ranks = spec.name in serving.parallel_components
+            parallel_here = spec.name in on_ranks
             key = (component_key(component, **export_options, attention=asdict(sparse) if swapped else None,
-                                 **({"parallel": str(layout)} if on_ranks else {}))
+                                 **({"parallel": str(layout)} if parallel_here else {}))
                    if cache is not None else None)
             cached = cache.load(key, folder) if cache is not None else None
             if cached is not None:
@@ -307,7 +311,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             else:
                 # Swapped for the parity check too: torch then runs the operator's CPU reference.
                 with (attention_swapped(exporter.attention_modules, sparse, sparse_layers) if sparse else
-                      sequence_attention_swapped(exporter.attention_modules) if on_ranks else
+                      sequence_attention_swapped(exporter.attention_modules) if parallel_here else
                       contextlib.nullcontext()):
                     if target == "torch":
                         nodes = export_torch(component, folder, dtype, device,
@@ -316,7 +320,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                         nodes = export_onnx(component, path, attention=sparse)
                     # On one rank (the plan is written after it): the program's sequence attention is SDPA.
                     report = check_parity(component, path, dtype, device)
-                if on_ranks:
+                if parallel_here:
                     write_shard_plan(folder, shard_plan(spec, layout, exporter.sequence_axes))
                 if adapter_layers is not None:
                     write_component_layers(folder, adapter_layers)

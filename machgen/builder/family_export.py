@@ -83,6 +83,15 @@ class FamilyExport:
         sequence degree does not divide runs unsplit (runtime: parallel/program.py)."""
         return None
 
+    def sequence_parallel(self, component: ExportableComponent) -> ExportableComponent | None:
+        """What a per-step denoiser component exports as under a parallel
+        layout: itself, its token-axis tensors (``sequence_axes``) split
+        outside the program; or a variant that splits its tokens itself
+        (machgen::sequence_shard, its spec with the SEQUENCE_MARKER input),
+        for a model that computes what its tokens need from the whole input;
+        None: it runs on one device."""
+        return component
+
     def adapted_model(self, pipe: Any) -> "torch.nn.Module | None":
         """The model whose linear layers per-request LoRA adapters change (the
         denoiser's transformer), or None: this family serves no adapters."""

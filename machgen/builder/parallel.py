@@ -11,7 +11,14 @@ from typing import Any
 
 from machgen.builder.family_export import ExportableComponent, FamilyExport
 from machgen.contract.specs import AxisRange, ComponentSpec
-from machgen.parallel.layout import LayoutError, ParallelLayout, ParallelSupport, ShardPlan, check_layout
+from machgen.parallel.layout import (
+    SEQUENCE_MARKER,
+    LayoutError,
+    ParallelLayout,
+    ParallelSupport,
+    ShardPlan,
+    check_layout,
+)
 
 
 def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: Any, target: str,
@@ -31,12 +38,15 @@ def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: A
     return support
 
 
-def runs_parallel(component: ExportableComponent, exporter: FamilyExport) -> bool:
-    """Whether the component runs on the ranks: a per-step part of the denoiser served by its own model
-    that holds the attention (the one run in the sampler's process, and the encoders and VAEs, run once)."""
+def parallel_variant(component: ExportableComponent, exporter: FamilyExport) -> ExportableComponent | None:
+    """What the component exports as to run on the ranks (FamilyExport.sequence_parallel), or None: it
+    runs on one device (the encoders and VAEs, run once a request; the denoiser's part run in the sampler's
+    process; a part without attention)."""
     spec = component.spec
-    return (spec.per_step and not spec.in_sampler
-            and any(type(sub).__module__ in exporter.attention_modules for sub in component.module.modules()))
+    if (spec.per_step and not spec.in_sampler
+            and any(type(sub).__module__ in exporter.attention_modules for sub in component.module.modules())):
+        return exporter.sequence_parallel(component)
+    return None
 
 
 def shard_plan(spec: ComponentSpec, layout: ParallelLayout, sequence_axes: tuple[str, ...]) -> ShardPlan:
@@ -48,7 +58,8 @@ def shard_plan(spec: ComponentSpec, layout: ParallelLayout, sequence_axes: tuple
         axis = next((index for index, size in enumerate(tensor.shape) if size in sequence_axes), None)
         if axis is not None:
             sequence[tensor.name] = axis
-    return ShardPlan(layout, tuple(dict.fromkeys(t.name for t in tensors if t.batched)), sequence)
+    marker = SEQUENCE_MARKER if any(t.name == SEQUENCE_MARKER for t in spec.inputs) else None
+    return ShardPlan(layout, tuple(dict.fromkeys(t.name for t in tensors if t.batched)), sequence, marker)
 
 
 def write_shard_plan(folder: Path, plan: ShardPlan) -> None:

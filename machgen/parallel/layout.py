@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 AXES = ("cfg", "ulysses", "ring")
+# The program input of a program that splits its tokens itself: its length is the call's sequence degree.
+SEQUENCE_MARKER = "sequence_marker"
 
 
 class LayoutError(ValueError):
@@ -127,10 +129,15 @@ class ShardPlan:
     layout: ParallelLayout
     batched: tuple[str, ...]  # inputs and outputs whose first axis is the batch
     sequence: Mapping[str, int]  # inputs and outputs with a token axis, and which axis
+    # The program input whose length is the call's sequence degree, for a program that splits its tokens
+    # itself (machgen::sequence_shard); its inputs and outputs then travel whole. None: split outside.
+    marker: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"layout": self.layout.to_json(), "batched": list(self.batched), "sequence": dict(self.sequence)}
+        return {"layout": self.layout.to_json(), "batched": list(self.batched), "sequence": dict(self.sequence),
+                "marker": self.marker}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ShardPlan":
-        return cls(ParallelLayout.from_json(data["layout"]), tuple(data["batched"]), dict(data["sequence"]))
+        return cls(ParallelLayout.from_json(data["layout"]), tuple(data["batched"]), dict(data["sequence"]),
+                   data.get("marker"))

@@ -65,6 +65,46 @@ def _(q, k, v, scale):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("machgen::sequence_shard", mutates_args=())
+def sequence_shard(x: torch.Tensor, axis: int, marker: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of ``x``'s token ``axis``, of ``marker``'s length
+    (the call's sequence degree: 1 for a sequence run whole) chunks. For a
+    model whose program computes what its tokens need from the whole input
+    (positions from a latent's shape): the split then happens inside."""
+    degree = marker.shape[0]
+    if degree == 1:
+        return x.clone()
+    rank = _MESH.sequence_rank if _MESH is not None else 0  # no mesh: one process, as rank 0 (a build's check)
+    return x.chunk(degree, dim=axis)[rank].clone()
+
+
+@sequence_shard.register_fake
+def _(x, axis, marker):
+    shape = list(x.shape)
+    shape[axis] = shape[axis] // marker.shape[0]
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("machgen::sequence_gather", mutates_args=())
+def sequence_gather(x: torch.Tensor, axis: int, like: torch.Tensor) -> torch.Tensor:
+    """Every sequence rank's chunk (sequence_shard's) of a tensor shaped as
+    ``like`` along ``axis``, whole, on every rank."""
+    if x.shape[axis] == like.shape[axis]:
+        return x.clone()
+    if _MESH is None:  # a build's check in one process: rank 0's chunk where the others' would be
+        return torch.cat([x] * (like.shape[axis] // x.shape[axis]), dim=axis)
+    from machgen.parallel.usp import gather_sequence
+
+    return gather_sequence(x, axis, _MESH)
+
+
+@sequence_gather.register_fake
+def _(x, axis, like):
+    shape = list(x.shape)
+    shape[axis] = like.shape[axis]
+    return x.new_empty(shape)
+
+
 def sequence_attention_swapped(modules: Sequence[str]):
     """Inside the block, every unmasked, non-causal self-attention call of
     ``dispatch_attention_fn`` in ``modules`` (keys as long as the queries)

@@ -12,6 +12,7 @@ rank of a sequence group (the same result, without the speed-up).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -22,9 +23,9 @@ from machgen.runtime.onnx_runner import run_grouped
 from machgen.runtime.tensors import as_numpy
 
 
-def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any) -> dict[str, Any] | None:
-    """One call of ``program`` on this rank's share of ``inputs``; the whole outputs on the leader (None on
-    the others)."""
+def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any) -> tuple | None:
+    """One call of ``program`` on this rank's share of ``inputs``; on the leader (None on the others) the
+    whole outputs and whether the sequence was split."""
     import torch
 
     from machgen.parallel.cfg import gather_rows, split_rows
@@ -37,17 +38,44 @@ def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: 
     degree = plan.layout.sequence_degree
     split = degree > 1 and all(t.shape[plan.sequence[name]] % degree == 0
                                for name, t in tensors.items() if name in plan.sequence)
-    if split:
+    if plan.marker is not None:  # the program splits its tokens itself, into the marker's length
+        tensors[plan.marker] = sequence_marker(degree if split else 1)
+    elif split:
         tensors = {name: shard_sequence(t, plan.sequence[name], mesh) if name in plan.sequence else t
                    for name, t in tensors.items()}
     with split_sequence(split):
         outputs = program.run(tensors)
-    if split:
+    if split and plan.marker is None:
         outputs = {name: gather_sequence(t, plan.sequence[name], mesh) if name in plan.sequence else t
                    for name, t in outputs.items()}
     outputs = {name: gather_rows(t, rows, mesh.cfg_group) if name in plan.batched else t
                for name, t in outputs.items()}
-    return outputs if mesh.rank == 0 else None
+    return (outputs, split) if mesh.rank == 0 else None
+
+
+def sequence_marker(degree: int):
+    """The marker input of a program that splits its tokens itself: its length is the sequence degree."""
+    import torch
+
+    return torch.zeros(degree, dtype=torch.int64)
+
+
+class WholeSequence:
+    """A program that splits its tokens itself, run on one device: its marker says one chunk."""
+
+    def __init__(self, program: Any, marker: str):
+        self.program, self.marker = program, marker
+        self.input_names = [name for name in program.input_names if name != marker]
+        self.output_names = program.output_names
+
+    def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return self.program.run({**inputs, self.marker: sequence_marker(1)})
+
+    def run_batches(self, batches: Sequence[Mapping[str, Any]], max_rows: int | None = None) -> list[dict[str, Any]]:
+        return run_grouped(self.run, self.input_names, batches, max_rows)
+
+    def __getattr__(self, name: str) -> Any:  # prepare, memory_report, ... of the program
+        return getattr(self.program, name)
 
 
 def serve_programs(mesh: Any, device: str | None) -> Any:
@@ -89,10 +117,12 @@ class ParallelProgram:
         """``layout``: another layout than the plan's (one the build allows); ``device``: "cuda" puts rank r
         on cuda:r (NCCL), else the CPU (gloo)."""
         self.layout = layout or plan.layout
-        self.plan = ShardPlan(self.layout, plan.batched, plan.sequence)
-        self.input_names = list(inputs)
+        self.plan = dataclasses.replace(plan, layout=self.layout)
+        self.input_names = [name for name in inputs if name != plan.marker]  # the ranks add the marker
         self.output_names = list(outputs)
         self.folder = str(Path(folder).resolve())
+        # Calls, and those whose sequence was split (the others ran it whole on every sequence rank).
+        self.calls = self.split_calls = 0
         self._key = (self.layout, device, threads)
         with _POOLS_LOCK:
             if self._key not in _POOLS:
@@ -112,7 +142,11 @@ class ParallelProgram:
         return as_numpy(value)
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        return self.pool.call(("run", self.folder, {name: as_numpy(inputs[name]) for name in self.input_names}))[0]
+        outputs, split = self.pool.call(("run", self.folder,
+                                         {name: as_numpy(inputs[name]) for name in self.input_names}))[0]
+        self.calls += 1
+        self.split_calls += split
+        return outputs
 
     def run_batches(self, batches: Sequence[Mapping[str, Any]], max_rows: int | None = None) -> list[dict[str, Any]]:
         return run_grouped(self.run, self.input_names, batches, max_rows)

@@ -46,6 +46,11 @@ class LocalPipeline:
             return self.in_sampler.run(component, inputs)
         return self._session(component).run(inputs)
 
+    def runner(self, component: str) -> Any:
+        """The runner of a component served by its own Triton model, opened on first use (a parallel
+        component's: its ParallelProgram, with its counts of calls)."""
+        return self._session(component)
+
     def _session(self, component: str) -> Any:
         # Opened on first use, one at a time: the text encoders are called at once (FamilyRuntime.run_components),
         # and torch.export.load keeps global state while it reads a program.

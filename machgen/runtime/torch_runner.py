@@ -196,6 +196,10 @@ def open_program(folder: str | os.PathLike, device: str | None = None, layout: A
     plan = ShardPlan.from_json(info.parallel)
     chosen = layout or plan.layout
     if chosen.is_single:
-        return TorchProgram.load(folder, device)
+        if plan.marker is None:
+            return TorchProgram.load(folder, device)
+        from machgen.parallel.program import WholeSequence
+
+        return WholeSequence(TorchProgram.load(folder, device), plan.marker)
     return ParallelProgram(folder, info.inputs, info.outputs, plan, chosen,
                            device="cuda" if (device or info.device).startswith("cuda") else None)

@@ -4,6 +4,7 @@ denoiser's parts, the chunked causal VAE, VACE's control branch) and the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -11,8 +12,10 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
 
 from machgen.builder.family_export import ExportableComponent, FamilyExport
 from machgen.contract.api import MAX_REFERENCE_IMAGES
-from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
+from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults, TensorSpec
 from machgen.families.wan.spec import EXPERT_PREFIXES, chunk_specs, wan_specs
+from machgen.parallel.layout import SEQUENCE_MARKER, ParallelSupport
+from machgen.parallel.op import sequence_gather, sequence_shard
 
 
 class TextEncoder(torch.nn.Module):
@@ -85,6 +88,23 @@ class DenoiserTail(WanDenoiserPart):
         hidden = image_hidden
         for block in tr.blocks[1:]:
             hidden = block(hidden, text_hidden, timestep_proj, rotary)
+        return self.output(hidden, temb, hidden_states), hidden - image_hidden
+
+
+class ShardedDenoiserTail(DenoiserTail):
+    """DenoiserTail with its tokens split over the sequence ranks of a
+    parallel layout: the rotary positions are computed from the whole
+    latents' shape, then each rank keeps its chunk of them and of the tokens;
+    the blocks' self-attention exchanges across the ranks; the tokens are
+    joined again before the output layer."""
+
+    def forward(self, image_hidden, text_hidden, timestep_proj, temb, hidden_states, sequence_marker):
+        tr = self.transformer
+        rotary = tuple(sequence_shard(part, 1, sequence_marker) for part in tr.rope(hidden_states))
+        hidden = sequence_shard(image_hidden, 1, sequence_marker)
+        for block in tr.blocks[1:]:
+            hidden = block(hidden, text_hidden, timestep_proj, rotary)
+        hidden = sequence_gather(hidden, 1, image_hidden)
         return self.output(hidden, temb, hidden_states), hidden - image_hidden
 
 
@@ -309,6 +329,9 @@ class WanExport(FamilyExport):
     denoiser_classes: tuple[type, type, type] = (DenoiserHead, DenoiserTail, DenoiserReuse)
     # The chunked coders' modules.
     chunk_classes = CHUNK_CLASSES
+    # The tail that splits its tokens under a parallel layout (None: the family runs on one device).
+    sharded_tail: type | None = ShardedDenoiserTail
+    sequence_axes = ("video_tokens",)
 
     def check(self, pipe) -> None:
         if getattr(pipe.config, "expand_timesteps", False) or pipe.vae.config.patch_size is not None:
@@ -316,6 +339,23 @@ class WanExport(FamilyExport):
                              f"not served by the '{self.family.name}' family")
         if pipe.transformer is None:
             raise ValueError("a Wan pipeline without its high-noise transformer is not supported")
+
+    def parallel_support(self, pipe, ranges: dict[str, AxisRange]) -> ParallelSupport | None:
+        if self.sharded_tail is None:
+            return None
+        # Guidance rows: the negative prompt's (CFG) in each denoiser call.
+        return ParallelSupport(heads=pipe.transformer.config.num_attention_heads, guidance_rows=True)
+
+    def sequence_parallel(self, component: ExportableComponent) -> ExportableComponent | None:
+        # The tails run on the ranks; the heads (one block of many) on one device.
+        spec = component.spec
+        if self.sharded_tail is None or not spec.name.endswith("_tail"):
+            return None
+        marker = TensorSpec(SEQUENCE_MARKER, "int64", ("sequence_degree",))
+        # Two chunks in the sample: a length of one would be fixed by the trace.
+        return ExportableComponent(dataclasses.replace(spec, inputs=spec.inputs + (marker,)),
+                                   self.sharded_tail(component.module.transformer).eval(),
+                                   {**component.sample_inputs, SEQUENCE_MARKER: torch.zeros(2, dtype=torch.int64)})
 
     @staticmethod
     def experts(pipe) -> int:
@@ -465,6 +505,7 @@ class WanVaceExport(WanExport):
     then dropped."""
 
     denoiser_classes = (VaceDenoiserHead, VaceDenoiserTail, DenoiserReuse)
+    sharded_tail = None  # its tail adds the control hints: not split yet
 
     def control_channels(self, pipe) -> int | None:
         return pipe.transformer.config.vace_in_channels

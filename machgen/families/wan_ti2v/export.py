@@ -76,6 +76,7 @@ CHUNK_CLASSES = {"decoder": (VaeDecoderFirst, VaeDecoderNext), "encoder": (VaeEn
 
 class WanTi2vExport(wan.WanExport):
     denoiser_classes = (DenoiserHead, DenoiserTail, DenoiserReuse)
+    sharded_tail = None  # a timestep per token: its modulation would be split too; not yet
     chunk_classes = CHUNK_CLASSES
 
     def check(self, pipe) -> None:

@@ -1,0 +1,229 @@
+"""Parallel layouts on CPU ranks (gloo): what they send, what control costs,
+what the ring's overlap hides, and a step-time model for NVLink GPUs.
+
+1. bytes: each rank's sent bytes in one self-attention layer, counted at the
+   collectives, next to the formulas (per layer, S tokens, hidden = heads x
+   head_dim, e bytes an element): Ulysses 4(k-1)/k^2 x S x hidden x e, ring
+   2(k-1)/k x S x hidden x e, USP the sum over its two axes.
+2. control: a ``RankPool`` call that does no work (the parent sends a call's
+   message to every rank and collects their answers): p50 and p99.
+3. overlap: ring attention with the next block in flight while the current
+   one is computed, against the same ring waiting for each block first.
+4. model: a step's time on 1, 2, 4 and 8 GPUs over NVLink at Flux 1024^2
+   and Wan 720p, from the step's FLOPs (linear layers and attention) and
+   the Ulysses bytes above, calibrated on a published one-GPU time. No
+   multi-GPU machine ran this: the model is arithmetic, stated as such.
+
+    python perf/bench_parallel.py --record perf/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import record  # noqa: E402
+
+SECTION = "bench_parallel"
+
+
+# --- run on the ranks ------------------------------------------------------------------------------------------
+
+def _counting(sent: list[int]):
+    """torch.distributed's collectives wrapped to add what this rank sends to ``sent``."""
+    import torch.distributed as dist
+
+    all_to_all, batch, gather = dist.all_to_all_single, dist.batch_isend_irecv, dist.all_gather
+
+    def all_to_all_single(output, input, *args, group=None, **kwargs):
+        degree = dist.get_world_size(group)
+        sent[0] += input.numel() * input.element_size() * (degree - 1) // degree  # its own slice stays
+        return all_to_all(output, input, *args, group=group, **kwargs)
+
+    def batch_isend_irecv(ops):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batch(ops)
+
+    def all_gather(tensors, tensor, group=None, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size() * (dist.get_world_size(group) - 1)
+        return gather(tensors, tensor, group=group, **kwargs)
+
+    dist.all_to_all_single, dist.batch_isend_irecv, dist.all_gather = all_to_all_single, batch_isend_irecv, all_gather
+
+
+def layer_bytes(mesh, tokens: int, heads: int, dim: int) -> int:
+    """Bytes this rank sends in one sequence-parallel attention over ``tokens`` (float32)."""
+    import torch
+
+    from machgen.parallel.usp import sequence_parallel_attention
+
+    sent = [0]
+    _counting(sent)
+    local = tokens // mesh.layout.sequence_degree
+    q, k, v = (torch.randn(1, local, heads, dim) for _ in range(3))
+    sequence_parallel_attention(q, k, v, mesh)
+    return sent[0]
+
+
+def ring_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict[str, float]:
+    """Median seconds of ring attention, overlapped and serialized, alternating."""
+    import torch
+    import torch.distributed as dist
+
+    from machgen.parallel.ring import ring_attention
+
+    local = tokens // mesh.layout.ring
+    q, k, v = (torch.randn(1, local, heads, dim) for _ in range(3))
+    times: dict[str, list[float]] = {"overlapped": [], "serialized": []}
+    for _ in range(repeats):
+        for mode in times:
+            dist.barrier()
+            start = time.perf_counter()
+            ring_attention(q, k, v, mesh.ring_group, overlap=mode == "overlapped")
+            dist.barrier()
+            times[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(values) for mode, values in times.items()}
+
+
+def idle_handler(mesh):
+    return lambda message: None
+
+
+# --- the parent ------------------------------------------------------------------------------------------------
+
+def ulysses_formula(k: int, tokens: int, hidden: int, element: int) -> float:
+    return 4 * (k - 1) / k ** 2 * tokens * hidden * element
+
+
+def ring_formula(k: int, tokens: int, hidden: int, element: int) -> float:
+    return 2 * (k - 1) / k * tokens * hidden * element
+
+
+def bytes_table(tokens: int, heads: int, dim: int) -> str:
+    from machgen.parallel.layout import ParallelLayout
+    from machgen.parallel.ranks import run_on_ranks
+
+    hidden = heads * dim
+    rows = ["| layout | sent per rank per layer (measured) | formula | ratio |", "| --- | --- | --- | --- |"]
+    for text in ("ulysses=2", "ulysses=4", "ring=2", "ring=4", "ulysses=2,ring=2"):
+        layout = ParallelLayout.parse(text)
+        measured = max(run_on_ranks(layout, "bench_parallel:layer_bytes", tokens, heads, dim))
+        # USP: the Ulysses exchange over the S/r tokens of a ring chunk, then the ring over the ring group's
+        # chunks, of 1/u of the heads (hidden/u).
+        formula = (ulysses_formula(layout.ulysses, tokens // layout.ring, hidden, 4) if layout.ulysses > 1 else 0) + \
+            (ring_formula(layout.ring, tokens, hidden // layout.ulysses, 4) if layout.ring > 1 else 0)
+        rows.append(f"| {layout} | {measured / 2**20:.3f} MiB | {formula / 2**20:.3f} MiB | "
+                    f"{measured / formula:.3f} |")
+    return "\n".join(rows)
+
+
+def control_table(calls: int) -> str:
+    from machgen.parallel.layout import ParallelLayout
+    from machgen.parallel.ranks import RankPool
+
+    from timing import clock_ms
+
+    rows = ["| ranks | p50 | p99 |", "| --- | --- | --- |"]
+    for degree in (2, 4):
+        with RankPool(ParallelLayout(ring=degree), "bench_parallel:idle_handler") as pool:
+            times = clock_ms(lambda: pool.call("nothing"), calls, warmup=20)
+        rows.append(f"| {degree} | {times[len(times) // 2]:.3f} ms | {times[int(len(times) * 0.99)]:.3f} ms |")
+    return "\n".join(rows)
+
+
+def overlap_table(tokens: int, heads: int, dim: int, repeats: int) -> str:
+    from machgen.parallel.layout import ParallelLayout
+    from machgen.parallel.ranks import run_on_ranks
+
+    rows = ["| ranks | tokens | overlapped (s) | serialized (s) | serialized / overlapped |",
+            "| --- | --- | --- | --- | --- |"]
+    for degree in (2, 4):
+        results = run_on_ranks(ParallelLayout(ring=degree), "bench_parallel:ring_times", tokens, heads, dim, repeats)
+        overlapped = max(r["overlapped"] for r in results)
+        serialized = max(r["serialized"] for r in results)
+        rows.append(f"| {degree} | {tokens} | {overlapped:.4f} | {serialized:.4f} | {serialized / overlapped:.2f}x |")
+    return "\n".join(rows)
+
+
+# A step's work, from the models' configs (bf16, 2 bytes an element). FLOPs: 2 x parameters x tokens for the
+# linear layers, 4 x tokens^2 x hidden per layer for attention (QK^T and PV), times the forwards per step.
+MODELS = {
+    # FLUX.1-dev, 1024x1024: 4096 image + 512 text tokens, 19 + 38 blocks, hidden 3072 (24 x 128), 11.9 B
+    # parameters, guidance distilled (one forward a step); xDiT's H100 figures, 28 steps: 4.30 s on one GPU,
+    # 1.63 s with Ulysses-4.
+    "Flux.1-dev 1024x1024": dict(tokens=4608, layers=57, hidden=3072, heads=24, params=11.9e9, forwards=1,
+                                  steps=28, published={1: 4.30, 4: 1.63}),
+    # Wan 2.2 A14B, 1280x720, 81 frames: latents 21 x 90 x 160, patches 1x2x2 -> 75600 tokens; 40 layers,
+    # hidden 5120 (40 x 128), 14 B parameters an expert, CFG (two forwards a step), 40 steps.
+    "Wan 2.2 A14B 720p": dict(tokens=75600, layers=40, hidden=5120, heads=40, params=14e9, forwards=2,
+                               steps=40, published={}),
+}
+NVLINK_BYTES_S = 450e9  # H100/H200 SXM: 900 GB/s NVLink, each direction half
+DENSE_BF16_FLOPS = 989e12  # H100 SXM dense BF16; H200 the same compute
+ASSUMED_MFU = 0.5  # where no published one-GPU time calibrates the model
+
+
+def model_table() -> str:
+    rows = ["| model | GPUs (Ulysses) | compute / step | Ulysses bytes / step / GPU | NVLink time / step | "
+            "modelled s / generation, overlapped | serialized | published |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, m in MODELS.items():
+        flops = m["forwards"] * (2 * m["params"] * m["tokens"] + 4 * m["tokens"] ** 2 * m["hidden"] * m["layers"])
+        one_gpu = m["published"].get(1)
+        rate = flops * m["steps"] / one_gpu if one_gpu else DENSE_BF16_FLOPS * ASSUMED_MFU
+        for gpus in (1, 2, 4, 8):
+            if m["heads"] % gpus:
+                continue
+            compute = flops / gpus / rate
+            sent = m["forwards"] * m["layers"] * ulysses_formula(gpus, m["tokens"], m["hidden"], 2)
+            link = sent / NVLINK_BYTES_S
+            published = m["published"].get(gpus)
+            rows.append(f"| {name} | {gpus} | {compute * 1e3:.0f} ms | {sent / 2**30:.2f} GiB | {link * 1e3:.1f} ms | "
+                        f"{max(compute, link) * m['steps']:.2f} | {(compute + link) * m['steps']:.2f} | "
+                        f"{f'{published:.2f} s (xDiT, H100)' if published else '-'} |")
+    note = ("Compute rate: calibrated on the published one-GPU time where there is one (Flux: "
+            f"{MODELS['Flux.1-dev 1024x1024']['published'][1]} s), else {ASSUMED_MFU:.0%} of {DENSE_BF16_FLOPS / 1e12:.0f}"
+            " dense BF16 TFLOP/s. Steps only: text encoders and VAE decode are not in it. Not measured on GPUs.")
+    return "\n".join(rows) + "\n\n" + note
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=1152, help="sequence length of the measured layers")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--ring-tokens", type=int, default=4096, help="sequence length of the overlap timing")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=300, help="control calls timed per rank count")
+    parser.add_argument("--record", type=Path, help="write the tables into this markdown file")
+    args = parser.parse_args()
+
+    import os
+    import platform
+
+    when = time.strftime("%Y-%m-%d %H:%M")
+    header = (f"CPU ranks (gloo, one thread each), {os.cpu_count()} CPU cores ({platform.machine()}), float32, "
+              f"measured {when}.")
+    tables = {
+        "bytes": (f"{header} One attention layer, {args.tokens} tokens, {args.heads} heads x {args.head_dim}: "
+                  "bytes each rank sends, counted at the collectives.\n\n" + bytes_table(args.tokens, args.heads,
+                                                                                          args.head_dim)),
+        "control": (f"{header} A call that does no work on the ranks, {args.calls} timed after 20 warm-up "
+                    "(goal: at most 1 ms).\n\n" + control_table(args.calls)),
+        "overlap": (f"{header} Ring attention, {args.heads} heads x {args.head_dim}, median of {args.repeats}, "
+                    "alternating.\n\n" + overlap_table(args.ring_tokens, args.heads, args.head_dim, args.repeats)),
+        "model": model_table(),
+    }
+    for part, table in tables.items():
+        print(f"\n{part}\n{table}")
+        if args.record:
+            record(args.record, f"{SECTION}-{part}:cpu-ranks", table, f"Parallel layouts: {part} (perf/bench_parallel.py)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

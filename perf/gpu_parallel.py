@@ -1,0 +1,85 @@
+"""The parallel layouts on CUDA with NCCL (perf/gpu_parallel.sh runs it where 2 or more GPUs are visible):
+sequence-parallel attention against whole-sequence SDPA on each layout that fits, and the ring with its
+transfers overlapped against the same ring serialized."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def attention_error(mesh, tokens: int, heads: int, dim: int, dtype: str) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from machgen.parallel.usp import sequence_parallel_attention
+
+    device = torch.device("cuda", mesh.rank)
+    torch.cuda.set_device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, tokens, heads, dim, generator=generator, device=device, dtype=getattr(torch, dtype))
+               for _ in range(3))
+    whole = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    degree = mesh.layout.sequence_degree
+    chunk = lambda t: t.chunk(degree, dim=1)[mesh.sequence_rank].contiguous()  # noqa: E731
+    out = sequence_parallel_attention(chunk(q), chunk(k), chunk(v), mesh)
+    return float((out.float() - chunk(whole).float()).abs().max())
+
+
+def ring_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from machgen.parallel.ring import ring_attention
+
+    device = torch.device("cuda", mesh.rank)
+    torch.cuda.set_device(device)
+    q, k, v = (torch.randn(1, tokens // mesh.layout.ring, heads, dim, device=device, dtype=torch.bfloat16)
+               for _ in range(3))
+    times: dict[str, list[float]] = {"overlapped": [], "serialized": []}
+    for _ in range(repeats + 2):
+        for mode in times:
+            dist.barrier()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            ring_attention(q, k, v, mesh.ring_group, overlap=mode == "overlapped")
+            torch.cuda.synchronize()
+            times[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(values[2:]) for mode, values in times.items()}
+
+
+def main() -> int:
+    import torch
+
+    from machgen.parallel.layout import ParallelLayout
+    from machgen.parallel.ranks import run_on_ranks
+
+    gpus = torch.cuda.device_count()
+    layouts = [text for text in ("ulysses=2", "ring=2", "ulysses=2,ring=2", "ulysses=4", "ring=4", "ulysses=4,ring=2")
+               if ParallelLayout.parse(text).world_size <= gpus]
+    print(f"{gpus} GPUs ({torch.cuda.get_device_name(0)}), NCCL")
+    print("| layout | dtype | max abs error against SDPA |\n| --- | --- | --- |")
+    for text in layouts:
+        for dtype in ("float32", "bfloat16"):
+            errors = run_on_ranks(ParallelLayout.parse(text), "gpu_parallel:attention_error", 8192, 24, 128, dtype,
+                                  backend="nccl")
+            print(f"| {text} | {dtype} | {max(errors):.2e} |")
+    print("\n| ranks | tokens | overlapped (ms) | serialized (ms) | serialized / overlapped |\n| --- | --- | --- | --- | --- |")
+    for degree in (2, 4, 8):
+        if degree > gpus:
+            break
+        for tokens in (32768, 75600 // degree * degree):
+            results = run_on_ranks(ParallelLayout(ring=degree), "gpu_parallel:ring_times", tokens, 24, 128, 5,
+                                   backend="nccl")
+            overlapped, serialized = (max(r[mode] for r in results) for mode in ("overlapped", "serialized"))
+            print(f"| {degree} | {tokens} | {overlapped * 1e3:.2f} | {serialized * 1e3:.2f} | "
+                  f"{serialized / overlapped:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

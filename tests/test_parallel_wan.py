@@ -1,0 +1,87 @@
+"""Wan 2.2 (both experts) under every parallel layout it allows, on CPU ranks
+(gloo, float32): its tails split their tokens themselves (the rotary
+positions come from the whole latents' shape), and every frame equals the
+single-rank video, in process and through Triton."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+
+from machgen.parallel.layout import ParallelLayout
+
+from conftest import serving, write_tiny
+
+BUILT_LAYOUT = "cfg=2,ulysses=2"
+# 9 frames of 64x32: 3 latent frames of 4x2 patches, 24 tokens, which every sequence degree here divides;
+# CFG with the default negative prompt: two guidance rows a call.
+VIDEO = dict(prompt="a red cat", seed=7, height=64, width=32, num_frames=9)
+SAME_PIXELS = 1  # of 255, on every frame
+CACHED = dict(num_inference_steps=8, cache_policy="fbcache", cache_threshold=0.5)
+
+pytestmark = pytest.mark.export
+
+
+@pytest.fixture(scope="module")
+def wan_parallel_repository(tmp_path_factory):
+    from machgen.builder.build import build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp("wan-parallel-repository")
+    build_repository(write_tiny(tmp_path_factory, "wan"), "wan", out, target="torch", log=lambda line: None,
+                     preview=False, options=ServingOptions(in_flight=1, component_instances=1),
+                     parallel=ParallelLayout.parse(BUILT_LAYOUT))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_rank(wan_parallel_repository):
+    from machgen.runtime.local import LocalPipeline
+
+    with LocalPipeline(wan_parallel_repository, "wan", layout=ParallelLayout()) as pipeline:
+        yield {"uncached": pipeline.generate(**VIDEO, cache_policy="none"),
+               "cached": pipeline.generate(**VIDEO, **CACHED)}
+
+
+def test_only_the_tails_run_on_the_ranks_and_split_their_tokens_themselves(wan_parallel_repository):
+    import json
+
+    for expert in ("denoiser", "denoiser_2"):
+        tail = json.loads((wan_parallel_repository / f"wan_{expert}_tail" / "1" / "component.json").read_text())
+        assert tail["parallel"]["marker"] == "sequence_marker" and "sequence_marker" in tail["inputs"]
+        head = json.loads((wan_parallel_repository / f"wan_{expert}_head" / "1" / "component.json").read_text())
+        assert head["parallel"] is None
+    config = (wan_parallel_repository / "wan_denoiser_tail" / "config.pbtxt").read_text()
+    assert "sequence_marker" not in config  # the served interface is the spec's
+
+
+@pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
+def test_every_layout_gives_the_single_rank_video_with_cache_reuse_on_and_off(layout, wan_parallel_repository,
+                                                                              single_rank):
+    from machgen.runtime.local import LocalPipeline
+
+    layout = ParallelLayout.parse(layout)
+    with LocalPipeline(wan_parallel_repository, "wan", layout=layout) as pipeline:
+        uncached, _ = pipeline.generate(**VIDEO, cache_policy="none")
+        cached, stats = pipeline.generate(**VIDEO, **CACHED)
+        tails = [pipeline.runner(f"{expert}_tail") for expert in ("denoiser", "denoiser_2")]
+        assert all(tail.calls for tail in tails)  # both experts ran
+        assert all(tail.split_calls == (tail.calls if layout.sequence_degree > 1 else 0) for tail in tails)
+    assert not multiprocessing.active_children()
+    assert uncached.shape == single_rank["uncached"][0].shape
+    assert np.abs(uncached.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS
+    assert np.abs(cached.astype(int) - single_rank["cached"][0].astype(int)).max() <= SAME_PIXELS
+    assert stats.denoiser_tail_passes == single_rank["cached"][1].denoiser_tail_passes < 2 * CACHED[
+        "num_inference_steps"]
+
+
+@pytest.mark.integration
+def test_served_by_triton_every_frame_equals_the_single_rank_video(wan_parallel_repository, single_rank):
+    from machgen.client import MachgenClient
+
+    with serving(wan_parallel_repository) as server, MachgenClient(server.grpc_url) as client:
+        frames = client.generate("wan", VIDEO["prompt"], seed=VIDEO["seed"], height=VIDEO["height"],
+                                 width=VIDEO["width"], num_frames=VIDEO["num_frames"], cache_policy="none")
+    assert np.abs(frames.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS
