@@ -155,7 +155,10 @@ def test_the_chart_lints_strictly_and_renders_valid_objects(helm, values):
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
-    assert gpus == settings.get("gpus", 1)
+    ranks = 1  # a parallel layout's: one GPU each
+    for part in filter(None, settings.get("parallelLayout", "").split(",")):
+        ranks *= int(part.split("=")[1])
+    assert gpus == (max(settings.get("gpus", 1), ranks) if ranks > 1 else settings.get("gpus", 1))
     mode = settings.get("autoscaling", {}).get("mode", "none")
     assert ("HorizontalPodAutoscaler" in kinds) == (mode == "hpa")
     assert ("ScaledObject" in kinds) == (mode == "keda")

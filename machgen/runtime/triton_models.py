@@ -153,7 +153,6 @@ class _ComponentModel:
         return [pb_utils.InferenceResponse([self._write(name, value) for name, value in result.items()])
                 for result in outputs]
 
-
     def _failure(self, err: Exception) -> tuple:
         """The message and code a failed batch is answered with."""
         return f"component failed: {err}", pb_utils.TritonError.INTERNAL

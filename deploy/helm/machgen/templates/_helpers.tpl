@@ -30,3 +30,20 @@ app.kubernetes.io/component: triton
 {{- define "machgen.terminationGrace" -}}
 {{- add .Values.serve.drainTimeoutSeconds .Values.serve.preStopSeconds 60 -}}
 {{- end -}}
+
+{{- /* GPUs per pod: `gpus`, or the ranks of the repository's parallel layout (their product) when more. */ -}}
+{{- define "machgen.gpus" -}}
+{{- $gpus := int .Values.gpus -}}
+{{- if .Values.parallelLayout -}}
+{{- $ranks := 1 -}}
+{{- range splitList "," .Values.parallelLayout -}}
+{{- $degree := trim (last (splitList "=" .)) -}}
+{{- if not (regexMatch "^[1-9][0-9]*$" $degree) -}}
+{{- fail (printf "parallelLayout %q: expected AXIS=DEGREE, comma separated (machgen-build --parallel)" $.Values.parallelLayout) -}}
+{{- end -}}
+{{- $ranks = mul $ranks (int $degree) -}}
+{{- end -}}
+{{- $gpus = max $gpus $ranks -}}
+{{- end -}}
+{{- $gpus -}}
+{{- end -}}
