@@ -288,3 +288,18 @@ def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank
     # The regions of this server's Python backend (machgen/server.py names them after machgen serve's pid);
     # other tests' servers run beside it.
     assert not list(Path("/dev/shm").glob(f"machgen_{served.process.pid}_*"))
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("tensor=2", "Invalid value for --parallel: parallel layout 'tensor=2'"),
+    ("ulysses=4", "family 'flux' cannot run the parallel layout ulysses=4"),
+])
+def test_machgen_build_refuses_a_layout_naming_it(layout, message, tiny_flux_dir, tmp_path):
+    import subprocess
+    import sys
+
+    built = subprocess.run([sys.executable, "-m", "machgen.builder.cli", "build", str(tiny_flux_dir), "--name", "flux",
+                            "--out", str(tmp_path / "repository"), "--target", "torch", "--parallel", layout],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode != 0 and message in " ".join((built.stdout + built.stderr).split()), built.stderr
+    assert not (tmp_path / "repository").exists()

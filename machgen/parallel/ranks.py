@@ -26,8 +26,11 @@ from typing import Any, Callable, Sequence
 from machgen.contract.manifest import load_object
 from machgen.parallel.layout import ParallelLayout
 
-# How long a rank waits for the others at the rendezvous and in a collective.
+# How long a rank waits for the others at the rendezvous.
 RENDEZVOUS_S = 120.0
+# How long a collective waits for a peer: a slow step (a long video on CPU ranks) must not fail the others;
+# a rank that died is found by the parent at once (its process sentinel), which stops them all.
+COLLECTIVE_S = 1800.0
 # What a collective says when another rank has gone (gloo, NCCL).
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "NCCL communicator was aborted")
 
@@ -59,10 +62,12 @@ def _rank_main(rank: int, layout: dict, store_port: int, backend: str, threads: 
 
     torch.set_num_threads(threads)
     mesh_layout = ParallelLayout.from_json(layout)
+    if backend == "nccl":  # NCCL's communicators use the current device: rank r's GPU is cuda:r
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=RENDEZVOUS_S))
         dist.init_process_group(backend, store=store, rank=rank, world_size=mesh_layout.world_size,
-                                timeout=timedelta(seconds=RENDEZVOUS_S))
+                                timeout=timedelta(seconds=COLLECTIVE_S))
         handler: Callable[[Any], Any] = load_object(target)(RankMesh(mesh_layout, rank), *args)
     except BaseException:  # noqa: BLE001 - the parent reports it
         connection.send(("error", traceback.format_exc()))
