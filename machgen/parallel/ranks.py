@@ -52,6 +52,16 @@ def _portable(value: Any) -> Any:
     return value
 
 
+def _end_with_parent() -> None:
+    """SIGKILL this rank when the process that started it ends (Linux): a Triton stub killed or stopped
+    without its finalize leaves no rank behind, whatever the rank is waiting in."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _rank_main(rank: int, layout: dict, store_port: int, backend: str, threads: int, target: str,
                args: Sequence[Any], connection) -> None:
     """A rank process: join the group, make the handler (``target(mesh, *args)``), answer each message."""
@@ -60,6 +70,7 @@ def _rank_main(rank: int, layout: dict, store_port: int, backend: str, threads: 
 
     from machgen.parallel.mesh import RankMesh
 
+    _end_with_parent()
     torch.set_num_threads(threads)
     mesh_layout = ParallelLayout.from_json(layout)
     if backend == "nccl":  # NCCL's communicators use the current device: rank r's GPU is cuda:r
