@@ -13,6 +13,7 @@ import pytest
 from machgen.parallel.layout import LayoutError, ParallelLayout, ParallelSupport, check_layout, refusals
 from machgen.parallel.mesh import axis_groups, coordinates
 
+from conftest import build_tiny_repository
 from parallel_ranks import full_inputs, reference_attention
 
 # Exact modes in float32: the merge by log-sum-exp and the exchanges reorder sums only.
@@ -108,14 +109,8 @@ CACHED = dict(num_inference_steps=8, cache_policy="fbcache", cache_threshold=0.5
 
 @pytest.fixture(scope="module")
 def parallel_repository(tiny_flux_dir, tmp_path_factory):
-    from machgen.builder.build import build_repository
-    from machgen.builder.repository import ServingOptions
-
-    out = tmp_path_factory.mktemp("parallel-repository")
-    build_repository(tiny_flux_dir, "flux", out, target="torch", log=lambda line: None, preview=False,
-                     options=ServingOptions(in_flight=1, component_instances=1),
-                     parallel=ParallelLayout.parse(BUILT_LAYOUT))
-    return out
+    return build_tiny_repository(tmp_path_factory, tiny_flux_dir, "flux", in_flight=1, target="torch",
+                                 parallel=ParallelLayout.parse(BUILT_LAYOUT))
 
 
 @pytest.fixture(scope="module")

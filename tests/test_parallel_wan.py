@@ -12,7 +12,7 @@ import pytest
 
 from machgen.parallel.layout import ParallelLayout
 
-from conftest import serving, write_tiny
+from conftest import build_tiny_repository, serving, write_tiny
 
 BUILT_LAYOUT = "cfg=2,ulysses=2"
 # 9 frames of 64x32: 3 latent frames of 4x2 patches, 24 tokens, which every sequence degree here divides;
@@ -26,14 +26,8 @@ pytestmark = pytest.mark.export
 
 @pytest.fixture(scope="module")
 def wan_parallel_repository(tmp_path_factory):
-    from machgen.builder.build import build_repository
-    from machgen.builder.repository import ServingOptions
-
-    out = tmp_path_factory.mktemp("wan-parallel-repository")
-    build_repository(write_tiny(tmp_path_factory, "wan"), "wan", out, target="torch", log=lambda line: None,
-                     preview=False, options=ServingOptions(in_flight=1, component_instances=1),
-                     parallel=ParallelLayout.parse(BUILT_LAYOUT))
-    return out
+    return build_tiny_repository(tmp_path_factory, write_tiny(tmp_path_factory, "wan"), "wan", in_flight=1,
+                                 target="torch", parallel=ParallelLayout.parse(BUILT_LAYOUT))
 
 
 @pytest.fixture(scope="module")
