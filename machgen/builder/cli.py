@@ -270,8 +270,19 @@ def train(
     concept: str = typer.Option("orange", "--concept", help="the new concept a LoRA learns (--lora)"),
     rank: int = typer.Option(32, "--rank", help="LoRA rank (--lora)"),
     lr: float = typer.Option(3e-3, "--lr", help="LoRA learning rate (--lora)"),
+    video: bool = typer.Option(False, "--video", help="train the moving-shapes video model (Wan 2.2 TI2V layout: "
+                                                      "text-to-video and image-to-video) instead of the image one"),
 ) -> None:
-    """Train the shapes model from scratch, or (--lora) teach a model a new concept."""
+    """Train the shapes model (or, --video, the moving-shapes video model) from scratch, or (--lora) teach a model
+    a new concept."""
+    if video:
+        from machgen.builder.video_training import VideoTrainingSettings, train_video_model
+
+        settings = VideoTrainingSettings(seed=seed, vae_steps=vae_steps, vae_minutes=vae_minutes, steps=steps,
+                                         minutes=minutes, batch=batch)
+        record = train_video_model(out, settings, resume=resume, log=typer.echo)
+        typer.echo(f"trained: {record['transformer_steps']} transformer steps; model in {out / 'model'}")
+        return
     if lora:
         from machgen.builder.training import LoraSettings, train_lora
 
@@ -302,7 +313,8 @@ def evaluate(
     url: str = typer.Option(None, "--url", help="score a served model instead: host:port"),
     name: str = typer.Option("flux", "--name", help="served model name (with --url)"),
     protocol: str = typer.Option("grpc", "--protocol"),
-    count: int = typer.Option(70, "--count", help="prompt/seed pairs"),
+    count: int = typer.Option(None, "--count", min=1, help="prompt/seed pairs (default: 70 for images, 84 for "
+                                                           "clips: every colour, shape and direction once)"),
     grid: Path = typer.Option(None, "--grid", help="save the generated images as one PNG"),
     lora: Path = typer.Option(None, "--lora", exists=True, help="load this LoRA into the pipeline (MODEL_DIR)"),
     adapters: list[str] = typer.Option(None, "--adapter", help="a per-request LoRA adapter the served model "
@@ -311,22 +323,62 @@ def evaluate(
                                                          "instead of the dataset's"),
     read_with: str = typer.Option(None, "--read-with", help="read colours against the dataset palette plus this "
                                                           "concept's colour (default: --concept's)"),
+    task: str = typer.Option(None, "--task", help="text-to-image, text-to-video or image-to-video (default: "
+                                                  "MODEL_DIR's first task; with --url, text-to-image)"),
+    round_trip_model: Path = typer.Option(None, "--vae-from", exists=True, file_okay=False,
+                                          help="image-to-video with --url: the model folder whose VAE makes the "
+                                               "first frame the served clip is checked against"),
 ) -> None:
-    """Prompt accuracy on a fixed prompt/seed set of the shapes dataset."""
+    """Prompt accuracy on a fixed prompt/seed set of the shapes dataset (a video model: the moving-shapes
+    dataset, colour, shape and direction; image-to-video also its first frame)."""
     from machgen.builder import evaluate as ev
     from machgen.builder import shapes
     from machgen.builder.training import concept_palette
 
     if (model_dir is None) == (url is None):
         raise typer.BadParameter("give a MODEL_DIR or --url, not both")
+    if task is None and model_dir is not None:
+        from machgen.builder.build import detect_family
+
+        task = detect_family(model_dir).capabilities.tasks[0]
+    if task in ("text-to-video", "image-to-video"):
+        _evaluate_video(model_dir, url, name, protocol, task, count or 84, grid, round_trip_model or model_dir)
+        return
+    if task not in (None, "text-to-image"):
+        raise typer.BadParameter(f"no evaluation set for {task!r}", param_hint="--task")
     palette = concept_palette(read_with or concept) if (read_with or concept) else shapes.PALETTE
     colours = (concept,) if concept else tuple(shapes.PALETTE)
-    prompts = shapes.evaluation_prompts(count, colours=colours)
+    prompts = shapes.evaluation_prompts(count or 70, colours=colours)
     images = ev.generate_with_diffusers(model_dir, prompts, lora=lora) if model_dir else \
         ev.generate_served(url, name, prompts, protocol, **({"lora": adapters} if adapters else {}))
     if grid:
         ev.save_grid(images, grid)
     typer.echo(ev.report(ev.score(images, [label for _, _, label in prompts], palette)))
+
+
+def _evaluate_video(model_dir: Path | None, url: str | None, name: str, protocol: str, task: str, count: int,
+                    grid: Path | None, vae_folder: Path | None) -> None:
+    import numpy as np
+
+    from machgen.builder import evaluate as ev
+    from machgen.builder import moving_shapes
+
+    pictures = round_trips = None
+    if task == "image-to-video":
+        if vae_folder is None:
+            raise typer.BadParameter("image-to-video through --url checks the first frame against the model's VAE: "
+                                     "give the model folder", param_hint="--vae-from")
+        cases = moving_shapes.evaluation_pictures(count)
+        prompts = [(prompt, seed, motion) for prompt, seed, _, motion in cases]
+        pictures = np.stack([picture for _, _, picture, _ in cases])
+        round_trips = ev.video_round_trips(vae_folder, pictures)
+    else:
+        prompts = moving_shapes.evaluation_prompts(count)
+    videos = ev.generate_videos_with_diffusers(model_dir, prompts, pictures) if model_dir else \
+        ev.generate_served(url, name, prompts, protocol, pictures=pictures, video=True)
+    if grid:
+        ev.save_grid(videos[:, ::4].reshape(-1, *videos.shape[2:]), grid, columns=videos[:, ::4].shape[1] * 2)
+    typer.echo(ev.report(ev.score_motion(videos, [motion for _, _, motion in prompts], round_trips)))
 
 
 lora_app = typer.Typer(help="Per-request LoRA adapters of a built repository (machgen-build build --max-lora-rank): "

@@ -1,9 +1,12 @@
 """Prompt accuracy of a shapes model: generate a fixed prompt/seed set, read
-each image back with the detector, count what matches the prompt.
+each image (or clip) back with the detector, count what matches the prompt.
 
-Two ways to generate, scored identically: diffusers' FluxPipeline on a model
+Two ways to generate, scored identically: diffusers' pipeline on a model
 folder (at the model card's settings), or a served model through Triton
-(sending only prompt and seed, so the served defaults apply).
+(sending only prompt and seed, so the served defaults apply). Video models
+(the moving-shapes default, machgen/builder/moving_shapes.py) are scored
+on colour, shape and direction of motion; image-to-video also on whether
+the first frame is the given picture through the VAE's round trip.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from typing import Sequence
 
 import numpy as np
 
-from machgen.builder import shapes
+from machgen.builder import moving_shapes, shapes
+
+# Image-to-video: the first frame must be the picture's VAE round trip at least this closely.
+FIRST_FRAME_PSNR = 30.0
 
 @dataclass(frozen=True)
 class Accuracy:
@@ -70,12 +76,20 @@ def generate_with_diffusers(model_dir: Path, prompts, chunk: int = 35, lora: Pat
     return np.concatenate(images)
 
 
-def generate_served(url: str, model: str, prompts, protocol: str = "grpc", **options) -> np.ndarray:
-    """Images from a served model, sending only prompt and seed (and ``options``)."""
+def generate_served(url: str, model: str, prompts, protocol: str = "grpc", pictures=None, video: bool = False,
+                    **options) -> np.ndarray:
+    """Images (``video``: clips [N, F, H, W, 3]) from a served model, sending
+    only prompt and seed (and ``options``; ``pictures``: a first frame per
+    prompt, for image-to-video)."""
     from machgen.client import MachgenClient
 
     with MachgenClient(url, protocol) as client:
-        return np.stack([client.generate(model, prompt, seed=seed, **options)[0] for prompt, seed, _ in prompts])
+        results = []
+        for index, (prompt, seed, _) in enumerate(prompts):
+            picture = {"image": pictures[index]} if pictures is not None else {}
+            frames = client.generate(model, prompt, seed=seed, **picture, **options)
+            results.append(frames if video else frames[0])
+        return np.stack(results)
 
 
 def save_grid(images: np.ndarray, path: Path, columns: int = 10, scale: int = 2) -> None:
@@ -121,5 +135,75 @@ def ssim(image: np.ndarray, reference: np.ndarray, window: int = 7) -> float:
     return float(np.mean(scores))
 
 
-def report(accuracy: Accuracy) -> str:
+# --------------------------------------------------------------------- video
+@dataclass(frozen=True)
+class MotionAccuracy:
+    count: int
+    colour_shape: float
+    direction: float
+    all_three: float
+    nothing_found: int
+    # Image-to-video: mean PSNR of the first frame against the picture's VAE round trip, and the share of
+    # clips that read right with a first frame at least FIRST_FRAME_PSNR close.
+    first_frame_psnr: float | None = None
+    all_with_first_frame: float | None = None
+
+
+def score_motion(videos: Sequence[np.ndarray], motions: Sequence[moving_shapes.Motion],
+                 round_trips: Sequence[np.ndarray] | None = None) -> MotionAccuracy:
+    found = [moving_shapes.detect(video) for video in videos]
+    colour_shape = [f is not None and (f.colour, f.shape) == (m.colour, m.shape) for f, m in zip(found, motions)]
+    direction = [f is not None and f.direction == m.direction for f, m in zip(found, motions)]
+    right = [f == m for f, m in zip(found, motions)]
+    first = None
+    if round_trips is not None:
+        first = [psnr(video[0], picture) for video, picture in zip(videos, round_trips)]
+        together = [r and p >= FIRST_FRAME_PSNR for r, p in zip(right, first)]
+    return MotionAccuracy(len(motions), round(float(np.mean(colour_shape)), 4), round(float(np.mean(direction)), 4),
+                          round(float(np.mean(right)), 4), sum(f is None for f in found),
+                          None if first is None else round(float(np.mean(first)), 2),
+                          None if first is None else round(float(np.mean(together)), 4))
+
+
+def video_round_trips(model_dir: Path, pictures: np.ndarray) -> np.ndarray:
+    """Each picture through the model's VAE (encoded as a one-frame clip, decoded): what image-to-video's
+    first frame is."""
+    import diffusers
+
+    from machgen.builder.video_training import decode_latents, encode_clips
+
+    vae = diffusers.AutoencoderKLWan.from_pretrained(model_dir / "vae")
+    return decode_latents(vae, encode_clips(vae, np.asarray(pictures)[:, None]))[:, 0]
+
+
+def generate_videos_with_diffusers(model_dir: Path, prompts, pictures=None, **overrides) -> np.ndarray:
+    """Clips [N, F, H, W, 3] from diffusers' WanPipeline (or, with
+    ``pictures``, WanImageToVideoPipeline on the same folder) at the model
+    card's settings (machgen.json)."""
+    import diffusers
+    import torch
+    from PIL import Image
+
+    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+
+    family = detect_family(model_dir)
+    pipe = load_pipeline(model_dir, family)
+    defaults = served_defaults(model_dir, family, pipe)
+    if pictures is not None:
+        pipe = diffusers.WanImageToVideoPipeline.from_pipe(pipe)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(height=defaults.height, width=defaults.width, num_frames=defaults.num_frames,
+                num_inference_steps=defaults.num_inference_steps, guidance_scale=defaults.guidance_scale,
+                max_sequence_length=defaults.max_sequence_length, negative_prompt=defaults.negative_prompt or "")
+    call.update(overrides)
+    videos = []
+    for index, (prompt, seed, _) in enumerate(prompts):
+        picture = {"image": Image.fromarray(pictures[index])} if pictures is not None else {}
+        frames = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **picture,
+                      **call).frames[0]
+        videos.append((frames * 255).round().astype(np.uint8))
+    return np.stack(videos)
+
+
+def report(accuracy: "Accuracy | MotionAccuracy") -> str:
     return json.dumps(asdict(accuracy))

@@ -101,7 +101,15 @@ _MIN_PIXELS = 40
 
 
 def detect(image: np.ndarray, palette: dict[str, tuple[int, int, int]] = PALETTE) -> Label | None:
-    """Read (colour, shape, position) from an image, or None when no shape is found.
+    """Read (colour, shape, position) from an image, or None when no shape is found (see ``find``)."""
+    found = find(image, palette)
+    return found[0] if found is not None else None
+
+
+def find(image: np.ndarray, palette: dict[str, tuple[int, int, int]] = PALETTE
+         ) -> tuple[Label, tuple[float, float]] | None:
+    """The shape's label and the (x, y) centre of its outline's bounding box,
+    or None when no shape is found.
 
     The background is the median of the border pixels; the foreground is what
     differs from it by more than a fixed colour distance, kept to its largest
@@ -131,7 +139,7 @@ def detect(image: np.ndarray, palette: dict[str, tuple[int, int, int]] = PALETTE
     shape = max(SHAPES, key=lambda name: _overlap(mask, shape_mask(name, centre, width)))
     position = min(POSITIONS, key=lambda name: np.hypot(centre[0] - POSITIONS[name][0],
                                                        centre[1] - POSITIONS[name][1]))
-    return Label(colour, shape, position)
+    return Label(colour, shape, position), centre
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> float:

@@ -1,0 +1,432 @@
+"""Training a Wan 2.2 TI2V-layout video model on the `moving shapes` dataset
+(machgen/builder/moving_shapes.py), on the CPU or a GPU.
+
+One model does text-to-video and image-to-video as Wan2.2-TI2V-5B does: a
+WanPipeline with ``expand_timesteps`` (a timestep per token), whose
+image-to-video (WanImageToVideoPipeline on the same folder) puts the
+picture's latents in the first latent frame with timestep 0.
+
+Stages, each resumable from its checkpoint in ``OUT/checkpoints/``:
+
+1. ``video-vae``: a small AutoencoderKLWan of the Wan 2.2 kind (residual
+   blocks, causal in time: 4x in time, 4x4 in space), trained on short clips
+   (its first frame alone, then chunks of four, as it encodes), the shape's
+   pixels weighted up; its per-channel latent statistics become the VAE's
+   ``latents_mean`` and ``latents_std``.
+2. ``video-transformer``: WanTransformer3DModel and a small UMT5 encoder,
+   trained jointly with flow matching on the frozen VAE's latents of whole
+   clips; in a share of the batch the first latent frame is the clean
+   picture at timestep 0, outside the loss (image-to-video); caption dropout
+   for classifier-free guidance; an EMA of the weights is what is saved.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from machgen.builder import moving_shapes
+from machgen.builder.training import Checkpointer, _budget_left, _progress, train_t5_tokenizer
+
+
+@dataclass
+class VideoModelConfig:
+    """Sizes of the moving-shapes model: 64x64x17 clips -> 16x16x5 latents
+    -> 320 tokens a step (patches of 2x2)."""
+
+    vae_base_dim: int = 16
+    vae_dim_mult: tuple[int, ...] = (1, 2, 2)  # two levels down: 4x4 in space, 4x in time
+    latent_channels: int = 16
+    heads: int = 4
+    head_dim: int = 32
+    layers: int = 4
+    ffn_dim: int = 384
+    text_dim: int = 64
+    # UMT5 tokens; the longest caption takes 9 with the trained tokenizer.
+    max_sequence_length: int = 16
+    # The sampling schedule's shift (UniPC's flow_shift), which training's timestep draw follows too.
+    flow_shift: float = 3.0
+
+
+@dataclass
+class VideoTrainingSettings:
+    """One training run; recorded in the model card."""
+
+    seed: int = 0
+    vae_steps: int = 4000
+    vae_minutes: float | None = None
+    vae_batch: int = 4
+    # Clip length in VAE training: the first frame alone and one chunk of four,
+    # the two cases of its causal, chunked coding.
+    vae_frames: int = 5
+    vae_lr: float = 1.5e-3
+    # Extra loss weight on the shape's pixels, whose colour the prompt names
+    # but which cover only 5-12 % of a frame.
+    vae_shape_weight: float = 4.0
+    steps: int = 20000
+    minutes: float | None = None
+    batch: int = 16
+    lr: float = 7e-4
+    warmup_steps: int = 200
+    ema_decay: float = 0.999
+    caption_dropout: float = 0.1
+    # Share of each batch trained as image-to-video (first latent frame given).
+    image_to_video_share: float = 0.5
+    latent_pool: int = 3072
+    # Held-out clips that set the latent statistics and measure the VAE.
+    vae_check_clips: int = 32
+    checkpoint_minutes: float = 5.0
+    config: VideoModelConfig = field(default_factory=VideoModelConfig)
+
+
+def clips_to_tensor(frames: np.ndarray):
+    """uint8 [N, F, H, W, 3] -> float [N, 3, F, H, W] in [-1, 1]."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+
+
+def tensor_to_clips(tensor) -> np.ndarray:
+    """float [N, 3, F, H, W] in [-1, 1] -> uint8 [N, F, H, W, 3]."""
+    pixels = ((tensor.clamp(-1, 1) + 1) * 127.5).round().to(dtype=__import__("torch").uint8)
+    return pixels.permute(0, 2, 3, 4, 1).numpy()
+
+
+def build_video_vae(config: VideoModelConfig):
+    from diffusers import AutoencoderKLWan
+
+    levels = len(config.vae_dim_mult) - 1
+    return AutoencoderKLWan(
+        base_dim=config.vae_base_dim, decoder_base_dim=config.vae_base_dim, z_dim=config.latent_channels,
+        dim_mult=list(config.vae_dim_mult), num_res_blocks=1, temperal_downsample=[True] * levels,
+        is_residual=True, in_channels=3, out_channels=3, patch_size=1,
+        scale_factor_spatial=2 ** levels, scale_factor_temporal=2 ** levels,
+        latents_mean=[0.0] * config.latent_channels, latents_std=[1.0] * config.latent_channels)
+
+
+def build_video_transformer(config: VideoModelConfig):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=config.heads, attention_head_dim=config.head_dim,
+        in_channels=config.latent_channels, out_channels=config.latent_channels, text_dim=config.text_dim,
+        freq_dim=256, ffn_dim=config.ffn_dim, num_layers=config.layers, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64)
+
+
+def build_text_encoder(config: VideoModelConfig, tokenizer):
+    import transformers
+
+    return transformers.UMT5EncoderModel(transformers.UMT5Config(
+        vocab_size=len(tokenizer), d_model=config.text_dim, d_kv=16, d_ff=4 * config.text_dim, num_layers=2,
+        num_heads=4, feed_forward_proj="gated-gelu", relative_attention_num_buckets=16,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id))
+
+
+def build_video_scheduler(config: VideoModelConfig):
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                   flow_shift=config.flow_shift)
+
+
+# ----------------------------------------------------------------- VAE stage
+def train_video_vae(out: Path, settings: VideoTrainingSettings, resume: bool = True,
+                    log: Callable[[str], None] = print):
+    """Near-deterministic autoencoder training (posterior mean plus a little
+    noise; shape-weighted MSE + 0.5 L1 + 1e-4 KL; cosine learning rate),
+    then the per-channel latent statistics."""
+    import torch
+
+    vae = build_video_vae(settings.config).train()
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=settings.vae_lr, weight_decay=0.0)
+    checkpoint = Checkpointer(out / "checkpoints" / "video-vae.pt", settings.checkpoint_minutes)
+    rng = np.random.default_rng(settings.seed + 1)
+    step, elapsed = 0, 0.0
+    state = checkpoint.load() if resume else None
+    if state is not None:
+        vae.load_state_dict(state["vae"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng.bit_generator.state = state["rng"]
+        step, elapsed = state["step"], state["elapsed"]
+        log(f"video-vae: resumed at step {step}")
+    start = time.monotonic()
+
+    def snapshot() -> dict:
+        return {"vae": vae.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "elapsed": elapsed + time.monotonic() - start, "rng": rng.bit_generator.state}
+
+    with _progress(settings.vae_steps, step, "video-vae") as bar:
+        while step < settings.vae_steps and _budget_left(start, elapsed, settings.vae_minutes):
+            progress = step / settings.vae_steps
+            if settings.vae_minutes:
+                progress = max(progress, (elapsed + time.monotonic() - start) / (settings.vae_minutes * 60))
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-4 + (settings.vae_lr - 1e-4) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            clips = [moving_shapes.sample(rng, frames=settings.vae_frames) for _ in range(settings.vae_batch)]
+            x = clips_to_tensor(np.stack([clip.frames for clip in clips]))
+            weight = 1 + settings.vae_shape_weight * torch.from_numpy(np.stack([clip.masks for clip in clips]))[:, None]
+            posterior = vae.encode(x).latent_dist
+            z = posterior.mean + 0.02 * torch.randn_like(posterior.mean)
+            reconstruction = vae.decode(z).sample
+            error = reconstruction - x
+            mse = (weight * error**2).mean() / weight.mean()
+            loss = mse + 0.5 * (weight * error.abs()).mean() / weight.mean() + 1e-4 * posterior.kl().mean() / z[0].numel()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(mse=f"{(error**2).mean().item():.5f}")
+            checkpoint.maybe_save(snapshot)
+    checkpoint.maybe_save(snapshot, force=True)
+    vae.eval()
+    check = moving_shapes.batch(settings.vae_check_clips, seed=12345)
+    set_latent_statistics(vae, check)
+    metrics = {"vae_steps": step, "vae_minutes": round((elapsed + time.monotonic() - start) / 60, 1),
+               **video_vae_metrics(vae, check)}
+    log(f"video-vae: {json.dumps(metrics)}")
+    return vae, metrics
+
+
+def encode_clips(vae, frames: np.ndarray):
+    """Posterior means of uint8 clips [N, F, H, W, 3], normalised as the Wan pipelines normalise latents."""
+    import torch
+
+    with torch.no_grad():
+        mean = vae.encode(clips_to_tensor(frames)).latent_dist.mean
+    shift = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    scale = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return (mean - shift) / scale
+
+
+def decode_latents(vae, latents) -> np.ndarray:
+    import torch
+
+    shift = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    scale = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        return tensor_to_clips(vae.decode(latents * scale + shift).sample)
+
+
+def set_latent_statistics(vae, clips: list[moving_shapes.Clip]) -> None:
+    """latents_mean and latents_std per channel, over whole held-out clips."""
+    vae.register_to_config(latents_mean=[0.0] * vae.config.z_dim, latents_std=[1.0] * vae.config.z_dim)
+    latents = encode_clips(vae, np.stack([clip.frames for clip in clips]))
+    vae.register_to_config(latents_mean=[round(v, 6) for v in latents.mean(dim=(0, 2, 3, 4)).tolist()],
+                           latents_std=[round(v, 6) for v in latents.std(dim=(0, 2, 3, 4)).tolist()])
+
+
+def video_vae_metrics(vae, clips: list[moving_shapes.Clip]) -> dict:
+    """Round-trip PSNR over whole held-out clips, and how often the detector
+    reads the reconstruction as the original's motion."""
+    frames = np.stack([clip.frames for clip in clips])
+    decoded = decode_latents(vae, encode_clips(vae, frames))
+    mse = ((decoded.astype(np.float64) - frames) ** 2).mean()
+    readable = np.mean([moving_shapes.detect(video) == clip.motion for video, clip in zip(decoded, clips)])
+    return {"vae_psnr": round(float(10 * np.log10(255**2 / max(mse, 1e-12))), 2),
+            "vae_motion_read": round(float(readable), 4)}
+
+
+# --------------------------------------------------------- transformer stage
+class ClipLatentPool:
+    """Whole dataset clips encoded once by the frozen VAE, with caption indices."""
+
+    def __init__(self, vae, size: int, seed: int, captions: list[str], log: Callable[[str], None] = print):
+        import torch
+
+        index = {caption: i for i, caption in enumerate(captions)}
+        rng = np.random.default_rng(seed)
+        latents, caption_ids = [], []
+        start = time.monotonic()
+        for first in range(0, size, 32):
+            clips = [moving_shapes.sample(rng) for _ in range(min(32, size - first))]
+            latents.append(encode_clips(vae, np.stack([clip.frames for clip in clips])))
+            caption_ids += [index[clip.caption] for clip in clips]
+        self.latents = torch.cat(latents)
+        self.caption_ids = torch.tensor(caption_ids)
+        log(f"clip latent pool {tuple(self.latents.shape)} built in {time.monotonic() - start:.0f} s")
+
+
+class PromptTable:
+    """Every caption's UMT5 ids and mask, tokenized as WanPipeline tokenizes."""
+
+    def __init__(self, captions: list[str], tokenizer, max_sequence_length: int):
+        tokens = tokenizer(captions, padding="max_length", max_length=max_sequence_length, truncation=True,
+                           add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        self.ids, self.mask = tokens.input_ids, tokens.attention_mask
+
+    def embed(self, text_encoder, caption_ids):
+        """WanPipeline's prompt embeddings: the encoder's states up to each
+        prompt's length, zeros after."""
+        import torch
+
+        unique, inverse = torch.unique(caption_ids, return_inverse=True)
+        mask = self.mask[unique]
+        states = text_encoder(self.ids[unique], mask).last_hidden_state
+        return (states * mask[..., None].to(states.dtype))[inverse]
+
+
+def video_flow_matching_loss(transformer, text_encoder, prompts: PromptTable, x0, caption_ids, given_first,
+                             shift: float):
+    """Flow-matching loss of one batch: sigma 70 % logit-normal, 30 %
+    uniform, shifted as the sampling schedule is; target noise - x0; a
+    timestep per token (1000 sigma), 0 and clean for the first latent frame
+    of the ``given_first`` rows, whose first frame is outside the loss."""
+    import torch
+
+    batch, _, frames, height, width = x0.shape
+    u = torch.where(torch.rand(batch) < 0.3, torch.rand(batch), torch.sigmoid(torch.randn(batch)))
+    sigma = shift * u / (1 + (shift - 1) * u)
+    noise = torch.randn_like(x0)
+    s = sigma.view(batch, 1, 1, 1, 1)
+    noisy = (1 - s) * x0 + s * noise
+    keep = torch.ones(batch, 1, frames, 1, 1)
+    keep[given_first, :, 0] = 0
+    noisy = keep * noisy + (1 - keep) * x0
+    tokens_per_frame = (height // 2) * (width // 2)
+    timestep = (sigma * 1000).view(batch, 1, 1).expand(batch, frames, tokens_per_frame).clone()
+    timestep[given_first, 0] = 0
+    embeds = prompts.embed(text_encoder, caption_ids)
+    prediction = transformer(hidden_states=noisy, timestep=timestep.reshape(batch, -1),
+                             encoder_hidden_states=embeds, return_dict=False)[0]
+    error = (prediction.float() - (noise - x0)) ** 2
+    return (keep * error).sum() / (keep.sum() * error.shape[1] * height * width)
+
+
+def train_video_transformer(out: Path, settings: VideoTrainingSettings, vae, tokenizer, resume: bool = True,
+                            log: Callable[[str], None] = print):
+    """Jointly train the transformer and the text encoder; returns the EMA modules."""
+    import torch
+
+    config = settings.config
+    transformer = build_video_transformer(config)
+    text_encoder = build_text_encoder(config, tokenizer)
+    modules = [transformer, text_encoder]
+    ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
+    params = [p for m in modules for p in m.parameters()]
+    ema_params = [p for m in ema for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    captions = [""] + moving_shapes.all_captions()
+    prompts = PromptTable(captions, tokenizer, config.max_sequence_length)
+    checkpoint = Checkpointer(out / "checkpoints" / "video-transformer.pt", settings.checkpoint_minutes)
+    step, elapsed, rng = 0, 0.0, np.random.default_rng(settings.seed + 7)
+    state = checkpoint.load() if resume else None
+    if state is not None:
+        for module, saved in zip(modules + ema, state["modules"] + state["ema"]):
+            module.load_state_dict(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
+        torch.set_rng_state(state["torch_rng"])
+        log(f"video-transformer: resumed at step {step}")
+    losses: list[float] = list(state["losses"]) if state else []
+    if step >= settings.steps or not _budget_left(time.monotonic(), elapsed, settings.minutes):
+        return ema, _transformer_metrics(step, elapsed, losses, log)
+    pool = ClipLatentPool(vae, settings.latent_pool, settings.seed + 1234, captions, log=log)
+    start = time.monotonic()
+
+    def snapshot() -> dict:
+        return {"modules": [m.state_dict() for m in modules], "ema": [m.state_dict() for m in ema],
+                "optimizer": optimizer.state_dict(), "step": step, "elapsed": elapsed + time.monotonic() - start,
+                "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "losses": losses}
+
+    for module in modules:
+        module.train()
+    with _progress(settings.steps, step, "video-transformer") as bar:
+        while step < settings.steps and _budget_left(start, elapsed, settings.minutes):
+            index = torch.from_numpy(rng.integers(0, len(pool.latents), settings.batch))
+            caption_ids = pool.caption_ids[index].clone()
+            caption_ids[torch.from_numpy(rng.random(settings.batch) < settings.caption_dropout)] = 0  # ""
+            given_first = torch.from_numpy(rng.random(settings.batch) < settings.image_to_video_share)
+            loss = video_flow_matching_loss(transformer, text_encoder, prompts, pool.latents[index], caption_ids,
+                                            given_first, config.flow_shift)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup_steps)
+            optimizer.step()
+            step += 1
+            decay = min(settings.ema_decay, (1 + step) / (10 + step))
+            with torch.no_grad():
+                torch._foreach_lerp_(ema_params, params, 1 - decay)
+            losses.append(loss.item())
+            bar.update(1)
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{np.mean(losses[-100:]):.4f}")
+            checkpoint.maybe_save(snapshot)
+    checkpoint.maybe_save(snapshot, force=True)
+    return ema, _transformer_metrics(step, elapsed + time.monotonic() - start, losses, log)
+
+
+def _transformer_metrics(step: int, elapsed: float, losses: list[float], log: Callable[[str], None]) -> dict:
+    metrics = {"transformer_steps": step, "transformer_minutes": round(elapsed / 60, 1),
+               "final_loss": round(float(np.mean(losses[-200:])), 4) if losses else None}
+    log(f"video-transformer: {json.dumps(metrics)}")
+    return metrics
+
+
+# ------------------------------------------------------------------ assembly
+def video_served_defaults():
+    """What the model card recommends: the training size and length, CFG 5
+    against an empty negative prompt."""
+    from machgen.contract.specs import ServedDefaults
+
+    return ServedDefaults(height=64, width=64, num_inference_steps=20, guidance_scale=5.0, negative_prompt="",
+                          max_sequence_length=VideoModelConfig.max_sequence_length, max_height=128, max_width=128,
+                          num_frames=moving_shapes.FRAMES, max_frames=33, fps=8)
+
+
+def assemble_video_pipeline(vae, ema_modules, tokenizer, config: VideoModelConfig):
+    from diffusers import WanPipeline
+
+    transformer, text_encoder = ema_modules
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(),
+                       transformer=transformer.eval(), transformer_2=None, scheduler=build_video_scheduler(config),
+                       boundary_ratio=None, expand_timesteps=True)
+
+
+def _tokenizer(folder: Path):
+    """The UMT5 tokenizer, trained on the captions once and kept with the
+    checkpoints (a resumed run's text encoder needs the same ids)."""
+    import transformers
+
+    if (folder / "tokenizer.json").is_file():
+        return transformers.T5TokenizerFast.from_pretrained(folder)
+    tokenizer = train_t5_tokenizer(moving_shapes.all_captions())
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def train_video_model(out: Path, settings: VideoTrainingSettings, resume: bool = True,
+                      log: Callable[[str], None] = print) -> dict:
+    """Both stages, then the pipeline folder and served defaults in ``out/model``."""
+    import torch
+
+    from machgen.builder.build import SERVING_FILE
+
+    torch.manual_seed(settings.seed)
+    started = time.time()
+    tokenizer = _tokenizer(out / "checkpoints" / "tokenizer")
+    vae, vae_record = train_video_vae(out, settings, resume=resume, log=log)
+    vae.requires_grad_(False)
+    ema, transformer_metrics = train_video_transformer(out, settings, vae, tokenizer, resume=resume, log=log)
+    pipe = assemble_video_pipeline(vae, ema, tokenizer, settings.config)
+    model_dir = out / "model"
+    pipe.save_pretrained(model_dir, safe_serialization=True)
+    (model_dir / SERVING_FILE).write_text(json.dumps({"serving": video_served_defaults().to_json()}, indent=2)
+                                          + "\n")
+    record = {"settings": asdict(settings), **vae_record, **transformer_metrics,
+              "wall_minutes_this_run": round((time.time() - started) / 60, 1)}
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    log(f"saved {model_dir}")
+    return record
