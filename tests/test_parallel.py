@@ -88,6 +88,34 @@ def test_cfg_rows_are_split_padded_and_gathered_whole():
     assert np.array_equal(whole0, batch * 2) and np.array_equal(whole1, batch * 2)
 
 
+def test_kept_inputs_reach_the_ranks_exactly_and_once_they_repeat():
+    """What the ranks rebuild from each call's packing is that call's inputs, bit for bit, whatever repeats,
+    changes or is forgotten; a repeated input travels twice, then as a reference; the held bytes stay within
+    the budget; after a failed call the ranks drop everything."""
+    from machgen.parallel.kept import Kept, KeptInputs, RankStore
+
+    rng = np.random.default_rng(0)
+    texts = [rng.standard_normal((2, 64, 8)).astype(np.float32) for _ in range(3)]  # 4 KiB each
+    parent, rank = KeptInputs(budget=9 * 1024), RankStore()
+    sent = []
+    for call in range(40):
+        inputs = {"latents": rng.standard_normal((2, 16, 4)).astype(np.float32),  # new every call
+                  "text": texts[(call // 5) % 3], "step": np.array([call], np.int64)}
+        payload, forget = parent.pack(inputs)
+        received = rank.unpack(payload, forget)
+        assert received.keys() == inputs.keys()
+        assert all(np.array_equal(received[name], inputs[name]) for name in inputs)
+        sent.append(not isinstance(payload["text"], Kept))
+        assert parent.held_bytes <= parent.budget and len(rank) <= 2
+    assert sent[:5] == [True, True, False, False, False]  # seen, kept, then referenced
+    assert parent.saved_bytes > 0
+    parent.lost()
+    payload, forget = parent.pack({"text": texts[0]})
+    assert forget is None and not isinstance(payload["text"], Kept)
+    rank.unpack(payload, forget)
+    assert len(rank) == 0
+
+
 def test_a_failing_rank_is_reported_and_every_rank_process_is_gone():
     from machgen.parallel.ranks import RankError, run_on_ranks
 
@@ -170,6 +198,8 @@ def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(la
         tail = pipeline.runner("denoiser_tail")
         # every call's sequence split where the layout splits it (16 image and 32 text tokens)
         assert tail.split_calls == (tail.calls if layout.sequence_degree > 1 else 0) and tail.calls
+        # the prompt's conditioning travelled to the ranks twice (once seen, once kept), then stayed there
+        assert tail.kept.saved_bytes > tail.kept.held_bytes > 0
     assert not multiprocessing.active_children()
     assert np.abs(uncached.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS
     assert np.abs(cached.astype(int) - single_rank["cached"][0].astype(int)).max() <= SAME_PIXELS

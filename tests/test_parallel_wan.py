@@ -1,7 +1,9 @@
-"""Wan 2.2 (both experts) under every parallel layout it allows, on CPU ranks
-(gloo, float32): its tails split their tokens themselves (the rotary
-positions come from the whole latents' shape), and every frame equals the
-single-rank video, in process and through Triton."""
+"""Wan 2.2 (both experts) and Wan 2.2 TI2V (a timestep per token; text- and
+image-to-video) under every parallel layout they allow, on CPU ranks (gloo,
+float32): their tails split their tokens themselves (the rotary positions
+come from the whole latents' shape; TI2V's per-token modulation is split as
+its tokens are), and every frame equals the single-rank video, in process
+and through Triton."""
 
 from __future__ import annotations
 
@@ -15,34 +17,55 @@ from machgen.parallel.layout import ParallelLayout
 from conftest import build_tiny_repository, serving, write_tiny
 
 BUILT_LAYOUT = "cfg=2,ulysses=2"
-# 9 frames of 64x32: 3 latent frames of 4x2 patches, 24 tokens, which every sequence degree here divides;
-# CFG with the default negative prompt: two guidance rows a call.
-VIDEO = dict(prompt="a red cat", seed=7, height=64, width=32, num_frames=9)
+# 9 frames: 3 latent frames of 4x2 patches (Wan 2.2, 64x32) or 2x2 (TI2V's VAE compresses 16x, 64x64), 24 or
+# 12 tokens, which every sequence degree here divides; CFG with the default negative prompt: two guidance rows a
+# call.
+SIZES = {"wan": dict(height=64, width=32), "wan-ti2v": dict(height=64, width=64)}
+EXPERTS = {"wan": ("denoiser", "denoiser_2"), "wan-ti2v": ("denoiser",)}
 SAME_PIXELS = 1  # of 255, on every frame
 CACHED = dict(num_inference_steps=8, cache_policy="fbcache", cache_threshold=0.5)
 
 pytestmark = pytest.mark.export
 
 
+@pytest.fixture(scope="module", params=list(SIZES))
+def family(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def wan_parallel_repository(tmp_path_factory):
-    return build_tiny_repository(tmp_path_factory, write_tiny(tmp_path_factory, "wan"), "wan", in_flight=1,
+def video(family):
+    return dict(prompt="a red cat", seed=7, num_frames=9, **SIZES[family])
+
+
+@pytest.fixture(scope="module")
+def wan_parallel_repository(tmp_path_factory, family):
+    return build_tiny_repository(tmp_path_factory, write_tiny(tmp_path_factory, family), "wan", in_flight=1,
                                  target="torch", parallel=ParallelLayout.parse(BUILT_LAYOUT))
 
 
 @pytest.fixture(scope="module")
-def single_rank(wan_parallel_repository):
+def picture(family, video):
+    """TI2V's image-to-video: a picture as the first frame (its latents kept in every step's input)."""
+    from conftest import picture as make_picture
+
+    return make_picture(video["height"], video["width"], seed=3) if family == "wan-ti2v" else None
+
+
+@pytest.fixture(scope="module")
+def single_rank(wan_parallel_repository, video, picture):
     from machgen.runtime.local import LocalPipeline
 
     with LocalPipeline(wan_parallel_repository, "wan", layout=ParallelLayout()) as pipeline:
-        yield {"uncached": pipeline.generate(**VIDEO, cache_policy="none"),
-               "cached": pipeline.generate(**VIDEO, **CACHED)}
+        yield {"uncached": pipeline.generate(**video, cache_policy="none"),
+               "cached": pipeline.generate(**video, **CACHED),
+               "picture": pipeline.generate(**video, image=picture) if picture is not None else None}
 
 
-def test_only_the_tails_run_on_the_ranks_and_split_their_tokens_themselves(wan_parallel_repository):
+def test_only_the_tails_run_on_the_ranks_and_split_their_tokens_themselves(wan_parallel_repository, family):
     import json
 
-    for expert in ("denoiser", "denoiser_2"):
+    for expert in EXPERTS[family]:
         tail = json.loads((wan_parallel_repository / f"wan_{expert}_tail" / "1" / "component.json").read_text())
         assert tail["parallel"]["marker"] == "sequence_marker" and "sequence_marker" in tail["inputs"]
         head = json.loads((wan_parallel_repository / f"wan_{expert}_head" / "1" / "component.json").read_text())
@@ -53,14 +76,15 @@ def test_only_the_tails_run_on_the_ranks_and_split_their_tokens_themselves(wan_p
 
 @pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
 def test_every_layout_gives_the_single_rank_video_with_cache_reuse_on_and_off(layout, wan_parallel_repository,
-                                                                              single_rank):
+                                                                              single_rank, family, video, picture):
     from machgen.runtime.local import LocalPipeline
 
     layout = ParallelLayout.parse(layout)
     with LocalPipeline(wan_parallel_repository, "wan", layout=layout) as pipeline:
-        uncached, _ = pipeline.generate(**VIDEO, cache_policy="none")
-        cached, stats = pipeline.generate(**VIDEO, **CACHED)
-        tails = [pipeline.runner(f"{expert}_tail") for expert in ("denoiser", "denoiser_2")]
+        uncached, _ = pipeline.generate(**video, cache_policy="none")
+        cached, stats = pipeline.generate(**video, **CACHED)
+        from_picture = pipeline.generate(**video, image=picture)[0] if picture is not None else None
+        tails = [pipeline.runner(f"{expert}_tail") for expert in EXPERTS[family]]
         assert all(tail.calls for tail in tails)  # both experts ran
         assert all(tail.split_calls == (tail.calls if layout.sequence_degree > 1 else 0) for tail in tails)
     assert not multiprocessing.active_children()
@@ -69,13 +93,15 @@ def test_every_layout_gives_the_single_rank_video_with_cache_reuse_on_and_off(la
     assert np.abs(cached.astype(int) - single_rank["cached"][0].astype(int)).max() <= SAME_PIXELS
     assert stats.denoiser_tail_passes == single_rank["cached"][1].denoiser_tail_passes < 2 * CACHED[
         "num_inference_steps"]
+    if picture is not None:
+        assert np.abs(from_picture.astype(int) - single_rank["picture"][0].astype(int)).max() <= SAME_PIXELS
 
 
 @pytest.mark.integration
-def test_served_by_triton_every_frame_equals_the_single_rank_video(wan_parallel_repository, single_rank):
+def test_served_by_triton_every_frame_equals_the_single_rank_video(wan_parallel_repository, single_rank, video):
     from machgen.client import MachgenClient
 
     with serving(wan_parallel_repository) as server, MachgenClient(server.grpc_url) as client:
-        frames = client.generate("wan", VIDEO["prompt"], seed=VIDEO["seed"], height=VIDEO["height"],
-                                 width=VIDEO["width"], num_frames=VIDEO["num_frames"], cache_policy="none")
+        frames = client.generate("wan", video["prompt"], seed=video["seed"], height=video["height"],
+                                 width=video["width"], num_frames=video["num_frames"], cache_policy="none")
     assert np.abs(frames.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS

@@ -5,7 +5,9 @@ in-process pipeline and the Triton component model need not know.
 Per call each rank takes its cfg group's rows and its chunk of every token
 sequence (the component's ``ShardPlan``), runs the program (whose
 ``machgen::sequence_attention`` nodes exchange across the sequence ranks),
-and the leader (rank 0) answers with the whole outputs gathered. A call
+and the leader (rank 0) answers with the whole outputs gathered. Inputs
+that repeat from call to call (a request's text conditioning) are sent once
+and kept by the ranks (parallel/kept.py). A call
 whose sequences the sequence degree does not divide runs them whole on every
 rank of a sequence group (the same result, without the speed-up).
 """
@@ -17,8 +19,9 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from machgen.parallel.kept import KeptInputs, RankStore
 from machgen.parallel.layout import ParallelLayout, ShardPlan
-from machgen.parallel.ranks import RankPool
+from machgen.parallel.ranks import RankError, RankPool
 from machgen.runtime.onnx_runner import run_grouped
 from machgen.runtime.tensors import as_numpy
 
@@ -79,8 +82,8 @@ class WholeSequence:
 
 
 def serve_programs(mesh: Any, device: str | None) -> Any:
-    """A rank's handler: ("load", folder, plan) loads a component's program, ("run", folder, inputs) calls
-    it, ("unload", folder) lets it go."""
+    """A rank's handler: ("load", folder, plan) loads a component's program, ("run", folder, inputs,
+    forget) calls it (inputs as KeptInputs packed them), ("unload", folder) lets it go."""
     from machgen.parallel.op import set_mesh
     from machgen.runtime.torch_runner import TorchProgram
 
@@ -88,6 +91,7 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
     if device == "cuda":
         device = f"cuda:{mesh.rank}"
     programs: dict[str, tuple[Any, ShardPlan]] = {}
+    kept = RankStore()
 
     def handle(message: tuple) -> Any:
         kind, folder, *rest = message
@@ -97,13 +101,14 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
             programs.pop(folder, None)
         else:
             program, plan = programs[folder]
-            return run_sharded(program, rest[0], plan, mesh)
+            return run_sharded(program, kept.unpack(*rest), plan, mesh)
         return None
 
     return handle
 
 
-_POOLS: dict[tuple[ParallelLayout, str | None, int], list] = {}  # (layout, device, threads) -> [pool, users]
+# (layout, device, threads) -> [pool, users, the inputs its ranks keep]
+_POOLS: dict[tuple[ParallelLayout, str | None, int], list] = {}
 _POOLS_LOCK = threading.Lock()
 
 
@@ -128,9 +133,9 @@ class ParallelProgram:
             if self._key not in _POOLS:
                 backend = "nccl" if device == "cuda" else "gloo"
                 _POOLS[self._key] = [RankPool(self.layout, "machgen.parallel.program:serve_programs", device,
-                                              backend=backend, threads=threads), 0]
+                                              backend=backend, threads=threads), 0, KeptInputs()]
             _POOLS[self._key][1] += 1
-            self.pool = _POOLS[self._key][0]
+            self.pool, _, self.kept = _POOLS[self._key]
         try:
             self.pool.call(("load", self.folder, self.plan.to_json()))
         except BaseException:
@@ -142,8 +147,13 @@ class ParallelProgram:
         return as_numpy(value)
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        outputs, split = self.pool.call(("run", self.folder,
-                                         {name: as_numpy(inputs[name]) for name in self.input_names}))[0]
+        with self.pool.calling:  # packing and sending in one order: what the ranks keep is what kept says
+            payload, forget = self.kept.pack({name: as_numpy(inputs[name]) for name in self.input_names})
+            try:
+                outputs, split = self.pool.call(("run", self.folder, payload, forget))[0]
+            except (RankError, OSError):
+                self.kept.lost()
+                raise
         self.calls += 1
         self.split_calls += split
         return outputs

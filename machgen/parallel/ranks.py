@@ -119,7 +119,8 @@ class RankPool:
 
         self.layout = layout
         # One call at a time: every rank must see the messages in one order, or their collectives mismatch.
-        self._calling = threading.Lock()
+        # Reentrant: a caller holds it around its call to keep what it prepared for the ranks in that order.
+        self.calling = threading.RLock()
         context = multiprocessing.get_context("spawn")
         context.set_executable(_python())
         self._store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
@@ -150,7 +151,7 @@ class RankPool:
     def call(self, message: Any, timeout: float | None = None) -> list[Any]:
         """Every rank's answer to ``message``. A rank that fails or dies fails the call (RankError); one that
         died leaves the pool unusable (every rank stopped)."""
-        with self._calling:
+        with self.calling:
             if not self.alive():
                 raise RankError(f"the ranks of {self.layout} are not running")
             for connection in self._connections:

@@ -102,10 +102,15 @@ class ShardedDenoiserTail(DenoiserTail):
         tr = self.transformer
         rotary = tuple(sequence_shard(part, 1, sequence_marker) for part in tr.rope(hidden_states))
         hidden = sequence_shard(image_hidden, 1, sequence_marker)
+        timestep_proj = self.blocks_modulation(timestep_proj, sequence_marker)
         for block in tr.blocks[1:]:
             hidden = block(hidden, text_hidden, timestep_proj, rotary)
         hidden = sequence_gather(hidden, 1, image_hidden)
         return self.output(hidden, temb, hidden_states), hidden - image_hidden
+
+    def blocks_modulation(self, timestep_proj, sequence_marker):
+        """The blocks' modulation for this rank's tokens: one per row here, the same for all of them."""
+        return timestep_proj
 
 
 class DenoiserReuse(WanDenoiserPart):

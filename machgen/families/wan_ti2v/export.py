@@ -11,6 +11,7 @@ from machgen.builder.family_export import ExportableComponent
 from machgen.contract.specs import ComponentSpec, ServedDefaults
 from machgen.families.wan import export as wan
 from machgen.families.wan_ti2v.spec import per_token_timestep_specs
+from machgen.parallel.op import sequence_shard
 
 
 class PerTokenTimestep(wan.WanDenoiserPart):
@@ -41,6 +42,14 @@ class DenoiserTail(PerTokenTimestep, wan.DenoiserTail):
 
 class DenoiserReuse(PerTokenTimestep, wan.DenoiserReuse):
     pass
+
+
+class ShardedDenoiserTail(PerTokenTimestep, wan.ShardedDenoiserTail):
+    """Wan's sharded tail with a modulation per token: each rank keeps its
+    tokens' share of it, as of the tokens and their positions."""
+
+    def blocks_modulation(self, timestep_proj, sequence_marker):
+        return sequence_shard(timestep_proj, 1, sequence_marker)
 
 
 class Patchified(wan.CausalChunk):
@@ -76,7 +85,7 @@ CHUNK_CLASSES = {"decoder": (VaeDecoderFirst, VaeDecoderNext), "encoder": (VaeEn
 
 class WanTi2vExport(wan.WanExport):
     denoiser_classes = (DenoiserHead, DenoiserTail, DenoiserReuse)
-    sharded_tail = None  # a timestep per token: its modulation would be split too; not yet
+    sharded_tail = ShardedDenoiserTail
     chunk_classes = CHUNK_CLASSES
 
     def check(self, pipe) -> None:
