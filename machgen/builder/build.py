@@ -311,7 +311,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             else:
                 # Swapped for the parity check too: torch then runs the operator's CPU reference.
                 with (attention_swapped(exporter.attention_modules, sparse, sparse_layers) if sparse else
-                      sequence_attention_swapped(exporter.attention_modules) if parallel_here else
+                      sequence_attention_swapped(exporter.sharded_attention_modules) if parallel_here else
                       contextlib.nullcontext()):
                     if target == "torch":
                         nodes = export_torch(component, folder, dtype, device,

@@ -171,7 +171,9 @@ def trace_torch(component: ExportableComponent, dtype: str, device: str, cuda_gr
     from machgen.runtime.torch_runner import TorchComponentInfo
 
     spec = component.spec
-    inputs = {t.name: _to_program(component.sample_inputs[t.name], dtype, device) for t in spec.inputs}
+    # Contiguous, as the program's inputs always are (TorchProgram.prepare): a sample that is a view (one
+    # part's output sliced) would leave a guard on its strides that a gathered or copied input fails.
+    inputs = {t.name: _to_program(component.sample_inputs[t.name], dtype, device).contiguous() for t in spec.inputs}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.export.export(component.module, args=(), kwargs=inputs,

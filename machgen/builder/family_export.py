@@ -45,8 +45,11 @@ class FamilyExport:
     # The key prefix of the adapted model's weights in a diffusers-format LoRA (per-request adapters).
     adapted_prefix: ClassVar[str] = "transformer."
     # The axis names of the denoiser's token sequences: split over the sequence ranks of a parallel layout
-    # (its blocks must mix tokens only in the attention of ``attention_modules``).
+    # (its blocks must mix tokens only in the attention of ``sequence_attention_modules``).
     sequence_axes: ClassVar[tuple[str, ...]] = ()
+    # The modules whose self-attention runs across the sequence ranks (machgen::sequence_attention) under a
+    # parallel layout; None: ``attention_modules``.
+    sequence_attention_modules: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, family: "Family"):
         self.family = family
@@ -76,6 +79,13 @@ class FamilyExport:
         long as the queries) would also take a cross-attention; None: every
         call in ``attention_modules`` that the rule takes."""
         return None
+
+    @property
+    def sharded_attention_modules(self) -> tuple[str, ...]:
+        """``sequence_attention_modules``, else ``attention_modules``."""
+        if self.sequence_attention_modules is None:
+            return self.attention_modules
+        return self.sequence_attention_modules
 
     def parallel_support(self, pipe: Any, ranges: dict[str, AxisRange]) -> "ParallelSupport | None":
         """What parallel layouts the model allows (``ranges``: axis_ranges'),

@@ -44,7 +44,8 @@ def parallel_variant(component: ExportableComponent, exporter: FamilyExport) -> 
     process; a part without attention)."""
     spec = component.spec
     if (spec.per_step and not spec.in_sampler
-            and any(type(sub).__module__ in exporter.attention_modules for sub in component.module.modules())):
+            and any(type(sub).__module__ in exporter.sharded_attention_modules
+                    for sub in component.module.modules())):
         return exporter.sequence_parallel(component)
     return None
 

@@ -204,9 +204,10 @@ def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig,
 def dispatch_swapped(modules: Sequence[str], attention: Callable[..., torch.Tensor],
                      layers: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
     """Inside the block, every unmasked, non-causal call of
-    ``dispatch_attention_fn`` in ``modules`` whose keys are as long as its
-    queries runs ``attention(query, key, value, scale)`` instead (``layers``:
-    only the calls made inside these modules)."""
+    ``dispatch_attention_fn`` in ``modules`` (or, in a module that calls
+    ``F.scaled_dot_product_attention`` itself, of that) whose keys are as
+    long as its queries runs ``attention(query, key, value, scale)`` instead
+    ([B, N, H, D]; ``layers``: only the calls made inside these modules)."""
     patched, hooks = [], []
     inside = [0]  # the calls in progress of one of ``layers``
 
@@ -228,8 +229,12 @@ def dispatch_swapped(modules: Sequence[str], attention: Callable[..., torch.Tens
     try:
         for name in modules:
             module = importlib.import_module(name)
-            patched.append((module, module.dispatch_attention_fn))
-            module.dispatch_attention_fn = make(module.dispatch_attention_fn)
+            if hasattr(module, "dispatch_attention_fn"):
+                patched.append((module, "dispatch_attention_fn", module.dispatch_attention_fn))
+                module.dispatch_attention_fn = make(module.dispatch_attention_fn)
+            else:  # a model that calls F.scaled_dot_product_attention itself (HiDream)
+                patched.append((module, "F", module.F))
+                module.F = _FunctionalWith(module.F, make(_sdpa_as_dispatch(module.F.scaled_dot_product_attention)))
         for layer in layers or ():
             hooks.append(layer.register_forward_pre_hook(enter))
             hooks.append(layer.register_forward_hook(leave, always_call=True))
@@ -237,5 +242,30 @@ def dispatch_swapped(modules: Sequence[str], attention: Callable[..., torch.Tens
     finally:
         for hook in hooks:
             hook.remove()
-        for module, original in patched:
-            module.dispatch_attention_fn = original
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def _sdpa_as_dispatch(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """scaled_dot_product_attention ([B, H, N, D]) called as dispatch_attention_fn is ([B, N, H, D])."""
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *args, **kwargs):
+        return sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p,
+                    is_causal, *args, scale=scale, **kwargs).transpose(1, 2)
+    return attention
+
+
+class _FunctionalWith:
+    """torch.nn.functional as a model module sees it (its ``F``), with
+    scaled_dot_product_attention going through ``dispatch`` (the swap, in
+    dispatch_attention_fn's layout); everything else is F's own."""
+
+    def __init__(self, functional, dispatch: Callable[..., torch.Tensor]):
+        self._functional, self._dispatch = functional, dispatch
+
+    def scaled_dot_product_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, **kwargs):
+        return self._dispatch(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                              dropout_p, is_causal, scale, **kwargs).transpose(1, 2)
+
+    def __getattr__(self, name: str):
+        return getattr(self._functional, name)

@@ -164,9 +164,10 @@ class TorchProgram:
                 f"{torch.cuda.memory_allocated(self.device) / 2**20:.1f} of {properties.total_memory / 2**20:.0f} MiB")
 
     def prepare(self, value):
-        """``value`` as the program takes it: a tensor on its device, floats in its dtype."""
+        """``value`` as the program takes it: a contiguous tensor on its device, floats in its dtype (the
+        program was traced with contiguous inputs; another part's sliced output is a view)."""
         tensor = as_torch(value, self.device)
-        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+        return (tensor.to(self.dtype) if tensor.is_floating_point() else tensor).contiguous()
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Outputs by name as torch tensors on the program's device (floats in

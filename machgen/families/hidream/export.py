@@ -20,6 +20,7 @@ from machgen.builder.family_export import ExportableComponent, FamilyExport
 from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
 from machgen.families.flux.export import Postprocess, VaeDecoder, vae_scale_factor
 from machgen.families.hidream.spec import hidream_specs, used_llama_layers
+from machgen.parallel.layout import ParallelSupport
 
 # _get_clip_prompt_embeds pads CLIP input to min(max_sequence_length, this).
 CLIP_MAX_TOKENS = 218
@@ -177,6 +178,12 @@ class HiDreamExport(FamilyExport):
     sampler_assets = ("tokenizer", "tokenizer_2", "tokenizer_3", "tokenizer_4", "scheduler")
     # Its attention calls F.scaled_dot_product_attention directly: no sparse-attention swap yet.
     attention_modules = ()
+    # Under a parallel layout its attention is split (plugins/ops.dispatch_swapped reaches its SDPA calls).
+    # Each rank's joint sequence is its chunk of the image tokens, of the T5 tokens and of every block's Llama
+    # tokens: a reordering of the whole one, which attention does not see (each image token keeps its
+    # position; text tokens all have position 0), and every block mixes tokens only in its attention.
+    sequence_attention_modules = ("diffusers.models.transformers.transformer_hidream_image",)
+    sequence_axes = ("image_tokens", "text_tokens", "t5_tokens", "llama_tokens")
 
     def check(self, pipe) -> None:
         tr = pipe.transformer.config
@@ -185,6 +192,10 @@ class HiDreamExport(FamilyExport):
         if pipe.text_encoder_4 is None or pipe.tokenizer_4 is None:
             raise ValueError("HiDreamImagePipeline needs its Llama text encoder and tokenizer (text_encoder_4, "
                              "tokenizer_4) in the model folder")
+
+    def parallel_support(self, pipe, ranges: dict[str, AxisRange]) -> ParallelSupport:
+        # Guidance rows: the negative prompt's (CFG) in each denoiser call.
+        return ParallelSupport(heads=pipe.transformer.config.num_attention_heads, guidance_rows=True)
 
     def specs(self, pipe) -> dict[str, ComponentSpec]:
         self.check(pipe)
