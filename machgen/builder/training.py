@@ -480,6 +480,80 @@ def flow_matching_loss(transformer, clip, t5, text: TextBatch, x0, caption_ids, 
     return ((prediction.float() - (noise - x0)) ** 2).mean()
 
 
+class EmaTraining:
+    """Modules trained together (AdamW, linear warm-up, gradient clipping at
+    1) with an EMA of their weights, which is the result; one checkpointed,
+    resumable stage. ``batch_loss(rng)`` gives each step's loss."""
+
+    def __init__(self, name: str, modules: list, lr: float, warmup_steps: int, ema_decay: float,
+                 checkpoint: Checkpointer, rng: np.random.Generator):
+        import torch
+
+        self.name, self.modules, self.lr, self.warmup_steps, self.ema_decay = name, modules, lr, warmup_steps, ema_decay
+        self.ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
+        self.params = [p for m in modules for p in m.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
+        self.checkpoint, self.rng = checkpoint, rng
+        self.step, self.elapsed, self.losses = 0, 0.0, []
+
+    def resume(self, log: Callable[[str], None]) -> None:
+        import torch
+
+        state = self.checkpoint.load()
+        if state is None:
+            return
+        for module, saved in zip(self.modules + self.ema, state["modules"] + state["ema"]):
+            module.load_state_dict(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.elapsed, self.rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
+        torch.set_rng_state(state["torch_rng"])
+        self.losses = list(state["losses"])
+        log(f"{self.name}: resumed at step {self.step}")
+
+    def finished(self, steps: int, minutes: float | None) -> bool:
+        return self.step >= steps or not _budget_left(time.monotonic(), self.elapsed, minutes)
+
+    def run(self, steps: int, minutes: float | None, batch_loss: Callable[[np.random.Generator], object]) -> dict:
+        """Steps until ``steps`` or the time budget; the stage's metrics."""
+        import torch
+
+        start, elapsed_before = time.monotonic(), self.elapsed
+        ema_params = [p for m in self.ema for p in m.parameters()]
+
+        def snapshot() -> dict:
+            self.elapsed = elapsed_before + time.monotonic() - start
+            return {"modules": [m.state_dict() for m in self.modules], "ema": [m.state_dict() for m in self.ema],
+                    "optimizer": self.optimizer.state_dict(), "step": self.step, "elapsed": self.elapsed,
+                    "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "losses": self.losses}
+
+        for module in self.modules:
+            module.train()
+        with _progress(steps, self.step, self.name) as bar:
+            while self.step < steps and _budget_left(start, elapsed_before, minutes):
+                loss = batch_loss(self.rng)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.lr * min(1.0, (self.step + 1) / self.warmup_steps)
+                self.optimizer.step()
+                self.step += 1
+                decay = min(self.ema_decay, (1 + self.step) / (10 + self.step))
+                with torch.no_grad():
+                    torch._foreach_lerp_(ema_params, self.params, 1 - decay)
+                self.losses.append(loss.item())
+                bar.update(1)
+                if self.step % 10 == 0:
+                    bar.set_postfix(loss=f"{np.mean(self.losses[-100:]):.4f}")
+                self.checkpoint.maybe_save(snapshot)
+        self.checkpoint.maybe_save(snapshot, force=True)
+        return self.metrics()
+
+    def metrics(self) -> dict:
+        return {"transformer_steps": self.step, "transformer_minutes": round(self.elapsed / 60, 1),
+                "final_loss": round(float(np.mean(self.losses[-200:])), 4) if self.losses else None}
+
+
 def train_transformer(out: Path, settings: TrainingSettings, vae, clip_tokenizer, t5_tokenizer, resume: bool = True,
                       log: Callable[[str], None] = print):
     """Jointly train the transformer and both text encoders; returns the EMA modules."""
@@ -489,11 +563,10 @@ def train_transformer(out: Path, settings: TrainingSettings, vae, clip_tokenizer
     config = settings.config
     transformer = build_transformer(config)
     clip, t5 = build_text_encoders(config, clip_tokenizer, t5_tokenizer)
-    modules = [transformer, clip, t5]
-    ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
-    params = [p for m in modules for p in m.parameters()]
-    ema_params = [p for m in ema for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    stage = EmaTraining("transformer", [transformer, clip, t5], settings.lr, settings.warmup_steps,
+                        settings.ema_decay, Checkpointer(out / "checkpoints" / "transformer.pt",
+                                                         settings.checkpoint_minutes),
+                        np.random.default_rng(settings.seed + 7))
     captions = [""] + shapes.all_captions()
     text = TextBatch.build(captions, clip_tokenizer, t5_tokenizer, config.max_sequence_length)
     pool = LatentPool(vae, settings.latent_pool, settings.seed + 1234, captions, log=log)
@@ -501,54 +574,19 @@ def train_transformer(out: Path, settings: TrainingSettings, vae, clip_tokenizer
     img_ids = FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, "cpu", torch.float32)
     txt_ids = torch.zeros(config.max_sequence_length, 3)
     shift = flux_sigma_shift(img_ids.shape[0], build_scheduler().config)
-    checkpoint = Checkpointer(out / "checkpoints" / "transformer.pt", settings.checkpoint_minutes)
-    step, elapsed, rng = 0, 0.0, np.random.default_rng(settings.seed + 7)
-    state = checkpoint.load() if resume else None
-    if state is not None:
-        for module, saved in zip(modules + ema, state["modules"] + state["ema"]):
-            module.load_state_dict(saved)
-        optimizer.load_state_dict(state["optimizer"])
-        step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
-        torch.set_rng_state(state["torch_rng"])
-        log(f"transformer: resumed at step {step}")
-    losses: list[float] = list(state["losses"]) if state else []
-    start = time.monotonic()
+    if resume:
+        stage.resume(log)
 
-    def snapshot() -> dict:
-        return {"modules": [m.state_dict() for m in modules], "ema": [m.state_dict() for m in ema],
-                "optimizer": optimizer.state_dict(), "step": step, "elapsed": elapsed + time.monotonic() - start,
-                "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "losses": losses}
+    def batch_loss(rng: np.random.Generator):
+        index = torch.from_numpy(rng.integers(0, len(pool.latents), settings.batch))
+        caption_ids = pool.caption_ids[index].clone()
+        caption_ids[torch.from_numpy(rng.random(settings.batch) < settings.caption_dropout)] = 0  # ""
+        return flow_matching_loss(transformer, clip, t5, text, pool.latents[index], caption_ids, img_ids, txt_ids,
+                                  shift, settings.bf16)
 
-    for module in modules:
-        module.train()
-    with _progress(settings.steps, step, "transformer") as bar:
-        while step < settings.steps and _budget_left(start, elapsed, settings.minutes):
-            index = torch.from_numpy(rng.integers(0, len(pool.latents), settings.batch))
-            caption_ids = pool.caption_ids[index].clone()
-            caption_ids[torch.from_numpy(rng.random(settings.batch) < settings.caption_dropout)] = 0  # ""
-            loss = flow_matching_loss(transformer, clip, t5, text, pool.latents[index], caption_ids, img_ids,
-                                      txt_ids, shift, settings.bf16)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            for group in optimizer.param_groups:
-                group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup_steps)
-            optimizer.step()
-            step += 1
-            decay = min(settings.ema_decay, (1 + step) / (10 + step))
-            with torch.no_grad():
-                torch._foreach_lerp_(ema_params, params, 1 - decay)
-            losses.append(loss.item())
-            bar.update(1)
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{np.mean(losses[-100:]):.4f}")
-            checkpoint.maybe_save(snapshot)
-    checkpoint.maybe_save(snapshot, force=True)
-    elapsed_total = elapsed + time.monotonic() - start
-    metrics = {"transformer_steps": step, "transformer_minutes": round(elapsed_total / 60, 1),
-               "final_loss": round(float(np.mean(losses[-200:])), 4) if losses else None}
+    metrics = stage.run(settings.steps, settings.minutes, batch_loss)
     log(f"transformer: {json.dumps(metrics)}")
-    return ema, losses, metrics
+    return stage.ema, stage.losses, metrics
 
 
 def shapes_served_defaults():

@@ -22,7 +22,6 @@ Stages, each resumable from its checkpoint in ``OUT/checkpoints/``:
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -33,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from machgen.builder import moving_shapes
-from machgen.builder.training import Checkpointer, _budget_left, _progress, train_t5_tokenizer
+from machgen.builder.training import Checkpointer, EmaTraining, _budget_left, _progress, train_t5_tokenizer
 
 
 @dataclass
@@ -305,74 +304,35 @@ def video_flow_matching_loss(transformer, text_encoder, prompts: PromptTable, x0
 
 def train_video_transformer(out: Path, settings: VideoTrainingSettings, vae, tokenizer, resume: bool = True,
                             log: Callable[[str], None] = print):
-    """Jointly train the transformer and the text encoder; returns the EMA modules."""
+    """Jointly train the transformer and the text encoder; returns the EMA modules and the metrics."""
     import torch
 
     config = settings.config
     transformer = build_video_transformer(config)
     text_encoder = build_text_encoder(config, tokenizer)
-    modules = [transformer, text_encoder]
-    ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
-    params = [p for m in modules for p in m.parameters()]
-    ema_params = [p for m in ema for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    stage = EmaTraining("video-transformer", [transformer, text_encoder], settings.lr, settings.warmup_steps,
+                        settings.ema_decay, Checkpointer(out / "checkpoints" / "video-transformer.pt",
+                                                         settings.checkpoint_minutes),
+                        np.random.default_rng(settings.seed + 7))
     captions = [""] + moving_shapes.all_captions()
     prompts = PromptTable(captions, tokenizer, config.max_sequence_length)
-    checkpoint = Checkpointer(out / "checkpoints" / "video-transformer.pt", settings.checkpoint_minutes)
-    step, elapsed, rng = 0, 0.0, np.random.default_rng(settings.seed + 7)
-    state = checkpoint.load() if resume else None
-    if state is not None:
-        for module, saved in zip(modules + ema, state["modules"] + state["ema"]):
-            module.load_state_dict(saved)
-        optimizer.load_state_dict(state["optimizer"])
-        step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
-        torch.set_rng_state(state["torch_rng"])
-        log(f"video-transformer: resumed at step {step}")
-    losses: list[float] = list(state["losses"]) if state else []
-    if step >= settings.steps or not _budget_left(time.monotonic(), elapsed, settings.minutes):
-        return ema, _transformer_metrics(step, elapsed, losses, log)
-    pool = ClipLatentPool(vae, settings.latent_pool, settings.seed + 1234, captions, log=log)
-    start = time.monotonic()
+    if resume:
+        stage.resume(log)
+    if not stage.finished(settings.steps, settings.minutes):
+        pool = ClipLatentPool(vae, settings.latent_pool, settings.seed + 1234, captions, log=log)
 
-    def snapshot() -> dict:
-        return {"modules": [m.state_dict() for m in modules], "ema": [m.state_dict() for m in ema],
-                "optimizer": optimizer.state_dict(), "step": step, "elapsed": elapsed + time.monotonic() - start,
-                "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "losses": losses}
-
-    for module in modules:
-        module.train()
-    with _progress(settings.steps, step, "video-transformer") as bar:
-        while step < settings.steps and _budget_left(start, elapsed, settings.minutes):
+        def batch_loss(rng: np.random.Generator):
             index = torch.from_numpy(rng.integers(0, len(pool.latents), settings.batch))
             caption_ids = pool.caption_ids[index].clone()
             caption_ids[torch.from_numpy(rng.random(settings.batch) < settings.caption_dropout)] = 0  # ""
             given_first = torch.from_numpy(rng.random(settings.batch) < settings.image_to_video_share)
-            loss = video_flow_matching_loss(transformer, text_encoder, prompts, pool.latents[index], caption_ids,
+            return video_flow_matching_loss(transformer, text_encoder, prompts, pool.latents[index], caption_ids,
                                             given_first, config.flow_shift)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            for group in optimizer.param_groups:
-                group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup_steps)
-            optimizer.step()
-            step += 1
-            decay = min(settings.ema_decay, (1 + step) / (10 + step))
-            with torch.no_grad():
-                torch._foreach_lerp_(ema_params, params, 1 - decay)
-            losses.append(loss.item())
-            bar.update(1)
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{np.mean(losses[-100:]):.4f}")
-            checkpoint.maybe_save(snapshot)
-    checkpoint.maybe_save(snapshot, force=True)
-    return ema, _transformer_metrics(step, elapsed + time.monotonic() - start, losses, log)
 
-
-def _transformer_metrics(step: int, elapsed: float, losses: list[float], log: Callable[[str], None]) -> dict:
-    metrics = {"transformer_steps": step, "transformer_minutes": round(elapsed / 60, 1),
-               "final_loss": round(float(np.mean(losses[-200:])), 4) if losses else None}
+        stage.run(settings.steps, settings.minutes, batch_loss)
+    metrics = stage.metrics()
     log(f"video-transformer: {json.dumps(metrics)}")
-    return metrics
+    return stage.ema, metrics
 
 
 # ------------------------------------------------------------------ assembly
