@@ -138,3 +138,21 @@ def test_the_held_out_set_changes_the_report_never_the_choice(built_repository):
         calibrate(pipeline, fit, [fit[1]], log=lambda line: None)
     with pytest.raises(ValueError, match="needs fit and held-out prompts"):
         calibrate(pipeline, fit, [], log=lambda line: None)
+
+
+def test_a_video_model_is_measured_on_every_frame():
+    """Calibration compares whole clips (every frame's PSNR counts), images as images."""
+    from types import SimpleNamespace
+
+    from machgen.builder.calibrate import run_prompts
+
+    clip = np.arange(3 * 4 * 4 * 3, dtype=np.uint8).reshape(3, 4, 4, 3)
+
+    def model(tasks):
+        return SimpleNamespace(manifest=SimpleNamespace(tasks=tasks),
+                               generate=lambda prompt, seed, **options: (clip, {"seed": seed}))
+
+    videos, stats = run_prompts(model(("text-to-video", "image-to-video")), [("a red circle moves up", 3)])
+    assert np.array_equal(videos[0], clip) and stats == [{"seed": 3}]
+    images, _ = run_prompts(model(("text-to-image",)), [("a red circle", 3)])
+    assert np.array_equal(images[0], clip[0])

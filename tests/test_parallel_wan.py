@@ -1,9 +1,9 @@
-"""Wan 2.2 (both experts) and Wan 2.2 TI2V (a timestep per token; text- and
-image-to-video) under every parallel layout they allow, on CPU ranks (gloo,
-float32): their tails split their tokens themselves (the rotary positions
-come from the whole latents' shape; TI2V's per-token modulation is split as
-its tokens are), and every frame equals the single-rank video, in process
-and through Triton."""
+"""Wan 2.2 (both experts) under every parallel layout it allows, on CPU
+ranks (gloo, float32): its tails split their tokens themselves (the rotary
+positions come from the whole latents' shape), and every frame equals the
+single-rank video, in process and through Triton. test_parallel_wan_ti2v.py
+runs the in-process tests on Wan 2.2 TI2V (its per-token modulation split
+as its tokens are; text- and image-to-video)."""
 
 from __future__ import annotations
 

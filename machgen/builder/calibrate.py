@@ -30,7 +30,8 @@ Prompts = Sequence[tuple[str, int]]
 # Pairs of the fit and of the held-out set when the caller gives no count.
 FIT_PAIRS = 64
 HOLDOUT_PAIRS = 64
-# The default prompt sets: shapes captions, each set from its own generator seed (the noise seeds with them).
+# The default prompt sets: shapes captions (a video model: moving-shapes captions), each set from its own
+# generator seed (the noise seeds with them).
 FIT_PROMPTS_SEED = 77
 HOLDOUT_PROMPTS_SEED = 4242
 
@@ -106,11 +107,20 @@ class Trial:
         return "none" if self.policy == "none" else f"{self.policy} {self.threshold:g}"
 
 
+def makes_video(pipeline) -> bool:
+    return any(task.endswith("-to-video") for task in pipeline.manifest.tasks)
+
+
+def _result(pipeline, output: np.ndarray) -> np.ndarray:
+    """What a request's quality is measured on: its image, or every frame of its clip."""
+    return output if makes_video(pipeline) else output[0]
+
+
 def run_prompts(pipeline, prompts: Sequence[tuple[str, int]], **options) -> tuple[list[np.ndarray], list]:
     images, stats = [], []
     for prompt, seed in prompts:
         image, stat = pipeline.generate(prompt, seed=seed, **options)
-        images.append(image[0])
+        images.append(_result(pipeline, image))
         stats.append(stat)
     return images, stats
 
@@ -124,7 +134,7 @@ def record_magnitude_ratios(pipeline, prompts: Sequence[tuple[str, int]]
         for prompt, seed in prompts:
             pipeline.sampler.run_component = recorder = BlocksResidualRecorder(run)
             image, stat = pipeline.generate(prompt, seed=seed, cache_policy="none")
-            images.append(image[0])
+            images.append(_result(pipeline, image))
             stats.append(stat)
             per_prompt.append(magnitude_ratios(recorder.residuals))
     finally:

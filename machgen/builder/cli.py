@@ -185,7 +185,7 @@ def calibrate(
                                        help="dB by which the fit's worst image must clear --worst-psnr"),
     prompts_file: Path = typer.Option(None, "--prompts", exists=True, dir_okay=False,
                                       help="fit prompts, one per line, seeds 0, 1, ... (default: captions of the "
-                                           "shapes dataset)"),
+                                           "shapes dataset, or of the moving-shapes one for a video model)"),
     count: int = typer.Option(None, "--count", min=1, help="fit prompt/seed pairs (default: 64)"),
     holdout_file: Path = typer.Option(None, "--holdout-prompts", exists=True, dir_okay=False,
                                       help="held-out prompts, one per line, seeds 1000000, 1000001, ... (default: "
@@ -204,25 +204,29 @@ def calibrate(
     on a held-out one; store the best as default."""
     import tempfile
 
-    from machgen.builder import shapes
+    from machgen.builder import moving_shapes, shapes
     from machgen.builder.build import build_repository
     from machgen.builder.calibrate import (CONTROL_GRID, FIT_PAIRS, FIT_PROMPTS_SEED, HOLDOUT_PAIRS,
-                                           HOLDOUT_PROMPTS_SEED, QualityTargets, write_settings)
+                                           HOLDOUT_PROMPTS_SEED, QualityTargets, makes_video, write_settings)
     from machgen.builder.calibrate import calibrate as fit
     from machgen.runtime.cache import CacheControls
     from machgen.runtime.local import LocalPipeline
 
     count, holdout_count = count or FIT_PAIRS, holdout_count or HOLDOUT_PAIRS
 
-    if prompts_file is not None:
-        prompts = _prompt_file(prompts_file, count, 0)
-    else:
-        prompts = [(prompt, seed) for prompt, seed, _ in shapes.evaluation_prompts(count, seed=FIT_PROMPTS_SEED)]
-    if holdout_file is not None:
-        holdout = _prompt_file(holdout_file, holdout_count, HOLDOUT_FILE_FIRST_SEED)
-    else:
-        holdout = [(prompt, seed) for prompt, seed, _ in
-                   shapes.evaluation_prompts(holdout_count, seed=HOLDOUT_PROMPTS_SEED)]
+    def prompt_sets(video: bool) -> tuple[list, list]:
+        dataset = moving_shapes if video else shapes
+        if prompts_file is not None:
+            prompts = _prompt_file(prompts_file, count, 0)
+        else:
+            prompts = [(prompt, seed) for prompt, seed, _ in dataset.evaluation_prompts(count, seed=FIT_PROMPTS_SEED)]
+        if holdout_file is not None:
+            holdout = _prompt_file(holdout_file, holdout_count, HOLDOUT_FILE_FIRST_SEED)
+        else:
+            holdout = [(prompt, seed) for prompt, seed, _ in
+                       dataset.evaluation_prompts(holdout_count, seed=HOLDOUT_PROMPTS_SEED)]
+        return prompts, holdout
+
     targets = QualityTargets(target_psnr, target_psnr - 7 if worst_psnr is None else worst_psnr, confidence,
                              worst_margin)
     fixed = {key: value for key, value in {
@@ -240,6 +244,7 @@ def calibrate(
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--name") from None
         pipeline = LocalPipeline(repository, pipeline_name)
+        prompts, holdout = prompt_sets(makes_video(pipeline))
         try:
             settings, _ = fit(pipeline, prompts, holdout, targets, control_grid=grid, log=typer.echo)
         except ValueError as err:
