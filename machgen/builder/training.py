@@ -170,6 +170,17 @@ def _budget_left(start_seconds: float, elapsed_before: float, minutes: float | N
     return minutes is None or elapsed_before + time.monotonic() - start_seconds < minutes * 60
 
 
+def set_cosine_lr(optimizer, peak: float, floor: float, step: int, steps: int, elapsed_s: float,
+                  minutes: float | None) -> None:
+    """A cosine from ``peak`` to ``floor`` over the stage's progress: the larger of its share of steps and,
+    with a time budget, of the budget used."""
+    progress = step / steps
+    if minutes:
+        progress = max(progress, elapsed_s / (minutes * 60))
+    for group in optimizer.param_groups:
+        group["lr"] = floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
 # ----------------------------------------------------------------- VAE stage
 def _resume_vae_stage(checkpoint: "Checkpointer | None", vae, optimizer, rng: np.random.Generator, stage: str,
                       log: Callable[[str], None]) -> tuple[int, float]:
@@ -224,11 +235,8 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
 
     with _progress(settings.vae_steps, step, "vae") as bar:
         while step < settings.vae_steps and _budget_left(start, elapsed, settings.vae_minutes):
-            progress = step / settings.vae_steps
-            if settings.vae_minutes:
-                progress = max(progress, (elapsed + time.monotonic() - start) / (settings.vae_minutes * 60))
-            for group in optimizer.param_groups:
-                group["lr"] = 1e-4 + (settings.vae_lr - 1e-4) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            set_cosine_lr(optimizer, settings.vae_lr, 1e-4, step, settings.vae_steps,
+                          elapsed + time.monotonic() - start, settings.vae_minutes)
             images = np.stack([_vae_training_sample(rng, settings.vae_unseen_colours).image
                                for _ in range(settings.vae_batch)])
             x = images_to_tensor(images)
@@ -299,11 +307,8 @@ def refine_vae_decoder(out: Path, settings: TrainingSettings, vae, resume: bool 
         part.requires_grad_(True).train()
     with _progress(settings.decoder_steps, step, "vae decoder") as bar:
         while step < settings.decoder_steps and _budget_left(start, elapsed, settings.decoder_minutes):
-            progress = step / settings.decoder_steps
-            if settings.decoder_minutes:
-                progress = max(progress, (elapsed + time.monotonic() - start) / (settings.decoder_minutes * 60))
-            for group in optimizer.param_groups:
-                group["lr"] = 5e-5 + (settings.decoder_lr - 5e-5) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            set_cosine_lr(optimizer, settings.decoder_lr, 5e-5, step, settings.decoder_steps,
+                          elapsed + time.monotonic() - start, settings.decoder_minutes)
             samples = [_vae_training_sample(rng, settings.vae_unseen_colours) for _ in range(settings.vae_batch)]
             x = images_to_tensor(np.stack([s.image for s in samples]))
             weight = 1.0 + settings.decoder_shape_weight * torch.from_numpy(

@@ -23,7 +23,6 @@ Stages, each resumable from its checkpoint in ``OUT/checkpoints/``:
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +31,8 @@ from typing import Callable
 import numpy as np
 
 from machgen.builder import moving_shapes
-from machgen.builder.training import Checkpointer, EmaTraining, _budget_left, _progress, train_t5_tokenizer
+from machgen.builder.training import (Checkpointer, EmaTraining, _budget_left, _progress, _resume_vae_stage,
+                                      set_cosine_lr, train_t5_tokenizer)
 
 
 @dataclass
@@ -95,7 +95,9 @@ def clips_to_tensor(frames: np.ndarray):
 
 def tensor_to_clips(tensor) -> np.ndarray:
     """float [N, 3, F, H, W] in [-1, 1] -> uint8 [N, F, H, W, 3]."""
-    pixels = ((tensor.clamp(-1, 1) + 1) * 127.5).round().to(dtype=__import__("torch").uint8)
+    import torch
+
+    pixels = ((tensor.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return pixels.permute(0, 2, 3, 4, 1).numpy()
 
 
@@ -150,14 +152,7 @@ def train_video_vae(out: Path, settings: VideoTrainingSettings, resume: bool = T
     optimizer = torch.optim.AdamW(vae.parameters(), lr=settings.vae_lr, weight_decay=0.0)
     checkpoint = Checkpointer(out / "checkpoints" / "video-vae.pt", settings.checkpoint_minutes)
     rng = np.random.default_rng(settings.seed + 1)
-    step, elapsed = 0, 0.0
-    state = checkpoint.load() if resume else None
-    if state is not None:
-        vae.load_state_dict(state["vae"])
-        optimizer.load_state_dict(state["optimizer"])
-        rng.bit_generator.state = state["rng"]
-        step, elapsed = state["step"], state["elapsed"]
-        log(f"video-vae: resumed at step {step}")
+    step, elapsed = _resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "video-vae", log)
     start = time.monotonic()
 
     def snapshot() -> dict:
@@ -166,11 +161,8 @@ def train_video_vae(out: Path, settings: VideoTrainingSettings, resume: bool = T
 
     with _progress(settings.vae_steps, step, "video-vae") as bar:
         while step < settings.vae_steps and _budget_left(start, elapsed, settings.vae_minutes):
-            progress = step / settings.vae_steps
-            if settings.vae_minutes:
-                progress = max(progress, (elapsed + time.monotonic() - start) / (settings.vae_minutes * 60))
-            for group in optimizer.param_groups:
-                group["lr"] = 1e-4 + (settings.vae_lr - 1e-4) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            set_cosine_lr(optimizer, settings.vae_lr, 1e-4, step, settings.vae_steps,
+                          elapsed + time.monotonic() - start, settings.vae_minutes)
             clips = [moving_shapes.sample(rng, frames=settings.vae_frames) for _ in range(settings.vae_batch)]
             x = clips_to_tensor(np.stack([clip.frames for clip in clips]))
             weight = 1 + settings.vae_shape_weight * torch.from_numpy(np.stack([clip.masks for clip in clips]))[:, None]

@@ -57,15 +57,12 @@ class KeptInputs:
     def __init__(self, budget: int = KEPT_BYTES, min_bytes: int = MIN_KEPT_BYTES):
         self.budget, self.min_bytes = budget, min_bytes
         self._held: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, least recently used first
+        self.held_bytes = 0
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._forget: list[bytes] = []
         self._reset = False
         # Bytes sent and bytes whose sending a Kept reference saved, over every call.
         self.sent_bytes = self.saved_bytes = 0
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(self._held.values())
 
     def pack(self, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], list[bytes] | None]:
         """(What to send for ``inputs``, keys the ranks must drop first: None drops everything)."""
@@ -83,6 +80,7 @@ class KeptInputs:
             elif key in self._seen:
                 del self._seen[key]
                 self._held[key] = value.nbytes
+                self.held_bytes += value.nbytes
                 payload[name] = Keep(key, value)
                 self.sent_bytes += value.nbytes
             else:
@@ -95,7 +93,7 @@ class KeptInputs:
         for key in [key for key in self._held if key not in kept_now]:
             if self.held_bytes <= self.budget:
                 break
-            del self._held[key]
+            self.held_bytes -= self._held.pop(key)
             self._forget.append(key)
         forget, self._forget = (None if self._reset else self._forget), []
         self._reset = False
@@ -104,6 +102,7 @@ class KeptInputs:
     def lost(self) -> None:
         """A call failed: what the ranks hold is no longer known; the next call makes them drop it all."""
         self._held.clear()
+        self.held_bytes = 0
         self._forget = []
         self._reset = True
 
