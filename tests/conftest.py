@@ -287,10 +287,37 @@ def serving(repository: Path, **options):
             server.stop()
             if not any(sign in str(error) for sign in ("already in use", "lock_exception")) or attempt == 2:
                 raise
+    _SERVING.append(server)
     try:
         yield server
     finally:
+        _SERVING.remove(server)
         stop_in_background(server)
+
+
+_SERVING: list = []  # the servers that tests use now
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report says which of the servers in use had died, how, and their log's tail: a server
+    gone from under a test is otherwise only a refused connection."""
+    report = (yield).get_result()
+    if not report.failed:
+        return
+    import signal
+
+    import psutil
+
+    for server in _SERVING:
+        code = server.process.poll() if server.process is not None else None
+        if code is None:
+            continue
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        memory = psutil.virtual_memory()
+        report.sections.append((f"tritonserver of {server.model_repository.name} died", (
+            f"{how}; memory now: {memory.available / 2**30:.1f} GiB available of {memory.total / 2**30:.1f}\n"
+            f"{server.log_tail(60)}")))
 
 
 def _kept_log(tmp_path_factory, name: str) -> Path:

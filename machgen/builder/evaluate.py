@@ -176,10 +176,13 @@ def video_round_trips(model_dir: Path, pictures: np.ndarray) -> np.ndarray:
     return decode_latents(vae, encode_clips(vae, np.asarray(pictures)[:, None]))[:, 0]
 
 
-def generate_videos_with_diffusers(model_dir: Path, prompts, pictures=None, **overrides) -> np.ndarray:
+def generate_videos_with_diffusers(model_dir: Path, prompts, pictures=None, seconds: list | None = None,
+                                   **overrides) -> np.ndarray:
     """Clips [N, F, H, W, 3] from diffusers' WanPipeline (or, with
     ``pictures``, WanImageToVideoPipeline on the same folder) at the model
-    card's settings (machgen.json)."""
+    card's settings (machgen.json); ``seconds`` gets each clip's time."""
+    import time
+
     import diffusers
     import torch
     from PIL import Image
@@ -199,9 +202,12 @@ def generate_videos_with_diffusers(model_dir: Path, prompts, pictures=None, **ov
     videos = []
     for index, (prompt, seed, _) in enumerate(prompts):
         picture = {"image": Image.fromarray(pictures[index])} if pictures is not None else {}
+        start = time.perf_counter()
         frames = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **picture,
                       **call).frames[0]
         videos.append((frames * 255).round().astype(np.uint8))
+        if seconds is not None:
+            seconds.append(time.perf_counter() - start)
     return np.stack(videos)
 
 
