@@ -169,7 +169,9 @@ class TritonServer:
         return {**server_environment(), STOP_FILE_ENV: os.fspath(self.stop_file),
                 **({STEP_LOG_ENV: "1"} if self.verbose else {})}
 
-    def start(self, timeout: float = 180.0) -> "TritonServer":
+    def start(self, timeout: float = 180.0, stall_timeout: float | None = None) -> "TritonServer":
+        """Start the server and wait until it and every model is ready, at most ``timeout`` s; with
+        ``stall_timeout``, give up sooner when its log has not grown for that long (a start that hangs)."""
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist")
         restart = self._server_dir is not None
@@ -184,9 +186,17 @@ class TritonServer:
                                             env=self.environment(), start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
+        logged, progressed = 0, time.monotonic()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
+            size = self.log_file.stat().st_size if self.log_file.exists() else 0
+            if size != logged:
+                logged, progressed = size, time.monotonic()
+            elif stall_timeout is not None and time.monotonic() - progressed > stall_timeout:
+                self.kill_process()
+                raise ServerError(f"tritonserver made no progress for {stall_timeout:.0f} s (its log unchanged, "
+                                  f"not ready):\n{self.log_tail()}")
             # The metrics service starts last: a server whose metrics port is taken reports ready, then exits.
             if self.ready() and self._answers(f"http://{self.host}:{self.ports.metrics}/metrics"):
                 return self

@@ -142,10 +142,34 @@ def run_tensorrt_form(model, feeds: dict) -> list:
     return ReferenceEvaluator(model, new_ops=[GatherElements, *plugins]).run(None, feeds)
 
 
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on, not handed out before in this process, and below the kernel's ephemeral
+    range: a port of that range (what binding port 0 gives) can become the local end of any outgoing connection,
+    a client's of another test, before the server binds it."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(10000, _ephemeral_ports_start())
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -267,6 +291,9 @@ def servers_stopped():
 
 
 SERVER_START_S = 360.0
+# A start whose log stays silent this long has hung (the slowest model load seen logs within a minute).
+SERVER_STALL_S = 150.0
+RESTARTED_STARTS = ("already in use", "lock_exception", "made no progress")
 
 
 @contextlib.contextmanager
@@ -278,14 +305,15 @@ def serving(repository: Path, **options):
         server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), **options)
         try:
             # Several servers of the session run at once on two cores: a big repository's start can take minutes.
-            server.start(timeout=SERVER_START_S)
+            server.start(timeout=SERVER_START_S, stall_timeout=SERVER_STALL_S)
             break
         except ServerError as error:
-            # A port found free can be taken before the server binds it (a client's connection, another test
-            # run's server): then again on other ports. On a loaded machine the Python backend can abort at
-            # start-up with boost::interprocess::lock_exception (triton-inference-server/server#8882): again.
+            # A port found free can be taken before the server binds it (another test's server): then again on
+            # other ports. On a loaded machine the Python backend can abort at start-up with
+            # boost::interprocess::lock_exception (triton-inference-server/server#8882), or hang with every
+            # model's instances initialized and some never reported loaded (seen: 5 minutes, log silent): again.
             server.stop()
-            if not any(sign in str(error) for sign in ("already in use", "lock_exception")) or attempt == 2:
+            if not any(sign in str(error) for sign in RESTARTED_STARTS) or attempt == 2:
                 raise
     _SERVING.append(server)
     try:
@@ -562,17 +590,21 @@ class ServeProcess:
         import sys
         import threading
 
-        self.http, self.grpc, self.metrics, self.supervisor = free_port(), free_port(), free_port(), free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(self.http),
-             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
-             "--supervisor-metrics-port", str(self.supervisor), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        wait_until(lambda: any(line.startswith("ready:") for line in self.lines) or self.process.poll() is not None,
-                   timeout=180, what="machgen serve ready")
-        assert self.process.poll() is None, self.output()
+        for attempt in range(3):  # as serving(): a port taken before the server bound it, or a start that hung
+            self.http, self.grpc, self.metrics, self.supervisor = free_port(), free_port(), free_port(), free_port()
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "machgen.cli", "serve", str(repository), "--http-port", str(self.http),
+                 "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
+                 "--supervisor-metrics-port", str(self.supervisor), *extra],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self.lines: list[str] = []
+            threading.Thread(target=self._read, daemon=True).start()
+            wait_until(lambda: any(line.startswith("ready:") for line in self.lines) or self.process.poll() is not None,
+                       timeout=180, what="machgen serve ready")
+            if self.process.poll() is None:
+                return
+            if not any(sign in self.output() for sign in RESTARTED_STARTS) or attempt == 2:
+                raise AssertionError(self.output())
 
     def _read(self) -> None:
         for line in self.process.stdout:

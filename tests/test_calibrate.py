@@ -101,6 +101,20 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     np.testing.assert_array_equal(images, reference)  # threshold 0 never skips
     assert stats.denoiser_tail_calls == steps
 
+    # --policy fits only the policies named
+    only = tmp_path / "only-magcache"
+    shutil.copytree(source, only)
+    result = CliRunner().invoke(app, ["calibrate", str(only), "--prompts", str(prompts), "--count", "2",
+                                      "--holdout-prompts", str(holdout), "--holdout-count", "1", "--target-psnr", "25",
+                                      "--warmup-steps", "1", "--final-steps", "1", "--max-consecutive-skips", "2",
+                                      "--policy", "magcache"])
+    assert result.exit_code == 0, result.output
+    assert "fbcache" not in result.output
+    cache = json.loads((pipeline_dir(only, PIPELINE_NAME) / "pipeline.json").read_text())["cache"]
+    assert set(cache["calibration"]["chosen"]) <= {"magcache"}
+    refused = CliRunner().invoke(app, ["calibrate", str(only), "--policy", "teacache"])
+    assert refused.exit_code == 2 and "teacache: calibrate fits fbcache, magcache" in refused.output
+
 
 def test_the_held_out_set_changes_the_report_never_the_choice(built_repository):
     repository, _ = built_repository

@@ -199,6 +199,8 @@ def calibrate(
     negative_interval: int = typer.Option(None, "--negative-interval",
                                           help="true CFG: steps between runs of the negative row "
                                                "(default: fitted, 1, 3 or 5)"),
+    policies: list[str] = typer.Option(None, "--policy",
+                                       help="a cache policy to fit, repeatable (default: fbcache and magcache)"),
 ) -> None:
     """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target on one prompt set, report it
     on a held-out one; store the best as default."""
@@ -207,12 +209,18 @@ def calibrate(
     from machgen.builder import moving_shapes, shapes
     from machgen.builder.build import build_repository
     from machgen.builder.calibrate import (CONTROL_GRID, FIT_PAIRS, FIT_PROMPTS_SEED, HOLDOUT_PAIRS,
-                                           HOLDOUT_PROMPTS_SEED, QualityTargets, makes_video, write_settings)
+                                           HOLDOUT_PROMPTS_SEED, THRESHOLD_GRIDS, QualityTargets, makes_video,
+                                           write_settings)
     from machgen.builder.calibrate import calibrate as fit
     from machgen.runtime.cache import CacheControls
     from machgen.runtime.local import LocalPipeline
 
     count, holdout_count = count or FIT_PAIRS, holdout_count or HOLDOUT_PAIRS
+    unknown = set(policies or ()) - set(THRESHOLD_GRIDS)
+    if unknown:
+        raise typer.BadParameter(f"{', '.join(sorted(unknown))}: calibrate fits {', '.join(THRESHOLD_GRIDS)}",
+                                 param_hint="--policy")
+    threshold_grids = {policy: grid for policy, grid in THRESHOLD_GRIDS.items() if not policies or policy in policies}
 
     def prompt_sets(video: bool) -> tuple[list, list]:
         dataset = moving_shapes if video else shapes
@@ -246,7 +254,8 @@ def calibrate(
         pipeline = LocalPipeline(repository, pipeline_name)
         prompts, holdout = prompt_sets(makes_video(pipeline))
         try:
-            settings, _ = fit(pipeline, prompts, holdout, targets, control_grid=grid, log=typer.echo)
+            settings, _ = fit(pipeline, prompts, holdout, targets, control_grid=grid, threshold_grids=threshold_grids,
+                              log=typer.echo)
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--holdout-prompts") from None
     written = write_settings(target, pipeline_name, settings)
