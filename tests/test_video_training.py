@@ -101,3 +101,13 @@ def test_eval_scores_a_video_model_on_motion_in_diffusers(trained, task, tmp_pat
     else:
         assert scores["first_frame_psnr"] is None
     assert (tmp_path / "g.png").is_file()
+
+
+def test_every_caption_reaches_the_text_encoder_whole():
+    """The captions tokenized as WanPipeline tokenizes them at the model's max_sequence_length keep every piece:
+    cut, the direction (the caption's last words) never reached the model."""
+    from machgen.builder.training import train_t5_tokenizer
+
+    tokenizer = train_t5_tokenizer(moving_shapes.all_captions())
+    longest = max(len(tokenizer(caption).input_ids) for caption in moving_shapes.all_captions())
+    assert longest <= VideoModelConfig.max_sequence_length, longest
