@@ -343,6 +343,9 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--sharpness", type=float, default=12.0, help="synthetic: how local the attention is")
     parser.add_argument("--count", type=int, default=64, help="end to end: prompt/seed pairs")
+    parser.add_argument("--captured-count", type=int, default=4,
+                        help="captured: prompts whose every attention call is measured (a video's largest size "
+                             "has thousands of tokens a call)")
     parser.add_argument("--block", type=int, default=8, help="trained model: tokens per block (it has 48-96)")
     parser.add_argument("--parts", default="synthetic,captured,share,end-to-end", help="which tables to measure")
     parser.add_argument("--record", type=Path, help="write the tables into this markdown file")
@@ -363,7 +366,7 @@ def main() -> int:
         return 0
     measurements = {
         "synthetic": lambda: synthetic_table(args.heads, args.head_dim, args.sharpness, block=64),
-        "captured": lambda: captured_table(model, model.prompts(4, seed=5), args.block),
+        "captured": lambda: captured_table(model, model.prompts(args.captured_count, seed=5), args.block),
         "share": lambda: attention_share_table(model, model.prompts(2, seed=5)),
         "end-to-end": lambda: end_to_end_table(model, model.prompts(args.count),
                                                AttentionOptions("sparse-fp8", block=args.block)),
