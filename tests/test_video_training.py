@@ -16,7 +16,7 @@ TINY = VideoModelConfig(vae_base_dim=8, latent_channels=8, heads=2, head_dim=16,
 
 def settings(**overrides):
     values = dict(config=TINY, vae_steps=3, vae_batch=2, steps=40, batch=8, lr=2e-3, warmup_steps=5,
-                  latent_pool=32, vae_check_clips=4, checkpoint_minutes=60.0)
+                  latent_pool=32, vae_check_clips=4, checkpoint_minutes=60.0, check_pairs=2)
     values.update(overrides)
     return VideoTrainingSettings(**values)
 
@@ -103,11 +103,24 @@ def test_eval_scores_a_video_model_on_motion_in_diffusers(trained, task, tmp_pat
     assert (tmp_path / "g.png").is_file()
 
 
-def test_every_caption_reaches_the_text_encoder_whole():
-    """The captions tokenized as WanPipeline tokenizes them at the model's max_sequence_length keep every piece:
-    cut, the direction (the caption's last words) never reached the model."""
-    from machgen.builder.training import train_t5_tokenizer
+def test_every_caption_reaches_the_text_encoder_whole_a_token_a_word():
+    """The captions tokenized as WanPipeline tokenizes them at the model's max_sequence_length keep every word,
+    each one token (cut, the direction -- the caption's last words -- never reached the model); a word the
+    captions lack still tokenizes, a letter at a time, without <unk>."""
+    from machgen.builder.training import caption_word_tokenizer
 
-    tokenizer = train_t5_tokenizer(moving_shapes.all_captions())
-    longest = max(len(tokenizer(caption).input_ids) for caption in moving_shapes.all_captions())
-    assert longest <= VideoModelConfig.max_sequence_length, longest
+    tokenizer = caption_word_tokenizer(moving_shapes.all_captions())
+    for caption in moving_shapes.all_captions():
+        ids = tokenizer(caption).input_ids
+        assert len(ids) == len(caption.split()) + 1 <= VideoModelConfig.max_sequence_length, caption
+        assert tokenizer.decode(ids, skip_special_tokens=True) == caption
+    unseen = tokenizer("a Purple hexagon moves 2 ways").input_ids
+    assert tokenizer.unk_token_id not in unseen
+    assert tokenizer.decode(unseen, skip_special_tokens=True) == "a Purple hexagon moves 2 ways"
+
+
+def test_the_transformer_stage_measures_text_to_video_as_it_trains(trained):
+    out, _, logs = trained
+    checks = [json.loads(line) for line in (out / "checkpoints" / "video-transformer-checks.jsonl").read_text().splitlines()]
+    assert checks[0]["step"] == 40 and checks[0]["text_to_video"]["count"] == 2
+    assert any(line.startswith("video-transformer check: ") for line in logs)

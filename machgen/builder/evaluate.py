@@ -181,17 +181,22 @@ def generate_videos_with_diffusers(model_dir: Path, prompts, pictures=None, seco
     """Clips [N, F, H, W, 3] from diffusers' WanPipeline (or, with
     ``pictures``, WanImageToVideoPipeline on the same folder) at the model
     card's settings (machgen.json); ``seconds`` gets each clip's time."""
+    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+
+    family = detect_family(model_dir)
+    pipe = load_pipeline(model_dir, family)
+    return sample_videos(pipe, served_defaults(model_dir, family, pipe), prompts, pictures, seconds, **overrides)
+
+
+def sample_videos(pipe, defaults, prompts, pictures=None, seconds: list | None = None, **overrides) -> np.ndarray:
+    """Clips [N, F, H, W, 3] from a loaded WanPipeline at ``defaults`` (ServedDefaults), one per (prompt, seed,
+    _) with its own generator; with ``pictures``, image-to-video through WanImageToVideoPipeline.from_pipe."""
     import time
 
     import diffusers
     import torch
     from PIL import Image
 
-    from machgen.builder.build import detect_family, load_pipeline, served_defaults
-
-    family = detect_family(model_dir)
-    pipe = load_pipeline(model_dir, family)
-    defaults = served_defaults(model_dir, family, pipe)
     if pictures is not None:
         pipe = diffusers.WanImageToVideoPipeline.from_pipe(pipe)
     pipe.set_progress_bar_config(disable=True)
