@@ -204,14 +204,25 @@ def api(
     port: int = typer.Option(8080, "--port"),
     data_dir: Path = typer.Option(Path("machgen-api"), "--data-dir", help="job records and results"),
     database: Optional[Path] = typer.Option(None, "--database", help="the SQLite file (default: in --data-dir)"),
+    database_url: Optional[str] = typer.Option(None, "--database-url", envvar="MACHGEN_DATABASE_URL",
+                                               help="PostgreSQL (postgresql://USER@HOST/DB) instead of SQLite: jobs, "
+                                                    "results, webhooks and keys in it, shared by every API process "
+                                                    "given the same URL"),
+    job_lease: float = typer.Option(30.0, "--job-lease-seconds", min=1.0,
+                                    help="with --database-url: how long after a process stops renewing its jobs "
+                                         "(killed) another one runs them"),
     keys_file: Optional[Path] = typer.Option(None, "--keys-file", exists=True, dir_okay=False,
-                                             help="API keys (machgen api-key); without it no key is needed"),
+                                             help="API keys (machgen api-key); without it no key is needed (with "
+                                                  "--database-url: the database's keys, once it has one)"),
     max_jobs_per_key: int = typer.Option(16, "--max-jobs-per-key", min=1, help="jobs in flight per key; more: 429"),
     max_upload_mb: float = typer.Option(25.0, "--max-upload-mb", min=0.001, help="largest request body"),
     result_ttl_hours: float = typer.Option(24.0, "--result-ttl-hours", min=0.0, help="how long results are kept"),
     webhook_secret: Optional[str] = typer.Option(None, "--webhook-secret", envvar="MACHGEN_WEBHOOK_SECRET",
                                                  help="Standard Webhooks secret (whsec_...) that signs callbacks; "
                                                       "without it jobs cannot ask for one"),
+    allow_private_callbacks: bool = typer.Option(False, "--allow-private-callbacks",
+                                                 help="send webhooks to loopback, private and link-local "
+                                                      "addresses too (refused otherwise: request forgery)"),
     webhook_attempts: int = typer.Option(6, "--webhook-attempts", min=1),
     webhook_retry_delay: float = typer.Option(1.0, "--webhook-retry-delay", min=0.0,
                                               help="seconds before the first retry, doubling after"),
@@ -223,24 +234,42 @@ def api(
     metrics (/metrics) and a playground page (/)."""
     from machgen.api.app import ApiSettings
 
-    _run_api(ApiSettings(triton_url=triton, data_dir=data_dir, database=database, keys_file=keys_file,
+    if database_url is not None and not database_url.startswith(("postgresql://", "postgres://")):
+        raise typer.BadParameter("a PostgreSQL URL: postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE",
+                                 param_hint="--database-url")
+    _run_api(ApiSettings(triton_url=triton, data_dir=data_dir, database=database, database_url=database_url,
+                         job_lease_s=job_lease, keys_file=keys_file,
                          max_jobs_per_key=max_jobs_per_key, max_upload_bytes=int(max_upload_mb * 1024 * 1024),
                          result_ttl_s=result_ttl_hours * 3600, webhook_secret=webhook_secret,
+                         allow_private_callbacks=allow_private_callbacks,
                          webhook_attempts=webhook_attempts, webhook_first_delay_s=webhook_retry_delay,
                          preview_interval=preview_interval), host, port)
 
 
 @app.command("api-key")
 def api_key(
-    keys_file: Path = typer.Argument(..., dir_okay=False, help="the keys file (created if absent)"),
+    keys: str = typer.Argument(..., metavar="KEYS_FILE|DATABASE_URL",
+                               help="the keys file (created if absent), or the API's PostgreSQL URL"),
     name: str = typer.Argument(..., help="who the key is for (one word)"),
     max_jobs: Optional[int] = typer.Option(None, "--max-jobs", min=1, help="this key's limit of jobs in flight"),
 ) -> None:
-    """Make an API key: its hash goes into KEYS_FILE, the key is printed once."""
-    from machgen.api.keys import add_key
+    """Make an API key: its hash goes into KEYS_FILE (or the API's database), the key is printed once."""
+    from machgen.api.database import is_database_url
+    from machgen.api.keys import add_key, add_stored_key
 
     try:
-        typer.echo(add_key(keys_file, name, max_jobs))
+        if is_database_url(keys):
+            from machgen.api.store import JobStore
+
+            store = JobStore(Path("machgen-api"), keys)
+            try:
+                typer.echo(add_stored_key(store, name, max_jobs))
+            finally:
+                store.close()
+        else:
+            if Path(keys).is_dir():
+                raise ValueError(f"{keys} is a folder: give the keys file")
+            typer.echo(add_key(Path(keys), name, max_jobs))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
 

@@ -507,8 +507,8 @@ def pytest_collection_modifyitems(items):
 class ApiProcess:
     """``machgen api`` as a user starts it, on a free port: ``url``, ``key`` (a valid API key), ``model``."""
 
-    def __init__(self, triton_url: str, data_dir: Path, keys_file: Path, key: str, webhook_secret: str,
-                 log_file: Path, *extra: str):
+    def __init__(self, triton_url: str, data_dir: Path, keys_file: Path | None, key: str, webhook_secret: str,
+                 log_file: Path, *extra: str, allow_private_callbacks: bool = True):
         import subprocess
         import sys
 
@@ -519,7 +519,9 @@ class ApiProcess:
         with open(log_file, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "machgen.cli", "api", "--triton", triton_url, "--port", str(self.port),
-                 "--data-dir", str(data_dir), "--keys-file", str(keys_file), "--webhook-retry-delay", "0.2",
+                 "--data-dir", str(data_dir), *(["--keys-file", str(keys_file)] if keys_file else []),
+                 "--webhook-retry-delay", "0.2",
+                 *(["--allow-private-callbacks"] if allow_private_callbacks else []),
                  "--webhook-secret", webhook_secret, *extra], stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> "ApiProcess":
@@ -551,6 +553,76 @@ class ApiProcess:
         self.process.wait()
 
 
+class PostgresServer:
+    """Debian's PostgreSQL server in a temporary folder, on a free port (initdb, pg_ctl); as the ``postgres``
+    user where the tests run as root (initdb refuses root). ``database()`` makes a fresh database: its URL."""
+
+    def __init__(self):
+        import glob
+        import shutil
+        import subprocess
+        import tempfile
+
+        found = shutil.which("initdb") or next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))), None)
+        if found is None:
+            pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql; make system-tools "
+                        "installs it): the API's tests on PostgreSQL need its server")
+        self.bin = Path(found).parent
+        self.folder = Path(tempfile.mkdtemp(prefix="machgen-postgres-"))
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.folder, "postgres", "postgres")
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        self._run("initdb", "-D", str(self.folder / "data"), "-A", "trust", "-U", "machgen", "-E", "UTF8",
+                  "--no-sync")
+        for _ in range(5):
+            self.port = free_port()
+            started = subprocess.run(
+                [*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.folder / "data"), "-l",
+                 str(self.folder / "server.log"), "-w", "-t", "60", "-o",
+                 f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off", "start"],
+                capture_output=True, text=True)
+            if started.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"PostgreSQL did not start:\n{(self.folder / 'server.log').read_text()[-3000:]}")
+        self._count = 0
+
+    def _run(self, tool: str, *args: str) -> None:
+        import subprocess
+
+        subprocess.run([*self.as_user, str(self.bin / tool), *args], check=True, capture_output=True)
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://machgen@127.0.0.1:{self.port}/{database}"
+
+    def database(self) -> str:
+        import psycopg
+
+        self._count += 1
+        name = f"machgen_test_{os.getpid()}_{self._count}"
+        with psycopg.connect(self.url(), autocommit=True) as connection:
+            connection.execute(f"CREATE DATABASE {name}")
+        return self.url(name)
+
+    def stop(self) -> None:
+        import shutil
+        import subprocess
+
+        subprocess.run([*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.folder / "data"), "-m",
+                        "immediate", "-w", "stop"], capture_output=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def api_keys(tmp_path_factory):
     """(keys file, a valid key, another valid key whose limit is one job in flight)."""
@@ -561,13 +633,14 @@ def api_keys(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def api_on(triton_url: str, api_keys, tmp_path_factory, name: str):
+def api_on(triton_url: str, api_keys, tmp_path_factory, name: str, allow_private_callbacks: bool = True):
     """``machgen api`` on the Triton server at ``triton_url``, keys required, a fresh data folder."""
     from machgen.api.webhooks import new_secret
 
     keys_file, key, _ = api_keys
     folder = tmp_path_factory.mktemp(name)
-    api = ApiProcess(triton_url, folder / "data", keys_file, key, new_secret(), folder / "api.log")
+    api = ApiProcess(triton_url, folder / "data", keys_file, key, new_secret(), folder / "api.log",
+                     allow_private_callbacks=allow_private_callbacks)
     try:
         yield api.wait_ready()
     finally:

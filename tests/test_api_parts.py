@@ -231,3 +231,88 @@ def test_a_listener_slower_than_the_job_gets_every_preview_and_a_late_one_the_la
     received, late = asyncio.run(run())
     assert received == [("preview", 1), ("preview", 2), ("preview", 3), ("completed", 4)]
     assert late == [("preview", 3), ("completed", 4)]
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://127.0.0.1:8080/hook", "loopback"), ("http://[::1]/hook", "loopback"),
+    ("http://[::ffff:127.0.0.1]/hook", "loopback"), ("http://10.1.2.3/hook", "private"),
+    ("http://192.168.0.10/hook", "private"), ("http://169.254.169.254/latest/meta-data/", "link-local"),
+    ("http://0.0.0.0/hook", "unspecified"), ("http://100.64.0.1/hook", "not public"),
+    ("http://224.0.0.1/hook", "multicast"), ("https://localhost/hook", "loopback")])
+def test_callbacks_to_addresses_that_are_not_public_are_refused_unless_allowed(url, why):
+    from machgen.api.destinations import DestinationPolicy, RefusedDestination
+
+    with pytest.raises(RefusedDestination, match=f"a {why} address"):
+        DestinationPolicy().check(url)
+    assert DestinationPolicy(allow_private=True).check(url).url == url
+
+
+def test_a_public_callback_is_sent_to_the_address_checked():
+    from machgen.api.destinations import DestinationPolicy, RefusedDestination
+
+    checked = DestinationPolicy().check("https://user@93.184.216.34:8443/hooks/a?x=1")
+    assert (checked.address, checked.host_header) == ("93.184.216.34", "93.184.216.34:8443")
+    assert checked.connect_url == "https://93.184.216.34:8443/hooks/a?x=1"
+    for bad in ("ftp://93.184.216.34/", "http:///nohost", "http://93.184.216.34:99999/"):
+        with pytest.raises(RefusedDestination):
+            DestinationPolicy().check(bad)
+
+
+class _Receiver:
+    """A local HTTP receiver that records each POST's Host header and body."""
+
+    def __enter__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append((self.headers["host"], self.rfile.read(int(self.headers["content-length"]))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+
+
+def _deliver_once(store, allow_private: bool) -> None:
+    import asyncio
+
+    from machgen.api.destinations import DestinationPolicy
+    from machgen.api.webhooks import WebhookPolicy, WebhookSender
+
+    sender = WebhookSender(WebhookPolicy(new_secret(), attempts=3), store, DestinationPolicy(allow_private))
+    asyncio.run(sender._attempt(store.claim_webhook(lease_s=30)))
+
+
+def test_a_webhook_goes_to_the_address_its_name_resolved_to_when_checked(tmp_path, monkeypatch):
+    """The delivery connects to the address it checked, the name kept in the Host header; a name that resolves
+    to a private address at delivery time (DNS rebinding) gets nothing, and the delivery is given up."""
+    import socket
+
+    from machgen.api import destinations
+
+    answers = {}
+    monkeypatch.setattr(destinations.socket, "getaddrinfo", lambda host, port, **kw: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[host], port))])
+    store = JobStore(tmp_path)
+    with _Receiver() as receiver:
+        answers["hooks.example"] = "127.0.0.1"
+        store.queue_webhook(f"http://hooks.example:{receiver.port}/in", "image.completed", {"id": "img_1"})
+        _deliver_once(store, allow_private=True)
+        assert [(host, json.loads(body)["data"]) for host, body in receiver.received] == [
+            (f"hooks.example:{receiver.port}", {"id": "img_1"})]
+        store.queue_webhook(f"http://hooks.example:{receiver.port}/in", "image.completed", {"id": "img_2"})
+        _deliver_once(store, allow_private=False)  # now resolves to loopback, which is refused
+        assert len(receiver.received) == 1 and store.claim_webhook(lease_s=30) is None
+    assert store.db.execute("SELECT gave_up, problem FROM webhooks WHERE body LIKE '%img_2%'")[0][0] == 1

@@ -167,6 +167,18 @@ def test_the_chart_lints_strictly_and_renders_valid_objects(helm, values):
         (scaled,) = kinds["ScaledObject"]
         assert scaled["spec"]["minReplicaCount"] == 0
     assert {"PodDisruptionBudget", "Service"} <= set(kinds)
+    api = settings.get("api", {})
+    if api.get("enabled", True):
+        (deployment,) = [d for d in kinds["Deployment"] if d["metadata"]["labels"]["app.kubernetes.io/component"] == "api"]
+        (api_container,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {variable["name"]: variable for variable in api_container.get("env", [])}
+        if api.get("databaseUrlSecret"):  # several pods share the database's jobs
+            assert deployment["spec"]["replicas"] == api.get("replicas", 2) > 1
+            assert env["MACHGEN_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": api["databaseUrlSecret"],
+                                                                               "key": "url"}
+            assert "PersistentVolumeClaim" not in kinds
+        else:  # one pod, its own SQLite database
+            assert deployment["spec"]["replicas"] == 1 and "MACHGEN_DATABASE_URL" not in env
 
 
 def test_the_autoscalers_ask_for_a_metric_the_rules_record_and_the_adapter_serves(helm):

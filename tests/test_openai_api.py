@@ -233,6 +233,29 @@ def test_a_webhook_is_signed_per_standard_webhooks_and_retried_after_a_failure(a
                                                   {k.lower(): v for k, v in headers.items()})
 
 
+def test_a_callback_to_an_address_that_is_not_public_is_refused_naming_the_field(triton_server, api_keys,
+                                                                                  tmp_path_factory):
+    """Request forgery through webhooks: loopback, private and link-local (cloud metadata) receivers are refused
+    unless the operator allows them (--allow-private-callbacks, which the other tests' API has)."""
+    from conftest import api_on
+
+    with api_on(triton_server.grpc_url, api_keys, tmp_path_factory, "api-public-callbacks",
+                allow_private_callbacks=False) as api:
+        for url in ("http://127.0.0.1:9/hook", "http://169.254.169.254/latest/meta-data/", "http://localhost/x",
+                    "http://10.0.0.8/hook", "http://[::1]:8080/"):
+            refused = httpx.post(f"{api.url}/v1/images/generations", headers=auth(api), timeout=30, json={
+                "model": PIPELINE_NAME, "prompt": "a cat", "seed": 1, "num_inference_steps": 2, "async": True,
+                "callback_url": url})
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and (error["param"], error["code"]) == ("callback_url",
+                                                                                      "callback_refused"), url
+            assert "--allow-private-callbacks" in error["message"]
+        assert httpx.get(f"{api.url}/v1/jobs", headers=auth(api), timeout=30).json()["data"] == []  # no job made
+        served = httpx.post(f"{api.url}/v1/images/generations", headers=auth(api), timeout=60, json={
+            "model": PIPELINE_NAME, "prompt": "a cat", "seed": 1, "num_inference_steps": 2})
+        assert served.status_code == 200 and served.json()["data"][0]["b64_json"]
+
+
 def test_jobs_outlive_the_api_process_and_those_it_was_running_are_failed(triton_server, api_keys, tmp_path):
     """Finished jobs are listed and downloadable after a restart; the one running when the process died is
     failed with code interrupted, and its webhook says so."""

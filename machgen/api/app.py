@@ -18,7 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from machgen.api.jobs import JobManager, JobMetrics, new_job_id
-from machgen.api.keys import KeyRing, UrlSigner, read_keys
+from machgen.api.destinations import DestinationPolicy
+from machgen.api.keys import KeyRing, StoredKeyRing, UrlSigner, read_keys
 from machgen.api.schemas import (
     ADAPTER_FIELDS,
     MAX_VARIANTS,
@@ -54,7 +55,13 @@ class ApiSettings:
     # Job records (jobs.sqlite3 unless ``database`` says) and results/ live here.
     data_dir: Path = Path("machgen-api")
     database: Path | None = None
-    # API keys (keys.py); None: no key needed.
+    # PostgreSQL (postgresql://...) instead of SQLite: jobs, events, results, webhooks and keys in it, shared by
+    # every API process given the same URL.
+    database_url: str | None = None
+    # How long a job stays this process's without it renewing (it renews every third): on PostgreSQL, another
+    # process runs the jobs of a process killed that long ago.
+    job_lease_s: float = 30.0
+    # API keys (keys.py); None: no key needed (with database_url: the database's keys, when it has any).
     keys_file: Path | None = None
     # Jobs in flight per key (a key's own limit in the file wins); more answer 429.
     max_jobs_per_key: int = 16
@@ -64,6 +71,8 @@ class ApiSettings:
     result_ttl_s: float = 24 * 3600.0
     # Standard Webhooks secret ("whsec_..."); None: jobs cannot ask for webhooks.
     webhook_secret: str | None = None
+    # Webhooks to loopback, private and link-local addresses too (else refused: request forgery).
+    allow_private_callbacks: bool = False
     webhook_attempts: int = 6
     webhook_first_delay_s: float = 1.0
     # An asynchronous job finding Triton's queue full waits this long first, doubling, then asks again.
@@ -250,7 +259,9 @@ def _seed(fields: dict[str, Any]) -> int:
     return typed("seed", seed, int)
 
 
-def _callback(state: _State, fields: dict[str, Any]) -> str | None:
+async def _callback(state: _State, fields: dict[str, Any]) -> str | None:
+    from machgen.api.destinations import RefusedDestination
+
     url = fields.get("callback_url")
     if url is None:
         return None
@@ -259,6 +270,10 @@ def _callback(state: _State, fields: dict[str, Any]) -> str | None:
     if state.webhooks.policy is None:
         raise invalid("callback_url", "this API sends no webhooks: it was started without a webhook secret",
                       code="webhooks_disabled")
+    try:
+        await asyncio.to_thread(state.webhooks.destinations.check, url)
+    except RefusedDestination as err:
+        raise invalid("callback_url", f"'callback_url' is refused: {err}", code="callback_refused") from None
     return url
 
 
@@ -389,23 +404,34 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        store = JobStore(settings.data_dir, settings.database)
+        store = JobStore(settings.data_dir, settings.database_url or settings.database)
         triton = TritonModels(settings.triton_url)
         webhooks = WebhookSender(WebhookPolicy(settings.webhook_secret, settings.webhook_attempts,
                                                settings.webhook_first_delay_s)
-                                 if settings.webhook_secret else None)
-        interrupted = [store.get(job_id) for job_id in store.fail_interrupted()]
-        if interrupted:
-            log.warning("%d jobs were running when the API last stopped: marked failed", len(interrupted))
-        for job in interrupted:  # their callers still learn of it
-            if job is not None and job.request.get("callback_url"):
-                webhooks.send(job.request["callback_url"], f"{job.kind}.failed", public_object(job))
-        state = _State(settings, store, triton,
-                       KeyRing(read_keys(settings.keys_file) if settings.keys_file is not None else None),
-                       webhooks, JobManager(store, triton, webhooks, JobMetrics(registry), settings.result_ttl_s,
-                                            settings.queue_retry_s), UrlSigner.in_folder(settings.data_dir))
+                                 if settings.webhook_secret else None, store,
+                                 DestinationPolicy(allow_private=settings.allow_private_callbacks))
+        if not store.shared:  # alone on its database: what it was running when it stopped is lost
+            interrupted = [store.get(job_id) for job_id in store.fail_interrupted()]
+            if interrupted:
+                log.warning("%d jobs were running when the API last stopped: marked failed", len(interrupted))
+            for job in interrupted:  # their callers still learn of it
+                if job is not None and job.request.get("callback_url"):
+                    webhooks.send(job.request["callback_url"], f"{job.kind}.failed", public_object(job))
+        if settings.keys_file is not None:
+            keys = KeyRing(read_keys(settings.keys_file))
+        else:
+            keys = StoredKeyRing(store) if store.shared else KeyRing(None)
+        signer = UrlSigner(bytes.fromhex(store.setting("url_signing_key", lambda: secrets.token_hex(32)))) \
+            if store.shared else UrlSigner.in_folder(settings.data_dir)
+        jobs = JobManager(store, triton, webhooks, JobMetrics(registry), settings.result_ttl_s,
+                          settings.queue_retry_s, settings.job_lease_s)
+        state = _State(settings, store, triton, keys, webhooks, jobs, signer)
         app.state.machgen = state
-        state.tasks.append(asyncio.get_running_loop().create_task(_expire_results(store)))
+        loop = asyncio.get_running_loop()
+        state.tasks += [loop.create_task(_expire_results(store)), loop.create_task(webhooks.run()),
+                        loop.create_task(jobs.hold_leases())]
+        if store.shared:
+            state.tasks.append(loop.create_task(jobs.take_over()))
         try:
             yield
         finally:
@@ -513,10 +539,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             raise ApiError(429, f"{limit} jobs of this key are in flight already; wait for one to finish",
                            code="too_many_jobs", headers={"Retry-After": "2"})
         new = Job(new_job_id(kind), kind, model.name, owner, recorded, idempotency_key=idempotency or None)
-        job = state.store.insert(new)
-        if job.id == new.id:  # else the same key, sent twice at once
-            state.jobs.start(job, model, variants, waits_in_queue)
-        return job
+        return state.jobs.submit(new, model, variants, waits_in_queue)
 
     def job_for(state: _State, request: Request, job_id: str, kind: str | None = None) -> Job:
         owner, _ = _caller(state, request)
@@ -568,7 +591,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         if options["partial_images"] and "preview_interval" not in inputs:
             inputs["preview_interval"] = partial_image_interval(model, inputs, options["partial_images"])
         with_preview_default(inputs)
-        callback_url = _callback(state, fields)
+        callback_url = await _callback(state, fields)
         _check_request(model, {**inputs, "seed": seed})
         variants = [{**inputs, "seed": seed + index} for index in range(n)]
         recorded = {name: value for name, value in inputs.items() if name != "image"}
@@ -601,8 +624,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             if job.request.get("response_format") == "url":
                 data.append({"url": result_url(state, job, index, base_url)})
             else:
-                data.append({"b64_json": base64.b64encode((state.store.result_dir(job.id) / name).read_bytes())
-                             .decode()})
+                data.append({"b64_json": base64.b64encode(stored_result(state, job, name)).decode()})
         return {"created": job.created_at, "data": data, "background": "opaque",
                 "output_format": job.request.get("output_format", "png"),
                 "size": f"{job.request['width']}x{job.request['height']}", "usage": job.request.get("usage"),
@@ -638,7 +660,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             return
         answer = image_answer(state, job, base_url)
         for index, name in enumerate(job.outputs):
-            encoded = base64.b64encode((state.store.result_dir(job.id) / name).read_bytes()).decode()
+            encoded = base64.b64encode(stored_result(state, job, name)).decode()
             yield _sse(f"{prefix}.completed", {
                 "type": f"{prefix}.completed", "b64_json": encoded, "created_at": job.completed_at or job.created_at,
                 **described, "usage": image_usage_of_one(request["usage"], request["n"]),
@@ -700,7 +722,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 "seed", "callback_url"}
         inputs.update(_model_inputs(fields, model, used))
         with_preview_default(inputs)
-        callback_url = _callback(state, fields)
+        callback_url = await _callback(state, fields)
         _check_request(model, {**inputs, "seed": seed})
         recorded = {name: value for name, value in inputs.items() if name not in ("image", "reference_images")}
         recorded.update(n=1, seeds=[seed], image_to_video="image" in inputs, callback_url=callback_url)
@@ -753,10 +775,19 @@ def create_app(settings: ApiSettings) -> FastAPI:
             raise ApiError(409 if not job.finished else 404, f"job {job.id} is {job.status}: it has no content"
                            + (" yet" if not job.finished else ""), code="not_ready")
         name = next((name for name in job.outputs if name.rsplit(".", 1)[0] == stem), None)
-        path = state.store.result_dir(job.id) / (name or stem)
-        if name is None or not path.exists():
+        if name is None:
             raise ApiError(404, f"the results of job {job.id} have expired", code="expired")
-        return FileResponse(path, media_type=MEDIA_TYPES[name.rsplit(".", 1)[1]])
+        media_type = MEDIA_TYPES[name.rsplit(".", 1)[1]]
+        path = state.store.result_path(job.id, name)
+        if path is not None:  # from disk: range requests (a player seeking in a video) are answered
+            return FileResponse(path, media_type=media_type)
+        return Response(stored_result(state, job, name), media_type=media_type)
+
+    def stored_result(state: _State, job: Job, name: str) -> bytes:
+        data = state.store.read_result(job.id, name)
+        if data is None:
+            raise ApiError(404, f"the results of job {job.id} have expired", code="expired")
+        return data
 
     # ---- jobs
     @app.get("/v1/jobs")

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from machgen.api.store import Job, JobStore
+from machgen.api.store import Job, JobStore, pack_inputs, unpack_inputs
 from machgen.api.triton import ServedModel, StepReport, TritonFailure, TritonModels
 from machgen.api.webhooks import WebhookSender
 from machgen.client import RetryPolicy
@@ -101,6 +101,7 @@ class Running:
     events: JobEvents = field(default_factory=JobEvents)
     steps: dict[int, tuple[int, int]] = field(default_factory=dict)  # variant: (step, total)
     started: float | None = None
+    lost: bool = False  # its lease was taken over by another API process
 
 
 class JobMetrics:
@@ -121,24 +122,38 @@ class JobMetrics:
 
 
 class JobManager:
-    """Starts, follows and cancels the jobs of one API process."""
+    """Starts, follows and cancels the jobs of one API process; holds their
+    leases (store.py) and, on a shared database, takes over the jobs of a
+    process whose leases ran out."""
 
     def __init__(self, store: JobStore, triton: TritonModels, webhooks: WebhookSender, metrics: JobMetrics,
-                 result_ttl_s: float, queue_retry_s: float = 1.0):
+                 result_ttl_s: float, queue_retry_s: float = 1.0, lease_s: float = 30.0):
         self.store = store
         self.triton = triton
         self.webhooks = webhooks
         self.metrics = metrics
         self.result_ttl_s = result_ttl_s
         self.queue_retry_s = queue_retry_s
+        self.lease_s = lease_s
         self.retry = RetryPolicy()  # as MachgenClient's
         self._rng = random.Random()
         self.running: dict[str, Running] = {}
         # Finished jobs' events, kept a while for a listener that comes late.
         self._finished_events: dict[str, JobEvents] = {}
+        self._handing_over = False
 
     def in_flight(self, owner: str) -> int:
-        return sum(1 for running in self.running.values() if running.job.owner == owner)
+        """The owner's jobs queued or running, in every API process of the database."""
+        return self.store.active_count(owner)
+
+    def submit(self, job: Job, model: ServedModel, variants: list[dict[str, Any]],
+               wait_when_queue_full: bool) -> Job:
+        """Store ``job`` with its variants' inputs, held by this process, and run it; an Idempotency-Key its
+        owner used before gives that job back instead."""
+        stored = self.store.insert(job, pack_inputs(variants), self.lease_s)
+        if stored.id == job.id:  # else the same key, sent twice at once
+            self.start(stored, model, variants, wait_when_queue_full)
+        return stored
 
     def start(self, job: Job, model: ServedModel, variants: list[dict[str, Any]],
               wait_when_queue_full: bool) -> Running:
@@ -154,31 +169,104 @@ class JobManager:
         """A deleted job's kept events dropped."""
         self._finished_events.pop(job_id, None)
 
-    def events(self, job_id: str) -> JobEvents | None:
+    def events(self, job_id: str) -> "JobEvents | StoredEvents | None":
+        """The job's events: followed here where this process runs (or ran) it; from the database where
+        another process of a shared one runs it."""
         running = self.running.get(job_id)
-        return running.events if running is not None else self._finished_events.get(job_id)
+        if running is not None:
+            return running.events
+        if job_id in self._finished_events:
+            return self._finished_events[job_id]
+        return StoredEvents(self.store, job_id) if self.store.shared else None
 
     async def cancel(self, job_id: str) -> None:
         running = self.running.get(job_id)
         if running is not None and running.task is not None:
             running.task.cancel()
             await asyncio.wait([running.task])
+        elif self.store.shared:  # another process runs it: it cancels at its next lease renewal
+            self.store.request_cancel(job_id)
+            await self.wait(job_id, timeout_s=3 * self.lease_s)
 
-    async def wait(self, job_id: str) -> Job:
+    async def wait(self, job_id: str, timeout_s: float | None = None) -> Job:
         running = self.running.get(job_id)
         if running is not None and running.task is not None:
             await asyncio.wait([running.task])
         job = self.store.get(job_id)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while job is not None and not job.finished and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(0.25)  # run by another process, or handed over: its record says when it ends
+            job = self.store.get(job_id)
         assert job is not None
         return job
 
+    async def hold_leases(self) -> None:
+        """Renew this process's leases every third of a lease; a job whose lease another process took is
+        stopped here without a word (that process runs it), one a caller cancelled elsewhere is cancelled."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            progress = {job_id: (running.job.status, running.job.progress)
+                        for job_id, running in list(self.running.items())}
+            if not progress:
+                continue
+            try:
+                held, cancel = await asyncio.to_thread(self.store.renew, progress, self.lease_s)
+            except Exception:  # noqa: BLE001 - the database away for a moment; the leases last a while yet
+                log.exception("could not renew the jobs' leases")
+                continue
+            for job_id in progress:
+                running = self.running.get(job_id)
+                if running is None or running.task is None:
+                    continue
+                if job_id not in held:
+                    log.warning("job %s: its lease was taken over by another API process; stopped here", job_id)
+                    running.lost = True
+                    running.task.cancel()
+                elif job_id in cancel:
+                    running.task.cancel()
+
+    async def take_over(self) -> None:
+        """On a shared database: run the jobs whose process stopped renewing their leases (killed), each
+        again from its stored inputs."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3 * (0.5 + self._rng.random()))
+            try:
+                found = await asyncio.to_thread(self.store.take_over, self.lease_s)
+                while found is not None:
+                    job, inputs = found
+                    log.warning("job %s: its API process stopped renewing it; running it here", job.id)
+                    model = (await self.triton.models()).get(job.model)
+                    if model is None:
+                        self.store.finish(self._failed(job, "model_not_found",
+                                                       f"the model '{job.model}' is not served any more"), None)
+                    else:
+                        self.start(job, model, unpack_inputs(inputs), wait_when_queue_full=True)
+                    found = await asyncio.to_thread(self.store.take_over, self.lease_s)
+            except Exception:  # noqa: BLE001 - Triton or the database away for a moment: look again later
+                log.exception("could not take over jobs")
+
+    @staticmethod
+    def _failed(job: Job, code: str, message: str) -> Job:
+        job.status, job.error, job.completed_at = "failed", {"code": code, "message": message}, int(time.time())
+        return job
+
     async def stop(self) -> None:
-        """At shutdown: every running job cancelled (its record says so)."""
+        """At shutdown: every running job stopped. One process of a shared database hands its jobs over
+        (their leases end now: another process runs them); alone, it records them cancelled."""
         tasks = [running.task for running in self.running.values() if running.task is not None]
+        self._handing_over = self.store.shared
+        held = list(self.running)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=10)
+        if self._handing_over and held:
+            self.store.renew({job_id: ("queued", 0) for job_id in held}, -1.0)
+
+    async def _emit(self, running: Running, event: str, data: dict[str, Any], variant: int | None = None) -> None:
+        await running.events.emit(event, data)
+        if self.store.shared:  # a listener may follow the job through another process
+            await asyncio.to_thread(self.store.add_event, running.job.id, event, data, variant)
 
     async def _run(self, running: Running, model: ServedModel, variants: list[dict[str, Any]],
                    wait_when_queue_full: bool) -> None:
@@ -192,10 +280,14 @@ class JobManager:
                 for task in tasks:  # one failed: the others stop too
                     task.cancel()
                 await asyncio.wait(tasks)
-            job.outputs, job.stats = await asyncio.to_thread(self._write_results, job, results)
+            job.outputs = await asyncio.to_thread(self._write_results, job, results)
+            job.stats = [result["stats"] for result in results]
             job.status, job.progress = "completed", 100
             job.expires_at = int(time.time() + self.result_ttl_s)
         except asyncio.CancelledError:
+            if running.lost or self._handing_over:  # another process runs it (again): nothing to record here
+                self.running.pop(job.id, None)
+                return
             job.status = "cancelled"
             job.error = {"code": "cancelled", "message": "cancelled by the caller"}
         except TritonFailure as failure:
@@ -205,22 +297,29 @@ class JobManager:
             log.exception("job %s failed", job.id)
             job.status = "failed"
             job.error = {"code": "internal", "message": f"{type(err).__name__}: {err}"}
+        job.completed_at = int(time.time())
+        webhook = None
+        if job.request.get("callback_url") and self.webhooks.policy is not None:
+            from machgen.api.schemas import public_object
+
+            public = public_object(job)  # a video's status is one of OpenAI's: cancelled is failed
+            webhook = (job.request["callback_url"], f"{job.kind}.{public['status']}", public)
+        try:
+            recorded = await asyncio.to_thread(self.store.finish, job, webhook)
         finally:
-            job.completed_at = int(time.time())
-            self.store.update(job)
-            self.metrics.finished.labels(job.status).inc()
-            from machgen.api.schemas import job_object
-
-            await running.events.emit(job.status, job_object(job))
-            self._finished_events[job.id] = running.events
-            while len(self._finished_events) > 256:
-                self._finished_events.pop(next(iter(self._finished_events)))
             self.running.pop(job.id, None)
-            if job.request.get("callback_url"):
-                from machgen.api.schemas import public_object
+        if not recorded:
+            log.warning("job %s: taken over by another API process before it ended here; its result is theirs",
+                        job.id)
+            return
+        self.webhooks.queued()
+        self.metrics.finished.labels(job.status).inc()
+        from machgen.api.schemas import job_object
 
-                public = public_object(job)  # a video's status is one of OpenAI's: cancelled is failed
-                self.webhooks.send(job.request["callback_url"], f"{job.kind}.{public['status']}", public)
+        self._finished_events[job.id] = running.events
+        while len(self._finished_events) > 256:
+            self._finished_events.pop(next(iter(self._finished_events)))
+        await self._emit(running, job.status, job_object(job))
 
     async def _variant(self, running: Running, model: ServedModel, index: int, inputs: dict[str, Any],
                        wait_when_queue_full: bool) -> dict[str, Any]:
@@ -236,14 +335,14 @@ class JobManager:
             done = sum(step / total for step, total in running.steps.values()) / len(running.steps)
             job.progress = min(99, int(100 * done))
             self.metrics.steps.inc()
-            await running.events.emit("progress", {"job_id": job.id, "index": index, "step": report.step,
+            await self._emit(running, "progress", {"job_id": job.id, "index": index, "step": report.step,
                                                    "total": report.total, "progress": job.progress,
-                                                   "elapsed": round(report.elapsed, 3)})
+                                                   "elapsed": round(report.elapsed, 3)}, index)
             if report.preview is not None:
                 png = await asyncio.to_thread(png_bytes, preview_picture(report.preview))
                 self.metrics.previews.inc()
-                await running.events.emit("preview", {"job_id": job.id, "index": index, "step": report.step,
-                                                      "image": data_url(png)})
+                await self._emit(running, "preview", {"job_id": job.id, "index": index, "step": report.step,
+                                                      "image": data_url(png)}, index)
 
         delay = self.queue_retry_s
         retries = 0
@@ -265,25 +364,52 @@ class JobManager:
                 retries += 1
                 running.steps[index] = (0, 1)
 
-    def _write_results(self, job: Job, results: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
-        folder = self.store.result_dir(job.id)
-        folder.mkdir(parents=True, exist_ok=True)
-        names = []
+    def _write_results(self, job: Job, results: list[dict[str, Any]]) -> list[str]:
+        files = {}
         if job.kind == "video":
+            import tempfile
+            from pathlib import Path
+
             from machgen.client.video import write_mp4
 
             (result,) = results
             fps = int(result["stats"].get("fps") or job.request.get("fps") or 16)
-            write_mp4(result["images"], folder / "video.mp4", fps=fps, audio=result.get("audio"),
-                      sample_rate=result["stats"].get("sample_rate"))
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(folder) / "video.mp4"
+                write_mp4(result["images"], path, fps=fps, audio=result.get("audio"),
+                          sample_rate=result["stats"].get("sample_rate"))
+                files["video.mp4"] = path.read_bytes()
             # OpenAI's thumbnail is WebP; lossless, so it is the first frame exactly.
-            (folder / "thumbnail.webp").write_bytes(picture_bytes(result["images"][0], "webp"))
-            names = ["video.mp4", "thumbnail.webp"]
+            files["thumbnail.webp"] = picture_bytes(result["images"][0], "webp")
         else:
             output_format = job.request.get("output_format", "png")
             for index, result in enumerate(results):
-                name = f"image-{index}.{output_format}"
-                (folder / name).write_bytes(picture_bytes(result["images"][0], output_format,
-                                                          job.request.get("output_compression")))
-                names.append(name)
-        return names, [result["stats"] for result in results]
+                files[f"image-{index}.{output_format}"] = picture_bytes(
+                    result["images"][0], output_format, job.request.get("output_compression"))
+        self.store.write_results(job.id, files)
+        return list(files)
+
+
+class StoredEvents:
+    """A job's events as another API process of a shared database records them (store.add_event), followed
+    as JobEvents are: what is kept now, then each new one, until the job's last."""
+
+    def __init__(self, store: JobStore, job_id: str, poll_s: float = 0.2):
+        self.store, self.job_id, self.poll_s = store, job_id, poll_s
+
+    async def follow(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        seen = 0
+        while True:
+            for seen, event, data in await asyncio.to_thread(self.store.events_after, self.job_id, seen):
+                yield event, data
+                if event in TERMINAL_EVENTS:
+                    return
+            job = await asyncio.to_thread(self.store.get, self.job_id)
+            if job is None:
+                return
+            if job.finished and not await asyncio.to_thread(self.store.events_after, self.job_id, seen):
+                from machgen.api.schemas import job_object
+
+                yield job.status, job_object(job)  # its events expired with its results
+                return
+            await asyncio.sleep(self.poll_s)

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlencode
@@ -46,8 +47,7 @@ def read_keys(path: Path) -> list[ApiKey]:
 
 def add_key(path: Path, name: str, max_jobs: int | None = None) -> str:
     """A new key for ``name``, its hash appended to ``path``; the key is returned, not kept."""
-    if not name or any(c.isspace() or c == "#" for c in name):
-        raise ValueError(f"a key's name is one word, not {name!r}")
+    _check_name(name)
     path = Path(path)
     if path.exists() and any(key.name == name for key in read_keys(path)):
         raise ValueError(f"{path} already has a key named {name!r}")
@@ -56,6 +56,11 @@ def add_key(path: Path, name: str, max_jobs: int | None = None) -> str:
     with open(path, "a") as out:
         out.write(f"{name} sha256:{digest(key)}" + (f" {max_jobs}" if max_jobs is not None else "") + "\n")
     return key
+
+
+def _check_name(name: str) -> None:
+    if not name or any(c.isspace() or c == "#" for c in name):
+        raise ValueError(f"a key's name is one word, not {name!r}")
 
 
 class KeyRing:
@@ -77,6 +82,39 @@ class KeyRing:
             if hmac.compare_digest(candidate.digest, wanted):
                 found = candidate
         return found
+
+
+class StoredKeyRing(KeyRing):
+    """The keys a shared database keeps (``machgen api-key postgresql://... NAME``), read again every few
+    seconds, so that a key added or removed reaches every API process; a key is needed once there is one."""
+
+    def __init__(self, store, refresh_s: float = 5.0):
+        super().__init__(None)
+        self.store, self.refresh_s = store, refresh_s
+        self._read_at = -float("inf")
+
+    def _fresh(self) -> None:
+        if time.monotonic() - self._read_at >= self.refresh_s:
+            self.keys = [ApiKey(name, digest, max_jobs) for name, digest, max_jobs in self.store.api_keys()] or None
+            self._read_at = time.monotonic()
+
+    @property
+    def required(self) -> bool:
+        self._fresh()
+        return self.keys is not None
+
+    def find(self, key: str | None) -> ApiKey | None:
+        self._fresh()
+        return super().find(key)
+
+
+def add_stored_key(store, name: str, max_jobs: int | None = None) -> str:
+    """A new key for ``name`` kept in the API's database; the key is returned, not kept."""
+    _check_name(name)
+    key = KEY_PREFIX + secrets.token_urlsafe(24)
+    if not store.add_api_key(name, digest(key), max_jobs):
+        raise ValueError(f"the database already has a key named {name!r}")
+    return key
 
 
 SIGNING_KEY_FILE = "url-signing.key"
