@@ -228,6 +228,9 @@ def api(
                                               help="seconds before the first retry, doubling after"),
     preview_interval: Optional[int] = typer.Option(None, "--preview-interval", min=0,
                                                    help="steps between previews (default: each model's)"),
+    tenant_header: Optional[str] = typer.Option(None, "--tenant-header",
+                                                help="a header a trusted gateway sets to the tenant a request is "
+                                                     "for: denoiser time is shared fairly per key and tenant"),
 ) -> None:
     """The HTTP API over a Triton server's models: OpenAI's /v1/images and
     /v1/videos, jobs with live progress (/v1/jobs/ID/events), webhooks,
@@ -243,7 +246,7 @@ def api(
                          result_ttl_s=result_ttl_hours * 3600, webhook_secret=webhook_secret,
                          allow_private_callbacks=allow_private_callbacks,
                          webhook_attempts=webhook_attempts, webhook_first_delay_s=webhook_retry_delay,
-                         preview_interval=preview_interval), host, port)
+                         preview_interval=preview_interval, tenant_header=tenant_header), host, port)
 
 
 @app.command("api-key")

@@ -15,7 +15,7 @@ from PIL import Image
 
 from machgen.client import MachgenClient
 
-from conftest import PIPELINE_NAME, ApiProcess, picture
+from conftest import PIPELINE_NAME, ApiProcess, picture, wait_until
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
@@ -311,6 +311,33 @@ def test_metrics_count_jobs_steps_and_previews(api_server):
     assert values['machgen_api_jobs{state="completed"}'] >= 1
     assert values["machgen_api_denoising_steps_total"] >= 2
     assert "machgen_api_previews_sent_total" in values and "machgen_api_job_queue_seconds_count" in values
+
+
+def test_a_jobs_priority_and_owner_reach_the_model_and_its_metrics(api_server):
+    """The API sends a job's priority and its key's name as the request's owner (the step gate's order is
+    tests/test_scheduling.py's); its stats say the priority and the seconds its steps waited and ran."""
+    def submit(priority):
+        response = httpx.post(f"{api_server.url}/v1/images/generations", headers=auth(api_server), timeout=60,
+                              json={"model": PIPELINE_NAME, "prompt": "a cat", "seed": 3, "num_inference_steps": 3,
+                                    **({"priority": priority} if priority else {})})
+        assert response.status_code == 200, response.text
+        return response.json()["machgen"]
+
+    batch, default = submit("batch"), submit(None)
+    jobs = {answer["job_id"]: httpx.get(f"{api_server.url}/v1/jobs/{answer['job_id']}", headers=auth(api_server),
+                                        timeout=30).json() for answer in (batch, default)}
+    assert [job["priority"] for job in jobs.values()] == ["batch", "interactive"]
+    assert [answer["stats"][0]["priority"] for answer in (batch, default)] == ["batch", "interactive"]
+    assert all(answer["stats"][0]["denoiser_seconds"] > 0 and answer["stats"][0]["waited_seconds"] >= 0
+               for answer in (batch, default))
+    text = httpx.get(f"{api_server.url}/metrics").text
+    for priority in ("batch", "interactive"):
+        assert f'machgen_api_owner_denoiser_seconds_total{{owner="tester",priority="{priority}"}}' in text
+        assert f'machgen_api_owner_queue_seconds_count{{owner="tester",priority="{priority}"}}' in text
+    refused = httpx.post(f"{api_server.url}/v1/images/generations", headers=auth(api_server), timeout=30, json={
+        "model": PIPELINE_NAME, "prompt": "a cat", "priority": "urgent"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    assert "interactive, batch" in refused.json()["error"]["message"]
 
 
 def test_the_models_list_says_what_each_model_makes(api_server):

@@ -24,8 +24,10 @@ def test_the_stream_sends_each_step_in_order_previews_at_the_interval_and_the_pl
                                                      preview_interval=3, **request)
     np.testing.assert_array_equal(streamed, plain)
     assert stats["text_cache_hits"] == 2  # the plain request's prompts
-    work = {key: value for key, value in stats.items() if not key.startswith("text_cache")}
-    assert work == {key: value for key, value in plain_stats.items() if not key.startswith("text_cache")}
+    measured = ("text_cache_hits", "text_cache_misses", "waited_seconds", "denoiser_seconds")  # differ per run
+    work = {key: value for key, value in stats.items() if key not in measured}
+    assert work == {key: value for key, value in plain_stats.items() if key not in measured}
+    assert stats["denoiser_seconds"] > 0 and stats["waited_seconds"] >= 0
     assert [(p.step, p.total) for p in progress] == [(step, 7) for step in range(1, 8)]
     elapsed = [p.elapsed for p in progress]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0

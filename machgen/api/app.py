@@ -77,6 +77,9 @@ class ApiSettings:
     webhook_first_delay_s: float = 1.0
     # An asynchronous job finding Triton's queue full waits this long first, doubling, then asks again.
     queue_retry_s: float = 1.0
+    # A header a trusted gateway in front sets to the tenant a request is for: its owner for fair shares of
+    # denoiser time is then KEY/TENANT (None: the key's name alone).
+    tenant_header: str | None = None
     # Steps between previews of a job that does not say (None: the model's default).
     preview_interval: int | None = None
     # How long a result URL (response_format "url") downloads without the key, seconds (OpenAI's: an hour).
@@ -102,6 +105,27 @@ def _bearer(request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _owner(state: _State, request) -> str:
+    """Whose request it is, for fair shares: the tenant a trusted gateway names (--tenant-header), else the key's
+    name."""
+    owner, _ = _caller(state, request)
+    header = state.settings.tenant_header
+    tenant = request.headers.get(header, "").strip() if header else ""
+    return f"{owner}/{tenant}" if tenant else owner
+
+
+def _scheduling(state: _State, request, model: ServedModel, inputs: dict[str, Any]) -> None:
+    """The request's owner, and its priority where given, sent as the model takes them (a model built before
+    priorities takes neither: its requests are served first come, first served)."""
+    if "owner" in model.accepts:
+        inputs["owner"] = _owner(state, request)
+    elif inputs.get("priority") not in (None, "interactive"):
+        raise invalid("priority", f"the model '{model.name}' was built before request priorities; rebuild it "
+                                  "with this machgen to give it batch requests", code="unsupported_value")
+    else:
+        inputs.pop("priority", None)
 
 
 def _caller(state: _State, request) -> tuple[str, int]:
@@ -588,6 +612,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             inputs["width"], inputs["height"] = parse_size(fields.get("size"), model.defaults)
         used = {"model", "prompt", "n", "async", "size", "seed", "callback_url", "image", "mask", *options}
         inputs.update(_model_inputs(fields, model, used))
+        _scheduling(state, request, model, inputs)
         if options["partial_images"] and "preview_interval" not in inputs:
             inputs["preview_interval"] = partial_image_interval(model, inputs, options["partial_images"])
         with_preview_default(inputs)
@@ -721,6 +746,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         used = {"model", "prompt", "size", "seconds", "num_frames", "fps", "input_reference", "reference_images",
                 "seed", "callback_url"}
         inputs.update(_model_inputs(fields, model, used))
+        _scheduling(state, request, model, inputs)
         with_preview_default(inputs)
         callback_url = await _callback(state, fields)
         _check_request(model, {**inputs, "seed": seed})

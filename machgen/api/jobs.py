@@ -119,6 +119,24 @@ class JobMetrics:
                                 registry=registry)
         self.finished = Counter("machgen_api_jobs_finished", "Jobs finished, by final state", ["state"],
                                 registry=registry)
+        by_owner = ["owner", "priority"]
+        self.owner_queue_seconds = Histogram(
+            "machgen_api_owner_queue_seconds", "Seconds from a job's submission to its first denoising step, by "
+            "owner and priority", by_owner, registry=registry, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800))
+        self.owner_run_seconds = Histogram(
+            "machgen_api_owner_run_seconds", "Seconds from a job's first denoising step to its end, by owner and "
+            "priority", by_owner, registry=registry, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800))
+        self.owner_denoiser_seconds = Counter(
+            "machgen_api_owner_denoiser_seconds", "Denoiser seconds the jobs' requests ran (their stats), by owner "
+            "and priority: each owner's share of the model", by_owner, registry=registry)
+
+    def observe_end(self, job: Job, started: float | None) -> None:
+        labels = (job.request.get("owner") or job.owner, job.request.get("priority") or "interactive")
+        if started is not None:
+            self.owner_run_seconds.labels(*labels).observe(max(time.monotonic() - started, 0.0))
+        denoised = sum(float(stats.get("denoiser_seconds") or 0.0) for stats in job.stats)
+        if denoised:
+            self.owner_denoiser_seconds.labels(*labels).inc(denoised)
 
 
 class JobManager:
@@ -314,6 +332,7 @@ class JobManager:
             return
         self.webhooks.queued()
         self.metrics.finished.labels(job.status).inc()
+        self.metrics.observe_end(job, running.started)
         from machgen.api.schemas import job_object
 
         self._finished_events[job.id] = running.events
@@ -329,7 +348,10 @@ class JobManager:
         async def on_step(report: StepReport) -> None:
             if running.started is None:
                 running.started = time.monotonic()
-                self.metrics.queue_seconds.observe(max(time.time() - job.created_at, 0.0))
+                queued = max(time.time() - job.created_at, 0.0)
+                self.metrics.queue_seconds.observe(queued)
+                self.metrics.owner_queue_seconds.labels(job.request.get("owner") or job.owner,
+                                                        job.request.get("priority") or "interactive").observe(queued)
                 job.status = "in_progress"
             running.steps[index] = (report.step, report.total)
             done = sum(step / total for step, total in running.steps.values()) / len(running.steps)

@@ -15,7 +15,7 @@ from machgen.api.store import Job
 MODEL_FIELDS: dict[str, type] = {
     "negative_prompt": str, "seed": int, "num_inference_steps": int, "guidance_scale": float,
     "true_cfg_scale": float, "cache_policy": str, "cache_threshold": float, "strength": float, "num_frames": int,
-    "fps": int, "preview_interval": int,
+    "fps": int, "preview_interval": int, "priority": str,
 }
 # Per-request LoRA adapters: a name or a list of names, a weight or a list of weights (the API's lora, lora_scale).
 ADAPTER_FIELDS: dict[str, type] = {"lora": str, "lora_scale": float}
@@ -151,7 +151,7 @@ def job_object(job: Job) -> dict[str, Any]:
         "progress": job.progress, "prompt": request.get("prompt"),
         "size": f"{request.get('width')}x{request.get('height')}", "n": request.get("n", 1),
         "seeds": request.get("seeds"), "created_at": job.created_at, "completed_at": job.completed_at,
-        "expires_at": job.expires_at, "error": job.error,
+        "expires_at": job.expires_at, "error": job.error, "priority": request.get("priority", "interactive"),
         "outputs": [content_url(job, i) for i in range(len(job.outputs) if job.kind == "image" else
                                                        min(len(job.outputs), 1))],
         "stats": job.stats,

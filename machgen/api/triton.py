@@ -70,6 +70,8 @@ class ServedModel:
     name: str
     card: dict[str, Any]
     inputs: Mapping[str, FamilyInput] = field(default_factory=dict)
+    # Every input its config lists (a repository built before an input existed lacks it).
+    accepts: frozenset[str] = frozenset()
 
     @property
     def kind(self) -> str:
@@ -120,7 +122,8 @@ class TritonModels:
             card = model_card_of(config)
             if card:
                 found[public] = ServedModel(public, card, published_inputs(
-                    card["inputs"] if "inputs" in card else _own_inputs(config)))
+                    card["inputs"] if "inputs" in card else _own_inputs(config)),
+                    frozenset(entry["name"] for entry in config.get("input", [])))
         self._models, self._asked = found, time.monotonic()
         return found
 

@@ -74,8 +74,14 @@ class ServingOptions:
     # small relaying process (one sampler process runs all their loops).
     in_flight: int = 8
     # Requests waiting for a free instance beyond that; more are refused
-    # with UNAVAILABLE instead of queueing without bound.
+    # with UNAVAILABLE instead of queueing without bound. Those of the
+    # streaming twin (NAME_stream, what the HTTP API calls) wait at the
+    # sampler's step gate, where priority and owner decide whose denoising
+    # steps run (runtime/scheduling.py); the public model's wait in Triton's
+    # queue, first come, first served.
     max_queue_size: int = 64
+    # Batch requests' minimum share of denoiser time while interactive ones wait too.
+    batch_min_share: float = 0.1
     # Forwards each component runs at once (one ONNX Runtime session each).
     # Two on the 2-core CPU: with one, the tail forward was the serial
     # bottleneck (1.66 of 2 cores busy at concurrency 8, 11.6 requests/s);
@@ -249,9 +255,10 @@ def _single_decoupled_instance(name: str) -> str:
             "model_transaction_policy {\n  decoupled: true\n}\n")
 
 
-def render_sampler_config(pipeline: str, family: Family) -> str:
+def render_sampler_config(pipeline: str, family: Family, options: ServingOptions) -> str:
     """The sampler: decoupled (a progress response per step, then the
-    result), one instance whose threads carry every request in flight."""
+    result), one instance whose threads carry every request in flight; its
+    step gate lets ``in_flight`` requests' denoiser calls run at once."""
     relay_inputs = (ApiTensor(REQUEST_KEY_INPUT, "BYTES", (1,), ""), ApiTensor(CANCEL_INPUT, "BYTES", (1,), ""),
                     ApiTensor(PROGRESS_INPUT, "INT32", (1,), ""), *STREAM_INPUTS)
     relay_outputs = PROGRESS_OUTPUTS + (ApiTensor(ERROR_OUTPUT, "BYTES", (1,), ""),
@@ -262,6 +269,7 @@ def render_sampler_config(pipeline: str, family: Family) -> str:
         + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio) + relay_outputs,
                                           optional=False))
         + "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
+        + _parameters({"step_slots": str(options.in_flight), "batch_min_share": f"{options.batch_min_share:g}"})
     )
 
 
@@ -406,7 +414,7 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
         f"{pipeline}/1/model.py": _SHIM.format(cls="PublicModel"),
         f"{model_name(pipeline, STREAM)}/config.pbtxt": render_stream_config(pipeline, family, options, card),
         f"{model_name(pipeline, STREAM)}/1/model.py": _SHIM.format(cls="StreamModel"),
-        f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family),
+        f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family, options),
         f"{sampler}/1/model.py": _SHIM.format(cls="SamplerModel"),
         f"{sampler}/1/{MANIFEST_FILE}": manifest.render(),
     }

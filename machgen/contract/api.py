@@ -64,7 +64,17 @@ API_INPUTS: tuple[ApiTensor, ...] = (
                                       f"--max-lora-rank"),
     ApiTensor("lora_scale", "FP32", (-1,), "each adapter's weight, as diffusers' set_adapters(adapter_weights=...), "
                                            "one per name in lora; 1.0 each when absent"),
+    ApiTensor("priority", "BYTES", (1,), "whose denoising steps run first when more requests are runnable than "
+                                         "the model runs at once: interactive (default; a person waiting) before "
+                                         "batch (an agent's burst), which keeps a minimum share"),
+    ApiTensor("owner", "BYTES", (1,), "who the request is for (an API key, a tenant): within a priority, denoiser "
+                                      "time is shared fairly between owners; one anonymous owner when absent"),
 )
+# Request priorities, first served first (runtime/scheduling.py).
+PRIORITIES = ("interactive", "batch")
+DEFAULT_PRIORITY = "interactive"
+ANONYMOUS_OWNER = ""
+MAX_OWNER_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -157,7 +167,9 @@ API_OUTPUTS: tuple[ApiTensor, ...] = (
                                                    "[frames, height, width, RGB]"),
     ApiTensor("stats", "BYTES", (1,), "JSON: steps, cache_policy, cache_threshold, denoiser_head_calls, "
                                       "denoiser_tail_calls, denoiser_tail_passes, negative_rows_derived, "
-                                      "text_cache_hits/misses, frames, fps, sample_rate, adapters (name: scale)"),
+                                      "text_cache_hits/misses, frames, fps, sample_rate, adapters (name: scale), "
+                                      "expected_psnr(_worst), priority, waited_seconds (at the step gate), "
+                                      "denoiser_seconds"),
     # Only in the configs of models that make sound (Capabilities.audio).
     ApiTensor("audio", "FP32", (-1, -1), "a video's sound track, [channels, samples] in [-1, 1] at stats' "
                                          "sample_rate"),
@@ -278,6 +290,8 @@ class GenerationRequest:
     inputs: Mapping[str, Any] = field(default_factory=dict)
     # Per-request LoRA adapters: (name, scale) in the order asked.
     adapters: tuple[tuple[str, float], ...] = ()
+    priority: str = DEFAULT_PRIORITY
+    owner: str = ANONYMOUS_OWNER
 
     @property
     def denoising_steps(self) -> int:
@@ -318,6 +332,13 @@ def _text(field: str, value: np.ndarray) -> str:
         return bytes(raw).decode("utf-8")
     except (UnicodeDecodeError, TypeError) as err:
         raise InvalidArgument(field, "not valid UTF-8 text") from err
+
+
+def _owner(field: str, value: np.ndarray) -> str:
+    owner = _text(field, value)
+    if len(owner) > MAX_OWNER_LENGTH:
+        raise InvalidArgument(field, f"{len(owner)} characters; at most {MAX_OWNER_LENGTH}")
+    return owner
 
 
 def _integer(field: str, value: np.ndarray, low: int, high: int) -> int:
@@ -557,6 +578,8 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Serve
         **_video_fields(get_input, defaults, tasks, frame_multiple, height, width),
         inputs=_family_fields(get_input, defaults, family_inputs, settings or {}),
         adapters=_adapter_fields(get_input, adapters),
+        priority=value("priority", lambda f, v: _choice(f, v, PRIORITIES), DEFAULT_PRIORITY),
+        owner=value("owner", _owner, ANONYMOUS_OWNER),
     )
     if request.denoising_steps < 1:
         raise InvalidArgument("strength", f"{request.strength:g} leaves no denoising step of "

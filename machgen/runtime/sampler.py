@@ -87,6 +87,11 @@ class GenerationStats:
     # against the uncached output, dB); None where the setting is not a calibrated one, or with adapters.
     expected_psnr: float | None = None
     expected_psnr_worst: float | None = None
+    # Served: the request's priority, the seconds its denoiser calls waited at the step gate for their turns, and
+    # the seconds they ran (what its owner was charged).
+    priority: str = "interactive"
+    waited_seconds: float = 0.0
+    denoiser_seconds: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

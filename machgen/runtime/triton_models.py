@@ -70,6 +70,7 @@ from machgen.contract.manifest import (
 )
 from machgen.runtime.processes import instances_of, sibling_stubs
 from machgen.runtime.sampler import GenerationCancelled
+from machgen.runtime.scheduling import GateClosed, SchedulingPolicy, StepGate
 from machgen.runtime.tensors import is_torch
 
 
@@ -443,9 +444,11 @@ class StreamModel:
     its own thread, relayed to the sampler as the public model relays it,
     and every progress response (step, steps, elapsed seconds, the preview
     when one is due) is passed on before the result. A client that cancels
-    the stream stops the request at the next step. Requests beyond
-    ``in_flight`` wait, up to ``max_queue_size`` of them; more are refused
-    with UNAVAILABLE, as the public model's queue refuses them."""
+    the stream stops the request at the next step. Up to ``in_flight`` +
+    ``max_queue_size`` requests are relayed at once; they wait for their
+    turns at the sampler's step gate (by priority and owner, not first come,
+    first served); more are refused with UNAVAILABLE, as the public model's
+    queue refuses them."""
 
     def initialize(self, args: dict) -> None:
         faulthandler.enable(all_threads=True)
@@ -455,10 +458,11 @@ class StreamModel:
                              if entry["name"] not in (PROGRESS_OUTPUT, ELAPSED_OUTPUT, PREVIEW_OUTPUT)]
         self.name = config["name"]
         self.sampler = _parameter(config, "sampler", "")
-        self.max_queue_size = int(_parameter(config, "max_queue_size", "64"))
-        self._slots = threading.Semaphore(int(_parameter(config, "in_flight", "8")))
+        # Requests relayed to the sampler at once: those running and those queued. They queue at the sampler's
+        # step gate, which decides by priority and owner whose steps run (not first come, first served).
+        self.max_admitted = int(_parameter(config, "in_flight", "8")) + int(_parameter(config, "max_queue_size", "64"))
         self._lock = threading.Lock()
-        self._waiting = 0
+        self._admitted = 0
         self._threads: set[threading.Thread] = set()
         self._closing = threading.Event()
         # Streams read to their end, with the count of streams ended before
@@ -513,22 +517,11 @@ class StreamModel:
 
     def _run(self, request, sender, streams: list) -> "pb_utils.InferenceResponse":
         with self._lock:
-            full = self._waiting >= self.max_queue_size
+            full = self._admitted >= self.max_admitted
             if not full:
-                self._waiting += 1
+                self._admitted += 1
         if full:
             return _error_response("Exceeds maximum queue size", pb_utils.TritonError.UNAVAILABLE)
-        try:
-            waited_since = time.monotonic()
-            while not self._slots.acquire(timeout=0.25):
-                if self._closing.is_set() or self._is_cancelled(request):
-                    return _error_response("cancelled before it started", pb_utils.TritonError.CANCELLED)
-                if time.monotonic() - waited_since >= HEARTBEAT_S:  # still queued: a heartbeat, step 0 of 0
-                    _send_heartbeat(sender, np.zeros(2, np.int32), 0.0)
-                    waited_since = time.monotonic()
-        finally:
-            with self._lock:
-                self._waiting -= 1
         try:
             if self._is_cancelled(request):
                 return _error_response("cancelled before it started", pb_utils.TritonError.CANCELLED)
@@ -551,7 +544,8 @@ class StreamModel:
                                    is_cancelled=lambda: self._closing.is_set() or self._is_cancelled(request),
                                    keep_stream=streams.append, on_progress=on_progress, on_silence=on_silence)
         finally:
-            self._slots.release()
+            with self._lock:
+                self._admitted -= 1
 
     def finalize(self) -> None:
         # Triton unloads the model once every request has its final response;
@@ -608,11 +602,25 @@ class SamplerModel:
         self.sampler = load_sampler(self.manifest, str(model_dir), self._run_component, chains=True)
         self.preview = LatentPreview.load(model_dir)  # None: the build fitted none (--no-preview)
         self.logger = pb_utils.Logger
+        # Every denoiser call passes the step gate: whose steps run when more requests are runnable than it
+        # lets run at once (runtime/scheduling.py).
+        config = json.loads(args["model_config"])
+        self.gate = StepGate(SchedulingPolicy(slots=int(_parameter(config, "step_slots", "8")),
+                                              batch_min_share=float(_parameter(config, "batch_min_share", "0.1"))))
+        self._turn = threading.local()  # the request this thread runs: who it is for, its priority
         # Requests running, by the key their relay gave them.
         self._running: dict[str, _RunningRequest] = {}
         self._lock = threading.Lock()
 
     def _run_component(self, name: str, inputs: dict):
+        turn = getattr(self._turn, "request", None)
+        if turn is not None and name.startswith("denoiser"):
+            owner, priority, is_cancelled, times, order = turn
+            with self.gate.turn(owner, priority, is_cancelled, times, order):
+                return self._component_call(name, inputs)
+        return self._component_call(name, inputs)
+
+    def _component_call(self, name: str, inputs: dict):
         if name in self.in_sampler:
             return self.in_sampler.run(name, inputs)
         model = self.manifest.components[name].model
@@ -755,9 +763,21 @@ class SamplerModel:
         def is_cancelled() -> bool:
             return running.stop.is_set() or server_stopping()
 
-        result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=is_cancelled,
-                                       on_preview=on_preview if self.preview is not None and progress else None,
-                                       preview_interval=interval)
+        turns: list[tuple[float, float]] = []  # each denoiser call's seconds at the gate and running
+        order = self.gate.request_order()
+        self._turn.request = (parsed.owner, parsed.priority, is_cancelled, turns, order)
+        try:
+            result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=is_cancelled,
+                                           on_preview=on_preview if self.preview is not None and progress else None,
+                                           preview_interval=interval)
+        except GateClosed:
+            raise GenerationCancelled(running.steps_done, parsed.denoising_steps) from None
+        finally:
+            self._turn.request = None
+            self.gate.leave(order)
+        result.stats.priority = parsed.priority
+        result.stats.waited_seconds = round(sum(waited for waited, _ in turns), 4)
+        result.stats.denoiser_seconds = round(sum(ran for _, ran in turns), 4)
         if is_cancelled():  # after the last step, before the decode
             raise GenerationCancelled(result.stats.steps, result.stats.steps)
         images = self.sampler.decode(result.latents)
