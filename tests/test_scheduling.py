@@ -129,6 +129,39 @@ def test_one_owners_requests_run_in_their_order_as_a_queue_runs_them():
     assert "".join(name[0] for name in order) in ("ffffssss", "sffffsss"), order
 
 
+def test_while_a_person_runs_batch_requests_hold_only_their_share_of_the_slots():
+    """Four slots, six batch requests holding them; a person's request comes: once the calls begun before it are
+    done, at most one batch call runs beside each of its calls (a tenth of four slots, rounded up)."""
+    gate = StepGate(SchedulingPolicy(slots=4, batch_min_share=0.1))
+    lock = threading.Lock()
+    running = {"batch": 0, "interactive": 0}
+    most_beside_person = []
+    start = threading.Barrier(7)
+
+    def run(priority, steps, delay):
+        request = gate.request_order()
+        start.wait()
+        time.sleep(delay)
+        for step in range(steps):
+            with gate.turn(priority, priority, order=request):
+                with lock:
+                    running[priority] += 1
+                time.sleep(0.01)
+                with lock:
+                    if priority == "interactive" and step > 0:  # its first call may meet calls begun before it
+                        most_beside_person.append(running["batch"])
+                    running[priority] -= 1
+        gate.leave(request)
+
+    threads = [threading.Thread(target=run, args=("batch", 30, 0.0)) for _ in range(6)]
+    threads.append(threading.Thread(target=run, args=("interactive", 10, 0.05)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert most_beside_person and max(most_beside_person) <= 1, most_beside_person
+
+
 def test_a_call_cancelled_while_it_waits_leaves_and_the_others_go_on():
     gate = StepGate(SchedulingPolicy(slots=1))
     cancelled = threading.Event()

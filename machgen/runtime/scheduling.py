@@ -42,7 +42,9 @@ INTERACTIVE, BATCH = PRIORITIES
 class SchedulingPolicy:
     # Denoiser calls running at once (the rest wait at the gate).
     slots: int = 8
-    # Batch work's share of denoiser time while interactive work waits too: its guaranteed minimum.
+    # Batch work's share of denoiser time while interactive work waits too: its guaranteed minimum. While
+    # interactive requests run or wait, batch requests hold at most this share of the slots (at least one): the
+    # interactive ones then run nearly as fast as alone (on the CPU a forward's time grows with its rows).
     batch_min_share: float = 0.1
     # The shares are of denoiser time served over about this long (an exponentially decaying sum).
     share_window_s: float = 10.0
@@ -94,8 +96,11 @@ class SchedulerState:
             self.counters[key] = max(self.counters.get(key, 0.0), min(others))
 
 
-def next_turn(waiting: Sequence[Waiter], state: SchedulerState, policy: SchedulingPolicy) -> Waiter | None:
-    """The waiting call that takes the next free slot."""
+def next_turn(waiting: Sequence[Waiter], state: SchedulerState, policy: SchedulingPolicy,
+              batch_allowed: bool = True) -> Waiter | None:
+    """The waiting call that takes the next free slot (``batch_allowed`` False: an interactive one, or none)."""
+    if not batch_allowed:
+        waiting = [waiter for waiter in waiting if waiter.priority == INTERACTIVE]
     if not waiting:
         return None
     present = {waiter.priority for waiter in waiting}
@@ -145,14 +150,14 @@ class StepGate:
         alone = order is None
         me = Waiter(owner, priority, self.request_order() if alone else order)
         with self._condition:
-            if me.arrival in self._holding and self._waiting and next_turn(
-                    self._waiting + [me], self.state, self.policy) is not me:
-                del self._holding[me.arrival]  # preempted at its step boundary: its slot goes to the one chosen
+            if me.arrival in self._holding:
+                # Its step boundary: it competes again, first among its owner's requests; it keeps its slot
+                # unless another is the decision's (or batch work is over its share of the slots).
+                del self._holding[me.arrival]
                 self._condition.notify_all()
-            if me.arrival not in self._holding:
-                if (priority, owner) not in self._active():
-                    self.state.arrive(owner, priority, self._active())
-                self._wait_for_slot(me, is_cancelled)
+            elif (priority, owner) not in self._active():
+                self.state.arrive(owner, priority, self._active())
+            self._wait_for_slot(me, is_cancelled)
         started = self.clock()
         try:
             yield
@@ -166,11 +171,19 @@ class StepGate:
             if waited is not None:
                 waited.append((started - arrived, ended - started))
 
+    def _batch_room(self) -> bool:
+        """Whether one more batch request may hold a slot: always, but while interactive requests run or wait
+        only up to batch_min_share of the slots (one at least)."""
+        if not any(w.priority == INTERACTIVE for w in [*self._waiting, *self._holding.values()]):
+            return True
+        held = sum(1 for w in self._holding.values() if w.priority == BATCH)
+        return held < max(1, math.ceil(self.policy.slots * self.policy.batch_min_share))
+
     def _wait_for_slot(self, me: Waiter, is_cancelled: Callable[[], bool]) -> None:
         self._waiting.append(me)
         try:
             while not (len(self._holding) < self.policy.slots
-                       and next_turn(self._waiting, self.state, self.policy) is me):
+                       and next_turn(self._waiting, self.state, self.policy, self._batch_room()) is me):
                 if is_cancelled():
                     raise GateClosed("cancelled while waiting for its turn")
                 self._condition.wait(timeout=0.25)
