@@ -10,6 +10,10 @@ DEMO_GRPC ?= 127.0.0.1:8001
 MODEL ?= models/shapes-flux
 NAME ?= shapes
 PROMPT ?= a red circle at the top left
+# The video default, served beside it: trained here on moving shapes (see models/shapes-wan/README.md).
+VIDEO_MODEL ?= models/shapes-wan
+VIDEO_NAME ?= shapes-video
+VIDEO_PROMPT ?= a red circle moves to the right
 
 .PHONY: install system-tools test test-fast demo repository clean
 
@@ -45,6 +49,7 @@ test-fast: install
 
 repository: install
 	$(BIN)/machgen-build build $(MODEL) --name $(NAME) --target onnxruntime --out model_repository
+	$(BIN)/machgen-build build $(VIDEO_MODEL) --name $(VIDEO_NAME) --target onnxruntime --out model_repository
 
 demo: repository
 	@mkdir -p out $(DEMO_DIR)
@@ -57,7 +62,9 @@ demo: repository
 		sleep 1; \
 	done; \
 	grep '^ready' $(DEMO_DIR)/serve.log; \
-	$(BIN)/machgen generate --url $(DEMO_GRPC) --model $(NAME) --prompt "$(PROMPT)" --seed 0 --out out/demo.png
+	$(BIN)/machgen generate --url $(DEMO_GRPC) --model $(NAME) --prompt "$(PROMPT)" --seed 0 --out out/demo.png; \
+	$(BIN)/machgen generate --url $(DEMO_GRPC) --model $(VIDEO_NAME) --prompt "$(VIDEO_PROMPT)" --seed 0 \
+		--out out/demo.mp4
 
 clean:
 	rm -rf build out model_repository/*/ .pytest_cache
