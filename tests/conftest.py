@@ -623,6 +623,25 @@ def postgres_server():
         server.stop()
 
 
+def events_of(api: "ApiProcess", job_id: str) -> list[tuple[str, dict]]:
+    """Every Server-Sent Event of a job, to its terminal one, read through ``api`` (with its key, if it has one)."""
+    import json
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api.key}"} if api.key else {}
+    events = []
+    with httpx.stream("GET", f"{api.url}/v1/jobs/{job_id}/events", headers=headers, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+    return events
+
+
 @pytest.fixture(scope="session")
 def api_keys(tmp_path_factory):
     """(keys file, a valid key, another valid key whose limit is one job in flight)."""

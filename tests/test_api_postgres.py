@@ -16,7 +16,7 @@ from PIL import Image
 
 from machgen.client import MachgenClient
 
-from conftest import PIPELINE_NAME, ApiProcess, free_port, wait_until
+from conftest import PIPELINE_NAME, ApiProcess, events_of, free_port, wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -124,14 +124,7 @@ def test_a_jobs_events_reach_a_listener_on_another_process(triton_server, postgr
         job = httpx.post(f"{runner.url}/v1/images/generations", timeout=30, json={
             "model": PIPELINE_NAME, "prompt": "a cat", "size": "64x32", "seed": 3, "num_inference_steps": 6,
             "async": True}).json()
-        events = []
-        with httpx.stream("GET", f"{listener.url}/v1/jobs/{job['id']}/events", timeout=60) as response:
-            name = None
-            for line in response.iter_lines():
-                if line.startswith("event: "):
-                    name = line[len("event: "):]
-                elif line.startswith("data: "):
-                    events.append((name, json.loads(line[len("data: "):])))
+        events = events_of(listener, job["id"])
         names = [name for name, _ in events]
         assert names[-1] == "completed" and events[-1][1]["id"] == job["id"]
         assert "preview" in names and names.count("progress") >= 1

@@ -15,7 +15,7 @@ from PIL import Image
 
 from machgen.client import MachgenClient
 
-from conftest import PIPELINE_NAME, ApiProcess, picture, wait_until
+from conftest import PIPELINE_NAME, ApiProcess, events_of, picture, wait_until
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
@@ -40,20 +40,6 @@ def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
 
 def auth(api, key=None) -> dict:
     return {"Authorization": f"Bearer {key or api.key}"}
-
-
-def events_of(api, job_id: str) -> list[tuple[str, dict]]:
-    """Every Server-Sent Event of a job, to its terminal one."""
-    events = []
-    with httpx.stream("GET", f"{api.url}/v1/jobs/{job_id}/events", headers=auth(api), timeout=60) as response:
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line[len("data: "):])))
-    return events
 
 
 def test_images_generate_with_the_openai_package_equals_the_plain_triton_model(api_server, triton_server):

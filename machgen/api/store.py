@@ -29,6 +29,7 @@ from typing import Any
 from machgen.api.database import Database, is_database_url
 
 ACTIVE = ("queued", "in_progress")
+_ACTIVE_SQL = f"status IN {ACTIVE}"  # SQL: a job queued or running
 FINISHED = ("completed", "failed", "cancelled")
 
 
@@ -129,9 +130,9 @@ class JobStore:
         error = json.dumps({"code": "interrupted", "message": "the API stopped while this job was queued or "
                                                               "running; submit it again"})
         with self.db.transaction() as run:
-            ids = [row[0] for row in run("SELECT id FROM jobs WHERE status IN ('queued', 'in_progress')")]
+            ids = [row[0] for row in run(f"SELECT id FROM jobs WHERE {_ACTIVE_SQL}")]
             run("UPDATE jobs SET status = 'failed', error = ?, completed_at = ?, runner = NULL "
-                "WHERE status IN ('queued', 'in_progress')", (error, int(time.time())))
+                f"WHERE {_ACTIVE_SQL}", (error, int(time.time())))
         return ids
 
     def insert(self, job: Job, inputs: bytes | None = None, lease_s: float = 60.0) -> Job:
@@ -188,7 +189,7 @@ class JobStore:
         """An active job whose holder's lease ran out, now held by this process, with its inputs; or None."""
         now = time.time()
         with self.db.transaction() as run:
-            rows = run(f"SELECT id FROM jobs WHERE status IN ('queued', 'in_progress') AND lease_until < ? "
+            rows = run(f"SELECT id FROM jobs WHERE {_ACTIVE_SQL} AND lease_until < ? "
                        f"AND inputs IS NOT NULL ORDER BY {self._order} LIMIT 1 {self.db.dialect.skip_locked}",
                        (now,))
             if not rows:
@@ -214,7 +215,7 @@ class JobStore:
 
     def active_count(self, owner: str) -> int:
         """The owner's jobs queued or running, in every API process."""
-        return self.db.execute("SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN ('queued', 'in_progress')",
+        return self.db.execute(f"SELECT COUNT(*) FROM jobs WHERE owner = ? AND {_ACTIVE_SQL}",
                                (owner,))[0][0]
 
     def list(self, kind: str | None = None, owner: str | None = None, limit: int = 50,
