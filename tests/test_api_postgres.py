@@ -60,19 +60,23 @@ def test_two_api_processes_share_forty_jobs_and_one_killed_loses_none(triton_ser
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     _Receiver.deliveries = []
     callback = f"http://127.0.0.1:{receiver.server_address[1]}/hook"
-    doomed, survivor = _api(triton_server, url, secret, tmp_path, "doomed"), _api(triton_server, url, secret,
-                                                                                   tmp_path, "survivor")
+    doomed, survivor = (_api(triton_server, url, secret, tmp_path, name, "--max-jobs-per-key", str(JOBS))
+                        for name in ("doomed", "survivor"))
     try:
         doomed.wait_ready(), survivor.wait_ready()
-        jobs = [_job((doomed, survivor)[index % 2], index, callback) for index in range(JOBS)]
-        by_id = {job["id"]: index for index, job in enumerate(jobs)}
-        doomed_ids = [job["id"] for job in jobs[::2]]
+        # The survivor's half first, then the doomed process's, killed as soon as its last job is accepted: its
+        # twenty jobs of 30 steps cannot all be done by then (sent interleaved, they could, on a fast machine).
+        survivor_jobs = [_job(survivor, index, callback) for index in range(1, JOBS, 2)]
+        doomed_jobs = [_job(doomed, index, callback) for index in range(0, JOBS, 2)]
+        doomed.kill()  # SIGKILL mid-run: its leases are never given back
+        by_id = {job["id"]: index for index, job in zip([*range(1, JOBS, 2), *range(0, JOBS, 2)],
+                                                        survivor_jobs + doomed_jobs)}
+        doomed_ids = [job["id"] for job in doomed_jobs]
 
-        # Each process sees the other's jobs, and follows their events through the database.
+        # The survivor sees the other's jobs, through the database.
         followed = httpx.get(f"{survivor.url}/v1/jobs/{doomed_ids[0]}", timeout=30).json()
         assert followed["id"] == doomed_ids[0] and followed["status"] in ("queued", "in_progress", "completed")
 
-        doomed.kill()  # SIGKILL mid-run: its leases are never given back
         import psycopg
 
         with psycopg.connect(url) as connection:

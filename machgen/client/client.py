@@ -223,7 +223,7 @@ class MachgenClient:
         self._client.start_stream(callback=lambda result, error: responses.put((result, error)),
                                   stream_timeout=self.timeout_s)
         try:
-            self._client.async_stream_infer(model_name(model, STREAM), inputs)
+            self._send_on_stream(model_name(model, STREAM), inputs, responses)
             last_step = 0
             while True:
                 try:
@@ -249,6 +249,22 @@ class MachgenClient:
             raise
         finally:
             self._client.stop_stream()
+
+    def _send_on_stream(self, model: str, inputs: list, responses: queue.Queue) -> None:
+        # A stream that failed before its request went out (its server died, a balancer refused it) says why
+        # only through the callback. No server saw the request, so sending it again is always safe.
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            self._client.async_stream_infer(model, inputs)
+        except InferenceServerException as err:
+            try:
+                _, error = responses.get(timeout=1.0)
+            except queue.Empty:
+                error = None
+            why = error.message() if error is not None else err.message()
+            raise GenerationError("StatusCode.UNAVAILABLE", f"the stream failed before the request was sent: "
+                                  f"{why}") from err
 
     def generate(self, model: str, prompt: str, on_progress: ProgressCallback | None = None,
                  **options: Any) -> np.ndarray:
