@@ -20,6 +20,7 @@ from machgen.contract.api import (
     PROGRESS_OUTPUT,
     STREAM_INPUTS,
     STREAM_SILENCE_S,
+    TRAJECTORY_OUTPUT,
     ApiTensor,
     FamilyInput,
     Generated,
@@ -295,11 +296,15 @@ class MachgenClient:
 
     def generate_all(self, model: str, prompt: str, on_progress: ProgressCallback | None = None,
                      **options: Any) -> Generated:
-        """Everything a request gives back: frames, stats, and the sound track
-        of a model that makes one (asked for only where the model declares it)."""
-        outputs = ("images", "stats") + ((AUDIO_OUTPUT,) if self.makes_audio(model) else ())
+        """Everything a request gives back: frames, stats, the sound track
+        of a model that makes one (asked for only where the model declares it)
+        and, with ``trajectory_steps``, the latents after those steps (a row is
+        a later request's ``start_latents``: a refine)."""
+        outputs = ("images", "stats") + ((AUDIO_OUTPUT,) if self.makes_audio(model) else ()) + (
+            (TRAJECTORY_OUTPUT,) if options.get("trajectory_steps") else ())
         result = self.infer(model, self._inputs(model, prompt, options), outputs=outputs, on_progress=on_progress)
-        return Generated(result["images"], result.get(AUDIO_OUTPUT), _stats(result["stats"]))
+        return Generated(result["images"], result.get(AUDIO_OUTPUT), _stats(result["stats"]),
+                         result.get(TRAJECTORY_OUTPUT))
 
     def _ask(self, call: str, model: str) -> dict[str, Any]:
         """A plain (unrestricted) question about ``model``: its metadata or config, as JSON."""

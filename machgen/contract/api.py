@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -69,6 +69,14 @@ API_INPUTS: tuple[ApiTensor, ...] = (
                                          "batch (an agent's burst), which keeps a minimum share"),
     ApiTensor("owner", "BYTES", (1,), "who the request is for (an API key, a tenant): within a priority, denoiser "
                                       "time is shared fairly between owners; one anonymous owner when absent"),
+    ApiTensor("trajectory_steps", "INT32", (-1,), "return the latents after each of these steps (1 to "
+                                                  "num_inference_steps) in the trajectory output"),
+    ApiTensor("start_step", "INT32", (1,), "refine: start at this step of the schedule from start_latents (a "
+                                           "trajectory row of an earlier request of the same size, steps and "
+                                           "model); with that request's settings it gives that request's result"),
+    ApiTensor("start_latents", "FP32", (-1,), "refine: the latents after start_step steps, one trajectory row"),
+    ApiTensor("stop_step", "INT32", (1,), "stop after this step; images are then the clean result its prediction "
+                                          "points to (decoded in full, for scoring an early look)"),
 )
 # Request priorities, first served first (runtime/scheduling.py).
 PRIORITIES = ("interactive", "batch")
@@ -170,11 +178,14 @@ API_OUTPUTS: tuple[ApiTensor, ...] = (
                                       "text_cache_hits/misses, frames, fps, sample_rate, adapters (name: scale), "
                                       "expected_psnr(_worst), priority, waited_seconds (at the step gate), "
                                       "denoiser_seconds"),
+    ApiTensor("trajectory", "FP32", (-1, -1), "the latents after each of trajectory_steps, one row each, flat "
+                                              "(a row is a later request's start_latents)"),
     # Only in the configs of models that make sound (Capabilities.audio).
     ApiTensor("audio", "FP32", (-1, -1), "a video's sound track, [channels, samples] in [-1, 1] at stats' "
                                          "sample_rate"),
 )
 AUDIO_OUTPUT = "audio"
+TRAJECTORY_OUTPUT = "trajectory"
 
 # The streaming twin NAME_stream (decoupled): the public model's inputs plus
 # STREAM_INPUTS; before its final response (API_OUTPUTS) it sends one with
@@ -225,11 +236,14 @@ def public_outputs(audio: bool) -> tuple[ApiTensor, ...]:
 @dataclass(frozen=True)
 class Generated:
     """What one request gave back: uint8 frames [N, H, W, 3], the sound
-    track float32 [channels, samples] (None for a silent model) and stats."""
+    track float32 [channels, samples] (None for a silent model), stats, and
+    the latents after each of its trajectory_steps (float32 [steps, values];
+    None where it asked for none)."""
 
     images: np.ndarray
     audio: np.ndarray | None
     stats: dict[str, Any]
+    trajectory: np.ndarray | None = None
 
 
 _NUMPY_DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
@@ -292,13 +306,32 @@ class GenerationRequest:
     adapters: tuple[tuple[str, float], ...] = ()
     priority: str = DEFAULT_PRIORITY
     owner: str = ANONYMOUS_OWNER
+    # Return the latents after these steps of the schedule (each in [1, num_inference_steps]).
+    trajectory_steps: tuple[int, ...] = ()
+    # Refine: the latents after ``start_step`` steps of this request's schedule (flat float32), to go on from.
+    start_step: int = 0
+    start_latents: np.ndarray | None = None
+    # Stop after this step of the schedule (None: run to its end), returning the predicted clean result.
+    stop_step: int | None = None
+
+    @property
+    def first_step(self) -> int:
+        """The step of the schedule the loop starts at: a refine's start_step, or
+        image-to-image's skip of the first (1 - strength) (diffusers' get_timesteps)."""
+        steps = self.num_inference_steps
+        if self.start_latents is not None:
+            return self.start_step
+        return 0 if self.strength is None else int(max(steps - steps * self.strength, 0))
+
+    @property
+    def last_step(self) -> int:
+        """The step of the schedule the loop stops after."""
+        return self.num_inference_steps if self.stop_step is None else self.stop_step
 
     @property
     def denoising_steps(self) -> int:
-        """Steps actually run: image-to-image skips the first (1 - strength) of
-        the schedule (diffusers' get_timesteps)."""
-        steps = self.num_inference_steps
-        return steps if self.strength is None else steps - int(max(steps - steps * self.strength, 0))
+        """Steps actually run."""
+        return self.last_step - self.first_step
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -581,7 +614,46 @@ def parse_request(get_input: Callable[[str], np.ndarray | None], defaults: Serve
         priority=value("priority", lambda f, v: _choice(f, v, PRIORITIES), DEFAULT_PRIORITY),
         owner=value("owner", _owner, ANONYMOUS_OWNER),
     )
-    if request.denoising_steps < 1:
+    if request.strength is not None and request.num_inference_steps - request.first_step < 1:
         raise InvalidArgument("strength", f"{request.strength:g} leaves no denoising step of "
                                           f"{request.num_inference_steps}")
-    return request
+    return _trajectory_fields(get_input, request, redraws_image)
+
+
+def _trajectory_fields(get_input: Callable[[str], np.ndarray | None], request: GenerationRequest,
+                       redraws_image: bool) -> GenerationRequest:
+    """trajectory_steps, start_step with start_latents (refine) and stop_step, checked against the schedule."""
+    steps = request.num_inference_steps
+    start_step, start_latents = get_input("start_step"), get_input("start_latents")
+    if (start_step is None) != (start_latents is None):
+        given, missing = ("start_step", "start_latents") if start_latents is None else ("start_latents", "start_step")
+        raise InvalidArgument(missing, f"missing; {given} needs it (a refine starts at a step from its latents)")
+    fields: dict[str, Any] = {}
+    if start_step is not None:
+        if redraws_image:
+            raise InvalidArgument("start_step", "a refine starts from latents, image-to-image from a picture: "
+                                                "not both")
+        fields["start_step"] = _integer("start_step", np.asarray(start_step), 0, steps - 1)
+        latents = np.asarray(start_latents)
+        if latents.dtype.kind != "f" or latents.ndim != 1 or not latents.size:
+            raise InvalidArgument("start_latents", f"expected a flat FP32 array (a trajectory row), got "
+                                                   f"{latents.dtype} {list(latents.shape)}")
+        if not np.isfinite(latents).all():
+            raise InvalidArgument("start_latents", "holds values that are not finite")
+        fields["start_latents"] = latents.astype(np.float32, copy=False)
+    first = fields.get("start_step", request.first_step)
+    stop = get_input("stop_step")
+    if stop is not None:
+        fields["stop_step"] = _integer("stop_step", np.asarray(stop), first + 1, steps)
+    last = fields.get("stop_step", steps)
+    kept = get_input("trajectory_steps")
+    if kept is not None and np.asarray(kept).size:
+        kept = np.asarray(kept)
+        if kept.ndim != 1 or not np.issubdtype(kept.dtype, np.integer):
+            raise InvalidArgument("trajectory_steps", f"expected a 1-D integer array, got {kept.dtype} "
+                                                      f"{list(kept.shape)}")
+        outside = [int(step) for step in kept if not first < step <= last]
+        if outside:
+            raise InvalidArgument("trajectory_steps", f"{outside}: this request runs steps {first + 1} to {last}")
+        fields["trajectory_steps"] = tuple(sorted({int(step) for step in kept}))
+    return replace(request, **fields) if fields else request

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from machgen.contract.adapters import served_adapters
-from machgen.contract.api import API_INPUTS, check_option_names, input_array
+from machgen.contract.api import API_INPUTS, Generated, check_option_names, input_array
 from machgen.contract.manifest import COMPONENT_FILES, PipelineManifest, pipeline_dir
 from machgen.runtime.components import InSamplerComponents, open_component
 from machgen.runtime.sampler import GenerationStats, load_sampler
@@ -84,6 +84,11 @@ class LocalPipeline:
     def generate_with_audio(self, prompt: str, **options: Any) -> tuple[np.ndarray, np.ndarray | None,
                                                                          GenerationStats]:
         """``generate`` plus the sound track [channels, samples] (None for a silent model)."""
+        generated = self.generate_all(prompt, **options)
+        return generated.images, generated.audio, generated.stats
+
+    def generate_all(self, prompt: str, **options: Any) -> Generated:
+        """Everything a served request gives back (stats as GenerationStats), the trajectory included."""
         from machgen.families.registry import family_inputs
 
         check_option_names(options, self.inputs, family_inputs())
@@ -91,4 +96,5 @@ class LocalPipeline:
                   for name, value in {"prompt": prompt, **options}.items() if value is not None}
         request = self.sampler.parse_request(arrays.get, self.manifest.defaults)
         result = self.sampler.generate(request)
-        return self.sampler.decode(result.latents), self.sampler.decode_audio(result.latents), result.stats
+        return Generated(self.sampler.decode(result.latents), self.sampler.decode_audio(result.latents), result.stats,
+                         result.trajectory)

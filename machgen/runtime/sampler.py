@@ -42,7 +42,7 @@ from machgen.contract.adapters import (
     installed_adapters,
     served_adapters,
 )
-from machgen.contract.api import GenerationRequest, parse_request
+from machgen.contract.api import GenerationRequest, InvalidArgument, parse_request
 from machgen.contract.manifest import PipelineManifest, load_object
 from machgen.runtime.cache import CacheSettings, StepCache, StepPlan
 from machgen.runtime.family import FamilyRuntime, RunComponent, gather_rows
@@ -66,6 +66,9 @@ class GenerationStats:
     """What one request cost; returned to clients as the ``stats`` output."""
 
     steps: int = 0
+    # Where in the schedule of num_inference_steps they were: steps start_step + 1 to start_step + steps (a refine
+    # or image-to-image starts part-way; a stop_step ends early).
+    start_step: int = 0
     cache_policy: str = "none"
     cache_threshold: float | None = None
     denoiser_head_calls: int = 0
@@ -101,6 +104,8 @@ class GenerationStats:
 class Generation:
     latents: Any  # what the family's decode takes (FamilyRuntime.finish)
     stats: GenerationStats
+    # The latents after each of the request's trajectory_steps: float32 [steps, values], or None.
+    trajectory: np.ndarray | None = None
 
 
 class PromptEmbeddingCache:
@@ -242,14 +247,19 @@ class Sampler:
         prompts = [request.prompt] + ([request.negative_prompt] if guidance.uses_negative_prompt else [])
         embeddings = self.prompt_cache.encode(prompts, runtime.encode_prompts, stats)
         scheduler = runtime.scheduler(request)
-        first_step = request.num_inference_steps - request.denoising_steps
-        scheduler.set_begin_index(first_step)  # image-to-image starts into the schedule
-        state = runtime.state_class(request=request, scheduler=scheduler, timesteps=scheduler.timesteps[first_step:],
+        first_step = request.first_step
+        scheduler.set_begin_index(first_step)  # image-to-image and a refine start into the schedule
+        state = runtime.state_class(request=request, scheduler=scheduler,
+                                    timesteps=scheduler.timesteps[first_step:request.last_step],
                                     first_step=first_step, guidance=guidance,
                                     conditioning=gather_rows(embeddings, guidance.prompt_rows))
         latents = runtime.initial_latents(state)
+        if request.start_latents is not None:
+            latents = _given_latents(latents, request.start_latents)
         state.conditioning.update(runtime.request_conditioning(state))
-        stats.steps = len(state.timesteps)
+        stats.steps, stats.start_step = len(state.timesteps), first_step
+        kept = set(request.trajectory_steps)
+        trajectory = []
         cache.start(len(state.timesteps), first_step, request.num_inference_steps)
         # The request's adapters, the same every step (read-only: each call slices or copies its rows).
         adapter_inputs = adapter_rows(request.adapters, guidance.rows) if self.takes_adapters else {}
@@ -272,13 +282,19 @@ class Sampler:
             done = index + 1
             preview_due = (on_preview is not None and preview_interval > 0 and done % preview_interval == 0
                            and done < len(state.timesteps))
-            clean = runtime.predicted_clean(state, latents, noise, timestep) if preview_due else None
+            # Stopped early, the result is where this last step's prediction points.
+            stops_early = done == len(state.timesteps) and request.last_step < request.num_inference_steps
+            clean = runtime.predicted_clean(state, latents, noise, timestep) if preview_due or stops_early else None
             latents = scheduler.step(noise, timestep, latents, return_dict=False)[0]
-            if clean is not None:  # before on_step: a step's progress report can carry its preview
+            if first_step + done in kept:
+                trajectory.append(np.ascontiguousarray(as_numpy(latents), dtype=np.float32).reshape(-1))
+            if stops_early:
+                latents = clean
+            elif clean is not None:  # before on_step: a step's progress report can carry its preview
                 on_preview(done, runtime.preview_latents(runtime.finish(state, clean)))
             if on_step is not None:
                 on_step(done, len(state.timesteps))
-        return Generation(runtime.finish(state, latents), stats)
+        return Generation(runtime.finish(state, latents), stats, np.stack(trajectory) if trajectory else None)
 
     def decode(self, latents) -> np.ndarray:
         """uint8 frames [N, H, W, 3] (numpy, host memory) from ``Generation.latents``:
@@ -290,6 +306,16 @@ class Sampler:
         (host memory), or None for a model that makes none."""
         audio = self.runtime.decode_audio(latents)
         return None if audio is None else np.ascontiguousarray(as_numpy(audio), dtype=np.float32)
+
+
+def _given_latents(initial: Any, values: np.ndarray) -> Any:
+    """A refine's start_latents in the shape, dtype and device of the latents the request would start from."""
+    initial = as_torch(initial)
+    if values.size != initial.numel():
+        raise InvalidArgument("start_latents", f"{values.size} values, but this request's latents hold "
+                                               f"{initial.numel()} (a trajectory row of a request of the same model, "
+                                               f"size and frames)")
+    return as_torch(values.reshape(tuple(initial.shape))).to(device=initial.device, dtype=initial.dtype, copy=True)
 
 
 def adapter_rows(adapters: Sequence[tuple[str, float]], rows: int) -> dict[str, np.ndarray]:

@@ -51,6 +51,7 @@ from machgen.contract.api import (
     PREVIEW_OUTPUT,
     PROGRESS_OUTPUT,
     STREAM_ERROR_STATUSES,
+    TRAJECTORY_OUTPUT,
     InvalidArgument,
     integer_input,
     stream_error_message,
@@ -786,6 +787,8 @@ class SamplerModel:
                    pb_utils.Tensor("stats", _text(result.stats.to_json()))]
         if audio is not None:
             outputs.append(pb_utils.Tensor(AUDIO_OUTPUT, audio))
+        if result.trajectory is not None:
+            outputs.append(pb_utils.Tensor(TRAJECTORY_OUTPUT, result.trajectory))
         return outputs
 
     def finalize(self) -> None:
