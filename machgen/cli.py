@@ -217,6 +217,9 @@ def api(
     max_jobs_per_key: int = typer.Option(16, "--max-jobs-per-key", min=1, help="jobs in flight per key; more: 429"),
     max_upload_mb: float = typer.Option(25.0, "--max-upload-mb", min=0.001, help="largest request body"),
     result_ttl_hours: float = typer.Option(24.0, "--result-ttl-hours", min=0.0, help="how long results are kept"),
+    max_latents_mb: float = typer.Option(64.0, "--max-latents-mb", min=0.0,
+                                         help="the most latents a job keeps for refines (keep_latents); past it, "
+                                              "evenly spaced steps; they expire with its results"),
     webhook_secret: Optional[str] = typer.Option(None, "--webhook-secret", envvar="MACHGEN_WEBHOOK_SECRET",
                                                  help="Standard Webhooks secret (whsec_...) that signs callbacks; "
                                                       "without it jobs cannot ask for one"),
@@ -243,7 +246,8 @@ def api(
     _run_api(ApiSettings(triton_url=triton, data_dir=data_dir, database=database, database_url=database_url,
                          job_lease_s=job_lease, keys_file=keys_file,
                          max_jobs_per_key=max_jobs_per_key, max_upload_bytes=int(max_upload_mb * 1024 * 1024),
-                         result_ttl_s=result_ttl_hours * 3600, webhook_secret=webhook_secret,
+                         result_ttl_s=result_ttl_hours * 3600, max_latents_bytes=int(max_latents_mb * (1 << 20)),
+                         webhook_secret=webhook_secret,
                          allow_private_callbacks=allow_private_callbacks,
                          webhook_attempts=webhook_attempts, webhook_first_delay_s=webhook_retry_delay,
                          preview_interval=preview_interval, tenant_header=tenant_header), host, port)

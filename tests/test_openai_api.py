@@ -221,8 +221,9 @@ def test_a_webhook_is_signed_per_standard_webhooks_and_retried_after_a_failure(a
 
 def test_a_callback_to_an_address_that_is_not_public_is_refused_naming_the_field(triton_server, api_keys,
                                                                                   tmp_path_factory):
-    """Request forgery through webhooks: loopback, private and link-local (cloud metadata) receivers are refused
-    unless the operator allows them (--allow-private-callbacks, which the other tests' API has)."""
+    """Request forgery through webhooks and explore scorers: loopback, private and link-local (cloud metadata)
+    receivers are refused unless the operator allows them (--allow-private-callbacks, which the other tests'
+    API has)."""
     from conftest import api_on
 
     with api_on(triton_server.grpc_url, api_keys, tmp_path_factory, "api-public-callbacks",
@@ -236,6 +237,13 @@ def test_a_callback_to_an_address_that_is_not_public_is_refused_naming_the_field
             assert refused.status_code == 400 and (error["param"], error["code"]) == ("callback_url",
                                                                                       "callback_refused"), url
             assert "--allow-private-callbacks" in error["message"]
+            # An explore's scorer likewise (it gets the early images, signed as webhooks are).
+            refused = httpx.post(f"{api.url}/v1/images/generations", headers=auth(api), timeout=30, json={
+                "model": PIPELINE_NAME, "prompt": "a cat", "n": 2, "num_inference_steps": 2,
+                "explore": {"keep": 1, "scorer": url}})
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and (error["param"], error["code"]) == ("explore.scorer",
+                                                                                      "callback_refused"), url
         assert httpx.get(f"{api.url}/v1/jobs", headers=auth(api), timeout=30).json()["data"] == []  # no job made
         served = httpx.post(f"{api.url}/v1/images/generations", headers=auth(api), timeout=60, json={
             "model": PIPELINE_NAME, "prompt": "a cat", "seed": 1, "num_inference_steps": 2})

@@ -17,6 +17,18 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from machgen.api.explore import (
+    AGENT_FIELDS,
+    EARLY_FILE,
+    LATENTS_FILE,
+    check_scorer,
+    explore_settings,
+    kept_latents,
+    no_parent,
+    prompt_variants,
+    read_latents,
+    refine_step,
+)
 from machgen.api.jobs import JobManager, JobMetrics, new_job_id
 from machgen.api.destinations import DestinationPolicy
 from machgen.api.keys import KeyRing, StoredKeyRing, UrlSigner, read_keys
@@ -84,6 +96,9 @@ class ApiSettings:
     preview_interval: int | None = None
     # How long a result URL (response_format "url") downloads without the key, seconds (OpenAI's: an hour).
     url_ttl_s: float = 3600.0
+    # The most bytes of latents a job keeps (keep_latents) for refines; past it, evenly spaced steps. They go
+    # with the job's results (result_ttl_s).
+    max_latents_bytes: int = 64 << 20
 
 
 @dataclass
@@ -448,7 +463,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         signer = UrlSigner(bytes.fromhex(store.setting("url_signing_key", lambda: secrets.token_hex(32)))) \
             if store.shared else UrlSigner.in_folder(settings.data_dir)
         jobs = JobManager(store, triton, webhooks, JobMetrics(registry), settings.result_ttl_s,
-                          settings.queue_retry_s, settings.job_lease_s)
+                          settings.queue_retry_s, settings.job_lease_s, settings.max_latents_bytes)
         state = _State(settings, store, triton, keys, webhooks, jobs, signer)
         app.state.machgen = state
         loop = asyncio.get_running_loop()
@@ -577,6 +592,53 @@ def create_app(settings: ApiSettings) -> FastAPI:
         if "preview_interval" not in inputs and settings.preview_interval is not None:
             inputs["preview_interval"] = settings.preview_interval
 
+    async def refine_of(state: _State, request: Request, fields: dict[str, Any], model: ServedModel,
+                        inputs: dict[str, Any]) -> dict[str, Any]:
+        """A refine's inputs from its parent job (one of the caller's, finished with kept latents): the
+        parent's size, steps and settings unless the request gives others, and its latents at the step; what
+        the job records of its parent (with the seed it continues)."""
+        parent_id = fields["parent"]
+        if not isinstance(parent_id, str):
+            raise invalid("parent", "'parent' must be a job id")
+        owner, _ = _caller(state, request)
+        parent = state.store.get(parent_id)
+        if parent is None or parent.owner != owner or parent.kind != "image":
+            raise no_parent(parent_id)
+        if parent.model != model.name:
+            raise invalid("parent", f"the parent job ran on '{parent.model}', not '{model.name}'")
+        if parent.status != "completed" or not parent.request.get("latents"):
+            raise invalid("parent", f"job {parent_id} is {parent.status} and kept no latents: a parent is a "
+                                    f"completed job sent with 'keep_latents'", code="parent_without_latents")
+        if fields.get("n") not in (None, 1) or fields.get("prompts") is not None:
+            raise invalid("n", "a refine continues one trajectory: 'n' is 1")
+        index = typed("parent_index", fields.get("parent_index", 0), int)
+        listed = {entry["index"]: entry for entry in parent.request["latents"]}
+        if index not in listed:
+            raise invalid("parent_index", f"job {parent_id} kept the latents of its images {sorted(listed)}")
+        if fields.get("size") is not None and parse_size(fields["size"], model.defaults) != (
+                parent.request["width"], parent.request["height"]):
+            raise invalid("size", f"a refine keeps its parent's size, {parent.request['width']}x"
+                                  f"{parent.request['height']}")
+        steps = int(parent.request.get("steps") or model.defaults["num_inference_steps"])
+        if fields.get("num_inference_steps") not in (None, steps):
+            raise invalid("num_inference_steps", f"a refine keeps its parent's schedule of {steps} steps")
+        step = refine_step(fields, steps)
+        if step not in listed[index]["steps"]:
+            raise invalid("step", f"job {parent_id} kept its latents after steps {listed[index]['steps']}, not "
+                                  f"after step {step}")
+        data = await asyncio.to_thread(state.store.read_result, parent_id, LATENTS_FILE.format(index=index))
+        if data is None:
+            raise invalid("parent", f"the results of job {parent_id} have expired", code="expired")
+        kept_steps, rows = read_latents(data)
+        for name, value in parent.request.items():  # the parent's settings, unless this request gives its own
+            if name in MODEL_FIELDS or name in ADAPTER_FIELDS or name in model.inputs:
+                if name not in ("priority", "preview_interval", "trajectory_steps", "start_step"):
+                    inputs.setdefault(name, value)
+        inputs["width"], inputs["height"] = parent.request["width"], parent.request["height"]
+        inputs.update(num_inference_steps=steps, start_step=step, start_latents=rows[kept_steps.index(step)])
+        seed = parent.request["seeds"][listed[index].get("variant", index)] if parent.request.get("seeds") else 0
+        return {"parent": parent_id, "parent_index": index, "step": step, "seed": seed}
+
     # ---- images
     async def image_job(request: Request, edit: bool):
         state = state_of(request)
@@ -610,18 +672,39 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 inputs["height"], inputs["width"] = inputs["image"].shape[:2]
         else:
             inputs["width"], inputs["height"] = parse_size(fields.get("size"), model.defaults)
-        used = {"model", "prompt", "n", "async", "size", "seed", "callback_url", "image", "mask", *options}
+        used = {"model", "prompt", "n", "async", "size", "seed", "callback_url", "image", "mask", *options,
+                *AGENT_FIELDS}
+        refined = await refine_of(state, request, fields, model, inputs) if fields.get("parent") is not None else None
+        if refined is not None:
+            seed = refined.pop("seed")
+            used.add("strength")
         inputs.update(_model_inputs(fields, model, used))
         _scheduling(state, request, model, inputs)
         if options["partial_images"] and "preview_interval" not in inputs:
             inputs["preview_interval"] = partial_image_interval(model, inputs, options["partial_images"])
         with_preview_default(inputs)
         callback_url = await _callback(state, fields)
+        steps = int(inputs.get("num_inference_steps") or model.defaults["num_inference_steps"])
+        kept = kept_latents(fields.get("keep_latents"), inputs.get("start_step", 0), steps)
+        if kept:
+            inputs["trajectory_steps"] = kept
         _check_request(model, {**inputs, "seed": seed})
-        variants = [{**inputs, "seed": seed + index} for index in range(n)]
-        recorded = {name: value for name, value in inputs.items() if name != "image"}
-        recorded.update(n=n, seeds=[seed + index for index in range(n)], edit=edit, callback_url=callback_url,
-                        usage=image_usage(model, inputs, n), **options)
+        prompts = prompt_variants(fields.get("prompts"), prompt, n)
+        explore = None
+        if fields.get("explore") is not None:
+            if refined is not None:
+                raise invalid("explore", "a refine continues one trajectory: it does not explore")
+            explore = explore_settings(fields["explore"], n, steps)
+            if explore.by_callback:
+                await check_scorer(explore.scorer, state.webhooks.destinations,
+                                   state.webhooks.policy.secret if state.webhooks.policy else None, explore.timeout_s)
+        elif fields.get("prompts") is not None and n < 2:
+            raise invalid("prompts", "prompt variants need 'n' of 2 or more")
+        variants = [{**inputs, "prompt": prompts[index], "seed": seed + index} for index in range(n)]
+        recorded = {name: value for name, value in inputs.items() if name not in ("image", "start_latents")}
+        recorded.update(n=explore.keep if explore else n, seeds=[seed + index for index in range(n)], edit=edit,
+                        callback_url=callback_url, usage=image_usage(model, inputs, n), steps=steps, **options,
+                        **(refined or {}), **({"explore": explore.to_json(), "prompts": prompts} if explore else {}))
         job = await submit(request, state, "image", model, variants, recorded, waits_in_queue=run_async)
         if run_async:
             return job_object(job)
@@ -845,7 +928,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
         """A job's file: with the API key, or by a signed URL (result_url) that needs none until it expires."""
         state = state_of(request)
         signed = "signature" in request.query_params
-        query = _query(request, {"index": int, **({"expires": str, "signature": str} if signed else {})})
+        query = _query(request, {"index": int, "early": int,
+                                 **({"expires": str, "signature": str} if signed else {})})
         index = query.get("index", 0)
         if signed:
             problem = state.signer.check(request.url.path, dict(request.query_params), time.time())
@@ -859,6 +943,16 @@ def create_app(settings: ApiSettings) -> FastAPI:
             job = job_for(state, request, job_id)
         if job.kind == "video":
             return result_file(state, job, "video")
+        if "early" in query:  # an explored variant's early image, at the step it was scored
+            variants = len(job.request.get("seeds") or ())
+            if not job.request.get("explore") or not 0 <= query["early"] < variants:
+                raise invalid("early", f"'early' is an explored variant's index, in [0, {variants - 1}], of an "
+                                       f"explore job")
+            data = state.store.read_result(job.id, EARLY_FILE.format(index=query["early"]))
+            if data is None:
+                raise ApiError(404 if job.finished else 409, f"job {job.id} has no early image {query['early']}"
+                               + ("" if job.finished else " yet"), code="not_ready")
+            return Response(data, media_type="image/png")
         if not 0 <= index < max(job.request.get("n", 1), 1):
             raise invalid("index", f"'index' must be in [0, {job.request.get('n', 1) - 1}]")
         return result_file(state, job, f"image-{index}")

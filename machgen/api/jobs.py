@@ -145,8 +145,10 @@ class JobManager:
     process whose leases ran out."""
 
     def __init__(self, store: JobStore, triton: TritonModels, webhooks: WebhookSender, metrics: JobMetrics,
-                 result_ttl_s: float, queue_retry_s: float = 1.0, lease_s: float = 30.0):
+                 result_ttl_s: float, queue_retry_s: float = 1.0, lease_s: float = 30.0,
+                 max_latents_bytes: int = 64 << 20):
         self.store = store
+        self.max_latents_bytes = max_latents_bytes
         self.triton = triton
         self.webhooks = webhooks
         self.metrics = metrics
@@ -290,14 +292,10 @@ class JobManager:
                    wait_when_queue_full: bool) -> None:
         job = running.job
         try:
-            tasks = [asyncio.ensure_future(self._variant(running, model, index, inputs, wait_when_queue_full))
-                     for index, inputs in enumerate(variants)]
-            try:
-                results = await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:  # one failed: the others stop too
-                    task.cancel()
-                await asyncio.wait(tasks)
+            if job.request.get("explore"):
+                results = await self._explore(running, model, variants, wait_when_queue_full)
+            else:
+                results = await self._variants(running, model, dict(enumerate(variants)), wait_when_queue_full)
             job.outputs = await asyncio.to_thread(self._write_results, job, results)
             job.stats = [result["stats"] for result in results]
             job.status, job.progress = "completed", 100
@@ -340,6 +338,67 @@ class JobManager:
             self._finished_events.pop(next(iter(self._finished_events)))
         await self._emit(running, job.status, job_object(job))
 
+    async def _variants(self, running: Running, model: ServedModel, variants: dict[int, dict[str, Any]],
+                        wait_when_queue_full: bool) -> list[dict[str, Any]]:
+        """Each variant (by its index in the job) run at once; their results in the order given."""
+        tasks = [asyncio.ensure_future(self._variant(running, model, index, inputs, wait_when_queue_full))
+                 for index, inputs in variants.items()]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # one failed: the others stop too
+                task.cancel()
+            await asyncio.wait(tasks)
+
+    async def _explore(self, running: Running, model: ServedModel, variants: list[dict[str, Any]],
+                       wait_when_queue_full: bool) -> list[dict[str, Any]]:
+        """Every variant to the plan's step (its early image and latents there), scored; the best continue from
+        those latents. The continued variants' results, best first; the job's request records every variant's
+        rank, score and cost (``explored``)."""
+        from machgen.api.explore import EARLY_FILE, ExploreSettings, ranking, score
+
+        job = running.job
+        plan = ExploreSettings(**job.request["explore"])
+        at = plan.at_step
+        kept_steps = {index: sorted(inputs.get("trajectory_steps") or ()) for index, inputs in enumerate(variants)}
+        # A variant's kept latents (keep_latents) come from both parts of its run: those up to the step from the first.
+        early = await self._variants(running, model, {
+            index: {**inputs, "stop_step": at, "trajectory_steps": sorted({*(s for s in kept_steps[index] if s <= at),
+                                                                           at})}
+            for index, inputs in enumerate(variants)}, wait_when_queue_full)
+        pictures = [result["images"][0] for result in early]
+        secret = self.webhooks.policy.secret if self.webhooks.policy is not None else None
+        scores, problem = await score(plan, job.id, pictures, [v["prompt"] for v in variants],
+                                      [v["seed"] for v in variants], self.webhooks.destinations, secret)
+        order, continued = ranking(scores, plan.keep, len(variants))
+        await asyncio.to_thread(self.store.write_results, job.id, {
+            EARLY_FILE.format(index=index): png_bytes(picture) for index, picture in enumerate(pictures)})
+        await self._emit(running, "scored", {"job_id": job.id, "step": at, "scores": scores, "problem": problem,
+                                             "continued": sorted(continued)})
+        later = await self._variants(running, model, {
+            index: continuation(variants[index], at, early[index]["trajectory"][-1],
+                                [s for s in kept_steps[index] if s > at])
+            for index in order if index in continued}, wait_when_queue_full)
+        results, explored = [], []
+        finished = dict(zip([index for index in order if index in continued], later))
+        for rank, index in enumerate(order):
+            cost = [early[index]["stats"]] + ([finished[index]["stats"]] if index in finished else [])
+            explored.append({"index": index, "rank": rank, "seed": variants[index]["seed"],
+                             "prompt": variants[index]["prompt"], "score": None if scores is None else scores[index],
+                             "status": "continued" if index in finished else "pruned",
+                             "steps": sum(int(stats.get("steps") or 0) for stats in cost),
+                             "denoiser_seconds": round(sum(float(stats.get("denoiser_seconds") or 0) for stats in cost),
+                                                       4)})
+            if index in finished:
+                kept = {step: row for part in (early[index], finished[index]) if part.get("trajectory") is not None
+                        for step, row in zip(part["trajectory_steps"], part["trajectory"])}
+                wanted = kept_steps[index]
+                results.append({**finished[index], "variant": index, "trajectory_steps": wanted,
+                                "trajectory": np.stack([kept[step] for step in wanted]) if wanted else None})
+        job.request["explored"] = {"step": at, "scorer": plan.scorer, "problem": problem, "variants": explored}
+        job.request["n"] = len(results)  # the images it gives: every variant where nothing was pruned
+        return results
+
     async def _variant(self, running: Running, model: ServedModel, index: int, inputs: dict[str, Any],
                        wait_when_queue_full: bool) -> dict[str, Any]:
         job = running.job
@@ -370,7 +429,8 @@ class JobManager:
         retries = 0
         while True:
             try:
-                return await self.triton.run(model, inputs, f"{job.id}-{index}", on_step)
+                result = await self.triton.run(model, inputs, f"{job.id}-{index}", on_step)
+                return {**result, "trajectory_steps": list(inputs.get("trajectory_steps") or ())}
             except TritonFailure as failure:
                 if failure.queue_full:
                     if not wait_when_queue_full:
@@ -408,8 +468,34 @@ class JobManager:
             for index, result in enumerate(results):
                 files[f"image-{index}.{output_format}"] = picture_bytes(
                     result["images"][0], output_format, job.request.get("output_compression"))
-        self.store.write_results(job.id, files)
+        self.store.write_results(job.id, {**files, **self._latents_files(job, results)})
         return list(files)
+
+    def _latents_files(self, job: Job, results: list[dict[str, Any]]) -> dict[str, bytes]:
+        """The kept latents (keep_latents) of each result, within the job's share of --max-latents-mb; what
+        was kept is listed in the job's ``latents``."""
+        from machgen.api.explore import LATENTS_FILE, latents_file
+
+        files, listed = {}, []
+        for index, result in enumerate(results):
+            if result.get("trajectory") is None:
+                continue
+            data, steps = latents_file(result["trajectory"], result["trajectory_steps"],
+                                       self.max_latents_bytes // len(results))
+            files[LATENTS_FILE.format(index=index)] = data
+            listed.append({"index": index, "variant": result.get("variant", index), "steps": steps,
+                           "bytes": len(data)})
+        if listed:
+            job.request["latents"] = listed
+        return files
+
+
+def continuation(inputs: dict[str, Any], step: int, latents: np.ndarray, kept_steps: list[int]) -> dict[str, Any]:
+    """A variant's inputs going on from its latents after ``step``: with its own prompt and settings, its
+    full run's result (docs/model-api.md's start_step)."""
+    inputs = {name: value for name, value in inputs.items() if name not in ("trajectory_steps", "stop_step")}
+    return {**inputs, "start_step": step, "start_latents": latents,
+            **({"trajectory_steps": kept_steps} if kept_steps else {})}
 
 
 class StoredEvents:

@@ -155,6 +155,12 @@ def job_object(job: Job) -> dict[str, Any]:
         "outputs": [content_url(job, i) for i in range(len(job.outputs) if job.kind == "image" else
                                                        min(len(job.outputs), 1))],
         "stats": job.stats,
+        # Agents' fields: the latents kept for refines ([{index, variant, steps, bytes}]), the job refined
+        # ({parent, parent_index, step}) and an explore's every variant ranked.
+        "latents": request.get("latents"),
+        "refines": ({name: request[name] for name in ("parent", "parent_index", "step")}
+                    if request.get("parent") else None),
+        "explored": request.get("explored"),
     }
 
 

@@ -18,6 +18,7 @@ from machgen.contract.api import (
     ELAPSED_OUTPUT,
     PREVIEW_OUTPUT,
     PROGRESS_OUTPUT,
+    TRAJECTORY_OUTPUT,
     FamilyInput,
     input_array,
     model_card_of,
@@ -140,7 +141,7 @@ class TritonModels:
     async def run(self, model: ServedModel, inputs: dict[str, Any], request_id: str,
                   on_step: Callable[[StepReport], Awaitable[None]]) -> dict[str, Any]:
         """One request on ``model``'s streaming twin: its outputs (images,
-        stats, audio where the model makes it) once done, ``on_step`` awaited
+        stats, audio where the model makes it, trajectory where asked) once done, ``on_step`` awaited
         after every step. Cancelling the calling task cancels the request
         (Triton stops it at its next step). Raises TritonFailure."""
         tensors = [self.tensor(model, name, value) for name, value in inputs.items() if value is not None]
@@ -170,8 +171,9 @@ class TritonModels:
                 if "images" in names:
                     outputs = {"images": result.as_numpy("images"),
                                "stats": json.loads(result.as_numpy("stats")[0])}
-                    if AUDIO_OUTPUT in names:
-                        outputs[AUDIO_OUTPUT] = result.as_numpy(AUDIO_OUTPUT)
+                    for optional in (AUDIO_OUTPUT, TRAJECTORY_OUTPUT):
+                        if optional in names:
+                            outputs[optional] = result.as_numpy(optional)
                     return outputs
                 step, total = (int(v) for v in result.as_numpy(PROGRESS_OUTPUT))
                 if total == 0 or step == last_step:  # a heartbeat: the stream lives, no step was done

@@ -1,0 +1,249 @@
+"""An agent's loops as requests: explore (many variants run to a step, scored there, only the best continue)
+and refine (a finished job's trajectory continued from a step with a new prompt or settings).
+
+Both rest on the model API's trajectory inputs (docs/model-api.md): a variant explored runs with ``stop_step``
+and ``trajectory_steps`` at the scoring step (its images are then the clean result that step points to), and a
+winner continues with ``start_step`` and ``start_latents``: with its own prompt and settings that continuation
+is the variant's full run, step for step, so a pruned explore pays N x p + k x (N - p) steps for what k full
+runs give. A refine is such a continuation of a stored trajectory.
+
+Scorers: a built-in one reads an image back with the trained default models' detector (``shapes``); a callback
+URL gets the early images, signed as webhooks are, and answers their scores within a timeout (without an
+answer nothing is pruned: every variant continues).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from machgen.api.schemas import ApiError, invalid, typed
+
+# The scorers built in: name -> score(image uint8 [H, W, 3], prompt) in [0, 1].
+BUILTIN_SCORERS = ("shapes",)
+DEFAULT_SCORER_TIMEOUT_S = 10.0
+MAX_SCORER_TIMEOUT_S = 120.0
+LATENTS_FILE = "latents-{index}.npz"
+EARLY_FILE = "early-{index}.png"
+
+
+# The image request's fields for agents (docs/http-api.md): besides OpenAI's.
+AGENT_FIELDS = ("explore", "prompts", "keep_latents", "parent", "parent_index", "step")
+
+
+def kept_latents(value: Any, start_step: int, steps: int) -> list[int]:
+    """The steps whose latents a job keeps for refines: ``keep_latents`` true (every step it runs but the last)
+    or a list of steps; 400 naming the field."""
+    if value is None or value is False:
+        return []
+    if value is True:
+        return list(range(start_step + 1, steps))
+    if not isinstance(value, list) or not all(isinstance(step, int) and not isinstance(step, bool) for step in value):
+        raise invalid("keep_latents", "'keep_latents' is true or a list of steps")
+    outside = [step for step in value if not start_step < step < steps]
+    if outside:
+        raise invalid("keep_latents", f"steps {outside} are outside [{start_step + 1}, {steps - 1}]: a refine "
+                                      f"goes on from a step before the last")
+    return sorted(set(value))
+
+
+def prompt_variants(value: Any, prompt: str, n: int) -> list[str]:
+    """Each variant's prompt: ``prompts`` in turn (variant i takes prompts[i % len]), else the prompt."""
+    if value is None:
+        return [prompt] * n
+    if not isinstance(value, list) or not value or not all(isinstance(p, str) and p for p in value):
+        raise invalid("prompts", "'prompts' is a list of non-empty strings, the variants' prompts in turn")
+    return [value[index % len(value)] for index in range(n)]
+
+
+@dataclass(frozen=True)
+class ExploreSettings:
+    """An explore job's plan: score every variant after ``at_step`` steps, continue the best ``keep``."""
+
+    keep: int
+    at_step: int
+    scorer: str  # a built-in scorer's name, or an http(s) URL
+    timeout_s: float = DEFAULT_SCORER_TIMEOUT_S
+
+    @property
+    def by_callback(self) -> bool:
+        return self.scorer.startswith(("http://", "https://"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"keep": self.keep, "at_step": self.at_step, "scorer": self.scorer, "timeout_s": self.timeout_s}
+
+
+def explore_settings(value: Any, n: int, steps: int) -> ExploreSettings:
+    """The request's ``explore`` object checked against its ``n`` variants and ``steps``; 400 naming the field."""
+    if not isinstance(value, dict):
+        raise invalid("explore", "'explore' must be an object: {\"keep\": k, \"at_step\": s, \"scorer\": ...}")
+    unknown = sorted(set(value) - {"keep", "at_step", "scorer", "timeout_s"})
+    if unknown:
+        raise invalid(f"explore.{unknown[0]}", f"unknown parameter 'explore.{unknown[0]}'", code="unknown_parameter")
+    if n < 2:
+        raise invalid("n", "an explore job runs several variants: 'n' of 2 or more")
+    keep = typed("explore.keep", value.get("keep", 1), int)
+    if not 1 <= keep < n:
+        raise invalid("explore.keep", f"'explore.keep' must be in [1, {n - 1}] (fewer than the {n} variants)")
+    at_step = typed("explore.at_step", value.get("at_step", max(steps // 4, 1)), int)
+    if not 1 <= at_step < steps:
+        raise invalid("explore.at_step", f"'explore.at_step' must be in [1, {steps - 1}]: a step of the {steps} "
+                                         f"before the last")
+    scorer = value.get("scorer")
+    if not isinstance(scorer, str) or not (scorer in BUILTIN_SCORERS or scorer.startswith(("http://", "https://"))):
+        raise invalid("explore.scorer", f"'explore.scorer' must be a built-in scorer ({', '.join(BUILTIN_SCORERS)}) "
+                                        f"or an http(s) URL that answers scores")
+    timeout = float(typed("explore.timeout_s", value.get("timeout_s", DEFAULT_SCORER_TIMEOUT_S), float))
+    if not 0 < timeout <= MAX_SCORER_TIMEOUT_S:
+        raise invalid("explore.timeout_s", f"'explore.timeout_s' must be in (0, {MAX_SCORER_TIMEOUT_S:g}]")
+    return ExploreSettings(keep, at_step, scorer, timeout)
+
+
+def shapes_score(image: np.ndarray, prompt: str) -> float:
+    """The share of what the prompt says (colour, shape, place; those it names) that the shapes detector
+    reads in ``image``: 0 where it finds no shape."""
+    from machgen.builder.shapes import PALETTE, POSITIONS, SHAPES, detect
+
+    text = f" {prompt.lower()} "
+    wanted = {"colour": next((c for c in PALETTE if f" {c} " in text), None),
+              "shape": next((s for s in SHAPES if f" {s} " in text or f" {s}." in text), None),
+              "position": next((p for p in sorted(POSITIONS, key=len, reverse=True) if p in text), None)}
+    named = {name: value for name, value in wanted.items() if value is not None}
+    found = detect(np.asarray(image)[..., :3])
+    if found is None or not named:
+        return 0.0
+    read = {"colour": found.colour, "shape": found.shape, "position": found.position}
+    return sum(read[name] == value for name, value in named.items()) / len(named)
+
+
+BUILTIN: dict[str, Callable[[np.ndarray, str], float]] = {"shapes": shapes_score}
+
+
+async def check_scorer(url: str, destinations, secret: str | None, timeout_s: float) -> None:
+    """At submission: the scorer URL is an allowed destination and answers a signed check; else 400 naming it."""
+    from machgen.api.destinations import RefusedDestination
+
+    if secret is None:
+        raise invalid("explore.scorer", "a scorer URL gets signed requests: this API was started without a "
+                                        "webhook secret", code="webhooks_disabled")
+    try:
+        await post_signed(url, {"type": "explore.check", "data": {}}, destinations, secret, min(timeout_s, 10.0))
+    except RefusedDestination as err:
+        raise invalid("explore.scorer", f"'explore.scorer' is refused: {err}", code="callback_refused") from None
+    except ScorerFailed as err:
+        raise invalid("explore.scorer", f"'explore.scorer' did not answer a check: {err}",
+                      code="scorer_unreachable") from None
+
+
+class ScorerFailed(Exception):
+    """The scorer did not answer in time, or not as asked."""
+
+
+async def post_signed(url: str, payload: dict[str, Any], destinations, secret: str, timeout_s: float) -> Any:
+    """POST ``payload`` signed as a webhook to the checked address of ``url``: its JSON answer."""
+    import httpx
+
+    from machgen.api.webhooks import signed_headers
+
+    destination = await asyncio.to_thread(destinations.check, url)
+    body = json.dumps(payload).encode()
+    headers = signed_headers(secret, f"msg_{uuid.uuid4().hex}", int(time.time()), body)
+    headers["host"] = destination.host_header
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await asyncio.wait_for(
+                client.post(destination.connect_url, content=body, headers=headers,
+                            extensions={"sni_hostname": destination.host}), timeout_s)
+    except (httpx.HTTPError, asyncio.TimeoutError) as err:
+        raise ScorerFailed(f"{type(err).__name__}: {err}".rstrip(": ")) from None
+    if not 200 <= response.status_code < 300:
+        raise ScorerFailed(f"HTTP {response.status_code}")
+    try:
+        return response.json() if response.content else None
+    except ValueError as err:
+        raise ScorerFailed(f"its answer is not JSON: {err}") from None
+
+
+async def score(settings: ExploreSettings, job_id: str, images: list[np.ndarray], prompts: list[str],
+                seeds: list[int], destinations, secret: str | None) -> tuple[list[float] | None, str | None]:
+    """Each variant's score (higher: better), or None and why when the scorer gave none."""
+    if not settings.by_callback:
+        scorer = BUILTIN[settings.scorer]
+        return await asyncio.to_thread(lambda: [float(scorer(image, prompt)) for image, prompt in
+                                                zip(images, prompts)]), None
+    from machgen.api.jobs import data_url, png_bytes
+
+    variants = [{"index": index, "prompt": prompt, "seed": seed, "image": data_url(png_bytes(image))}
+                for index, (image, prompt, seed) in enumerate(zip(images, prompts, seeds))]
+    payload = {"type": "explore.score", "data": {"job_id": job_id, "step": settings.at_step, "variants": variants}}
+    try:
+        answer = await post_signed(settings.scorer, payload, destinations, secret or "", settings.timeout_s)
+    except Exception as err:  # noqa: BLE001 - refused, timed out, not JSON: nothing is pruned
+        return None, f"{type(err).__name__}: {err}"
+    scores = answer.get("scores") if isinstance(answer, dict) else None
+    if (not isinstance(scores, list) or len(scores) != len(images)
+            or not all(isinstance(s, (int, float)) and np.isfinite(s) for s in scores)):
+        return None, f"the scorer's answer has no 'scores' list of {len(images)} finite numbers"
+    return [float(s) for s in scores], None
+
+
+def ranking(scores: list[float] | None, keep: int, count: int) -> tuple[list[int], set[int]]:
+    """The ``count`` variants best first (ties in their order), and those that continue: the best ``keep``, or
+    every one where there are no scores."""
+    if scores is None:
+        order = list(range(count))
+        return order, set(order)
+    order = sorted(range(len(scores)), key=lambda index: (-scores[index], index))
+    return order, set(order[:keep])
+
+
+def latents_file(trajectory: np.ndarray, steps: list[int], limit_bytes: int) -> tuple[bytes, list[int]]:
+    """A variant's kept latents as an npz (``steps``, ``latents`` [steps, values] float32) within
+    ``limit_bytes``: evenly spaced steps where all of them would not fit (the last always kept)."""
+    row = trajectory[0].nbytes if len(trajectory) else 1
+    fits = max(int(limit_bytes // max(row, 1)), 0)
+    chosen = list(range(len(steps)))
+    if fits < len(chosen):
+        chosen = sorted({round(i * (len(steps) - 1) / max(fits - 1, 1)) for i in range(fits)}) if fits > 1 else (
+            [len(steps) - 1] if fits == 1 else [])
+    buffer = io.BytesIO()
+    np.savez(buffer, steps=np.asarray([steps[i] for i in chosen], np.int32),
+             latents=np.asarray(trajectory[chosen], np.float32))
+    return buffer.getvalue(), [steps[i] for i in chosen]
+
+
+def read_latents(data: bytes) -> tuple[list[int], np.ndarray]:
+    with np.load(io.BytesIO(data)) as kept:
+        return [int(s) for s in kept["steps"]], kept["latents"]
+
+
+def refine_step(fields: dict[str, Any], steps: int) -> int:
+    """A refine's start: ``step`` (1 to steps - 1), or ``strength`` (the share of the steps run again, as
+    image-to-image's: the parent's first steps - int(steps x strength) kept); 400 naming the field."""
+    if fields.get("step") is not None and fields.get("strength") is not None:
+        raise invalid("strength", "a refine takes 'step' or 'strength', not both")
+    if fields.get("strength") is not None:
+        strength = float(typed("strength", fields["strength"], float))
+        step = steps - int(steps * strength) if 0 < strength < 1 else 0
+        if not 1 <= step < steps:
+            raise invalid("strength", f"'strength' {strength:g} keeps none of the parent's {steps} steps, or all of "
+                                      f"them: it must leave between 1 and {steps - 1} steps to the parent")
+        return step
+    if fields.get("step") is None:
+        raise invalid("step", "a refine needs 'step' (the parent's step to go on from) or 'strength'")
+    step = typed("step", fields["step"], int)
+    if not 1 <= step < steps:
+        raise invalid("step", f"'step' must be in [1, {steps - 1}]: a step of the parent's {steps} before its last")
+    return step
+
+
+def no_parent(parent_id: Any) -> ApiError:
+    return ApiError(404, f"no job with id '{parent_id}' to refine (it must be one of yours)", param="parent",
+                    code="parent_not_found")
