@@ -15,6 +15,16 @@ idle; the goal: p99 within 1.5x of idle), the burst's wall time, and the
 throughput of all requests together (the goal: fairness costs at most 5 %).
 Each request runs on its own client (one gRPC stream per client).
 
+Then an agent's loops through ``machgen api`` on the same server, one job at
+a time (held-out prompts of the shapes set):
+
+- explore: ``--variants`` seeds pruned to ``--keep`` at a quarter of the
+  steps by the built-in detector, against the same variants run in full as
+  one job: denoiser seconds and wall time as ratios, and how often the
+  explore's winner scores as well as the best of the full runs;
+- refine: a kept job continued from half its steps with a new prompt,
+  against a fresh job of that prompt: wall time as a ratio.
+
     python perf/bench_agents.py
     python perf/bench_agents.py --record perf/RESULTS.md
 """
@@ -84,6 +94,79 @@ def scenario(url: str, name: str, burst: int, fair: bool) -> dict:
             "burst_s": burst_s, "throughput": (burst + len(latencies)) / wall}
 
 
+def api_job(api: str, name: str, **fields) -> dict:
+    import httpx
+
+    answer = httpx.post(f"{api}/v1/images/generations", timeout=600, json={"model": name, **fields})
+    answer.raise_for_status()
+    job = httpx.get(f"{api}/v1/jobs/{answer.json()['machgen']['job_id']}", timeout=30).json()
+    return {**job, "images": answer.json()["data"]}
+
+
+def picture(entry: dict):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(entry["b64_json"]))).convert("RGB"))
+
+
+def agent_loops(api: str, name: str, prompts: list[tuple[str, int]], variants: int, keep: int, steps: int) -> dict:
+    """Explore against full runs, and refine against fresh jobs, one job at a time."""
+    from machgen.api.explore import shapes_score
+
+    explore_s = full_s = explore_denoiser = full_denoiser = refine_s = fresh_s = 0.0
+    agreed = 0
+    at = max(steps // 4, 1)
+    for prompt, seed in prompts:
+        started = time.monotonic()
+        explored = api_job(api, name, prompt=prompt, seed=seed, n=variants,
+                           explore={"keep": keep, "at_step": at, "scorer": "shapes"})
+        explore_s += time.monotonic() - started
+        explore_denoiser += sum(v["denoiser_seconds"] for v in explored["explored"]["variants"])
+        started = time.monotonic()
+        full = api_job(api, name, prompt=prompt, seed=seed, n=variants)
+        full_s += time.monotonic() - started
+        full_denoiser += sum(stats["denoiser_seconds"] for stats in full["stats"])
+        scores = [shapes_score(picture(entry), prompt) for entry in full["images"]]
+        winner = explored["explored"]["variants"][0]["index"]
+        agreed += scores[winner] >= max(scores)
+
+        kept = api_job(api, name, prompt=prompt, seed=seed, keep_latents=[steps // 2])
+        colour = prompt.split()[1]  # "a red circle at the top left": the same shape and place in another colour
+        other = prompt.replace(colour, "green" if colour != "green" else "red", 1)
+        started = time.monotonic()
+        api_job(api, name, prompt=other, parent=kept["id"], step=steps // 2)
+        refine_s += time.monotonic() - started
+        started = time.monotonic()
+        api_job(api, name, prompt=other, seed=seed)
+        fresh_s += time.monotonic() - started
+    return {"at": at, "denoiser_ratio": explore_denoiser / full_denoiser, "wall_ratio": explore_s / full_s,
+            "agreed": agreed, "count": len(prompts), "refine_ratio": refine_s / fresh_s,
+            "explore_s": explore_s / len(prompts), "full_s": full_s / len(prompts),
+            "refine_s": refine_s / len(prompts), "fresh_s": fresh_s / len(prompts)}
+
+
+def start_api(triton_url: str, folder: Path):
+    import subprocess
+    import urllib.request
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "machgen.cli", "api", "--triton", triton_url, "--port",
+                                str(port), "--data-dir", str(folder)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("machgen api did not start")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path("models/shapes-flux"))
@@ -91,6 +174,9 @@ def main() -> int:
     parser.add_argument("--name", default="shapes", help="served model name")
     parser.add_argument("--burst", type=int, default=48, help="the agent's requests, sent at once")
     parser.add_argument("--idle-requests", type=int, default=20, help="the person's requests alone")
+    parser.add_argument("--variants", type=int, default=8, help="an explore job's variants")
+    parser.add_argument("--keep", type=int, default=2, help="the variants an explore continues")
+    parser.add_argument("--loop-prompts", type=int, default=8, help="held-out prompts the loops run")
     parser.add_argument("--record", type=Path, help="write the table into this markdown file")
     args = parser.parse_args()
 
@@ -110,6 +196,17 @@ def main() -> int:
                     for seed in range(args.idle_requests)]
             results = {"fair": scenario(url, args.name, args.burst, fair=True),
                        "first come": scenario(url, args.name, args.burst, fair=False)}
+            from machgen.builder.shapes import evaluation_prompts
+            from machgen.contract.manifest import PipelineManifest, pipeline_dir
+
+            steps = int(PipelineManifest.read(pipeline_dir(repository, args.name)).defaults.num_inference_steps)
+            api, api_url = start_api(url, Path(scratch) / "api")
+            try:
+                held_out = [(prompt, seed) for prompt, seed, _ in evaluation_prompts(70)[-args.loop_prompts:]]
+                loops = agent_loops(api_url, args.name, held_out, args.variants, args.keep, steps)
+            finally:
+                api.terminate()
+                api.wait()
     idle_p50, idle_p99 = percentile(idle, 0.5), percentile(idle, 0.99)
     loss = 1 - results["fair"]["throughput"] / results["first come"]["throughput"]
     lines = [f"| idle (the person alone) | {len(idle)} | {idle_p50:.3f} | {idle_p99:.3f} | 1.00x | - | - |"]
@@ -129,10 +226,30 @@ def main() -> int:
         "| --- | --- | --- | --- | --- | --- | --- |",
         *lines,
     ])
+    loops_table = "\n".join([
+        f"The same model through `machgen api`, one job at a time, {loops['count']} held-out prompts of the shapes "
+        f"set, {steps} steps. Explore: {args.variants} seeds scored by the built-in detector (`shapes`) after step "
+        f"{loops['at']} (a quarter), the best {args.keep} continued from their latents there; against the same "
+        f"{args.variants} seeds as one plain job. Winner: the explore's first scores as well as the best of the "
+        f"full runs (the detector on their final images). Refine: a job's latents after step {steps // 2} "
+        f"continued with a new prompt (parent, step), against a fresh job of that prompt.",
+        "",
+        "| loop | ours s | plain s | time ratio | denoiser-time ratio | winner kept |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| explore {args.variants} -> {args.keep} at step {loops['at']} | {loops['explore_s']:.2f} | "
+        f"{loops['full_s']:.2f} | **{loops['wall_ratio']:.2f}** | **{loops['denoiser_ratio']:.2f}** | "
+        f"{loops['agreed']} of {loops['count']} |",
+        f"| refine from step {steps // 2} of {steps} | {loops['refine_s']:.2f} | {loops['fresh_s']:.2f} | "
+        f"**{loops['refine_s'] / loops['fresh_s']:.2f}** | - | - |",
+    ])
     print(table)
+    print()
+    print(loops_table)
     if args.record:
         record(args.record, f"{SECTION}:{args.model_dir.name}", table,
                "A person's latency under an agent's burst (perf/bench_agents.py)")
+        record(args.record, f"{SECTION}-loops:{args.model_dir.name}", loops_table,
+               "An agent's explore and refine loops against plain jobs (perf/bench_agents.py)")
         print(f"recorded in {args.record}")
     return 0
 

@@ -115,7 +115,8 @@ def reference_image(api, prompt: str, size: str, seed: int, steps: int) -> np.nd
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGBA"))
 
 
-def test_generate_in_the_playground(api_server, browser, tmp_path):
+def open_playground(browser, api_server) -> None:
+    """The page with the API key given and the session's model chosen, ready to generate."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
@@ -126,6 +127,12 @@ def test_generate_in_the_playground(api_server, browser, tmp_path):
          f"the model list offering {api_server.model!r}")
     Select(browser.find_element(By.ID, "model")).select_by_value(api_server.model)
     poll(lambda: browser.find_element(By.ID, "generate").is_enabled(), 5, "the Generate button enabling")
+
+
+def test_generate_in_the_playground(api_server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    open_playground(browser, api_server)
 
     browser.find_element(By.ID, "prompt").send_keys(PROMPT)
     for field, value in (("steps", STEPS), ("seed", SEED)):
@@ -172,3 +179,54 @@ def test_generate_in_the_playground(api_server, browser, tmp_path):
         target = Path(os.environ["MACHGEN_SCREENSHOT"])
         target.parent.mkdir(parents=True, exist_ok=True)
         browser.save_screenshot(str(target))
+
+
+def test_explore_then_refine_a_winner_in_the_playground(api_server, browser):
+    """An explore of three variants shows each one's early image and score, ranked when done; a person picks the
+    winner's Refine, writes a new prompt and generates: the job made is a refine of that explore."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    open_playground(browser, api_server)
+    browser.find_element(By.ID, "prompt").send_keys(PROMPT)
+    browser.find_element(By.CSS_SELECTOR, "#agents summary").click()
+    for field, value in (("steps", 8), ("seed", 50), ("explore-n", 3), ("explore-step", 2)):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(str(value))
+    browser.find_element(By.ID, "generate").click()
+
+    def ranked():
+        state = browser.execute_script(STATE)
+        assert not state["error"], f"the page shows an error: {state['error']} (status: {state['status']})"
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll('#variants .variant')].map((c) => ({text: c.textContent, "
+            "loaded: c.querySelector('img').naturalWidth > 0, status: c.className}));")
+        done = state["loaded"] and len(cells) == 3 and all(c["loaded"] and "rank" in c["text"] for c in cells)
+        return (state, cells) if done else None
+
+    state, cells = poll(ranked, 60, "the explored variants ranked with their early images")
+    assert sum("continued" in cell["status"] for cell in cells) == 1
+    assert all("score" in cell["text"] for cell in cells)
+    explore_job = state["job"]
+
+    browser.find_element(By.CSS_SELECTOR, "#variants .variant.continued button.refine").click()
+    poll(lambda: browser.find_element(By.ID, "refine-bar").is_displayed(), 5, "the refine bar showing")
+    Select(browser.find_element(By.ID, "refine-step")).select_by_value("4")
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys("a blue circle at the top left")
+    browser.find_element(By.ID, "generate").click()
+
+    def refined():
+        state = browser.execute_script(STATE)
+        assert not state["error"], f"the page shows an error: {state['error']} (status: {state['status']})"
+        return state if state["loaded"] and state["job"] not in (None, explore_job) else None
+
+    refine_job = poll(refined, 60, "the refined result showing")["job"]
+    request = urllib.request.Request(f"{api_server.url}/v1/jobs/{refine_job}",
+                                     headers={"Authorization": f"Bearer {api_server.key}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        record = json.load(response)
+    assert record["refines"] == {"parent": explore_job, "parent_index": 0, "step": 4}
+    assert record["prompt"] == "a blue circle at the top left" and record["stats"][0]["steps"] == 4
