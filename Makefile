@@ -32,7 +32,8 @@ system-tools:
 		command -v $$tool >/dev/null 2>&1 && echo "$$tool: $$($$tool --version 2>/dev/null | head -n 1)"; \
 	done; ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sed 's/^/postgresql: /'; true
 
-# Two workers (the CI machine's cores); a test module runs whole on one worker, so its repositories are built once.
+# Two workers (the CI machine's cores); a test module runs whole on one worker, so its repositories are built once
+# (the modules that start many processes run as one: tests/conftest.py's MANY_PROCESSES).
 # One thread each: two workers fill the two cores, and more threads only contend (torch's OpenMP threads spin while
 # they wait for work).
 PYTEST_WORKERS ?= 2

@@ -488,6 +488,29 @@ def _builds(item) -> set[str]:
             if (name.endswith("_repository") or name.startswith("local")) and name not in SESSION_REPOSITORIES}
 
 
+# Modules that start many processes (servers, replicas, rank processes) and hold them to deadlines (a killed stub
+# back within 30 s): one after another on one xdist worker, never two of them at once. Each meets its deadlines
+# with the other worker running anything else; beside each other on two cores they did not (a replica killed
+# under load took 213 s instead of 12 beside test_parallel_wan's ranks).
+MANY_PROCESSES = ("test_faults", "test_parallel", "test_parallel_wan", "test_parallel_wan_ti2v",
+                  "test_parallel_hidream")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s --dist loadfile, with MANY_PROCESSES as one file (xdist's loadgroup would do it with marks,
+    but xdist 3.8 renames a test by a field pytest 9 no longer reads)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModulesAndOneGroup(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "many-processes" if Path(module).stem in MANY_PROCESSES else module
+
+    return ModulesAndOneGroup(config, log)
+
+
 def pytest_collection_modifyitems(items):
     # The modules that build the most repositories first, so that the xdist workers of `make test` (a module
     # each at a time) finish together rather than one waiting on the other's last long module.

@@ -220,5 +220,5 @@ def test_family_input_parsers_name_the_field():
 def test_only_models_with_sound_declare_the_audio_output():
     from machgen.contract.api import public_outputs
 
-    assert [t.name for t in public_outputs(audio=False)] == ["images", "stats"]
-    assert [t.name for t in public_outputs(audio=True)] == ["images", "stats", "audio"]
+    assert [t.name for t in public_outputs(audio=False)] == ["images", "stats", "trajectory"]
+    assert [t.name for t in public_outputs(audio=True)] == ["images", "stats", "trajectory", "audio"]
