@@ -26,8 +26,6 @@ import numpy as np
 
 from machgen.api.schemas import ApiError, invalid, typed
 
-# The scorers built in: name -> score(image uint8 [H, W, 3], prompt) in [0, 1].
-BUILTIN_SCORERS = ("shapes",)
 DEFAULT_SCORER_TIMEOUT_S = 10.0
 MAX_SCORER_TIMEOUT_S = 120.0
 LATENTS_FILE = "latents-{index}.npz"
@@ -97,8 +95,8 @@ def explore_settings(value: Any, n: int, steps: int) -> ExploreSettings:
         raise invalid("explore.at_step", f"'explore.at_step' must be in [1, {steps - 1}]: a step of the {steps} "
                                          f"before the last")
     scorer = value.get("scorer")
-    if not isinstance(scorer, str) or not (scorer in BUILTIN_SCORERS or scorer.startswith(("http://", "https://"))):
-        raise invalid("explore.scorer", f"'explore.scorer' must be a built-in scorer ({', '.join(BUILTIN_SCORERS)}) "
+    if not isinstance(scorer, str) or not (scorer in BUILTIN or scorer.startswith(("http://", "https://"))):
+        raise invalid("explore.scorer", f"'explore.scorer' must be a built-in scorer ({', '.join(BUILTIN)}) "
                                         f"or an http(s) URL that answers scores")
     timeout = float(typed("explore.timeout_s", value.get("timeout_s", DEFAULT_SCORER_TIMEOUT_S), float))
     if not 0 < timeout <= MAX_SCORER_TIMEOUT_S:
@@ -123,6 +121,7 @@ def shapes_score(image: np.ndarray, prompt: str) -> float:
     return sum(read[name] == value for name, value in named.items()) / len(named)
 
 
+# The scorers built in: name -> score(image uint8 [H, W, 3], prompt) in [0, 1].
 BUILTIN: dict[str, Callable[[np.ndarray, str], float]] = {"shapes": shapes_score}
 
 
