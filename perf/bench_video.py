@@ -5,6 +5,7 @@ prompt/seed pairs.
 
     python perf/bench_video.py                          # 32 held-out text-to-video pairs
     python perf/bench_video.py --task image-to-video    # first frames of held-out clips
+    python perf/bench_video.py --attention sparse-fp8   # the SparseAttention build against dense diffusers
     python perf/bench_video.py --record perf/RESULTS.md
 
 The pairs come from a generator seed that `machgen-build calibrate` never
@@ -78,7 +79,7 @@ def summarise(setting: str, clips, reference, seconds, passes, motions, expected
     return row
 
 
-def served_rows(repository: Path, name: str, prompts, pictures) -> list[dict]:
+def served_rows(repository: Path, name: str, prompts, pictures, label: str = "machgen") -> list[dict]:
     import numpy as np
 
     from machgen.client import MachgenClient
@@ -108,9 +109,9 @@ def served_rows(repository: Path, name: str, prompts, pictures) -> list[dict]:
                     passes.append(stats["denoiser_tail_passes"])
                     expected.append((stats.get("expected_psnr"), stats.get("expected_psnr_worst")))
                 threshold = stats["cache_threshold"]
-                label = "machgen none" if policy else \
-                    f"machgen default ({stats['cache_policy']}{'' if threshold is None else f' {threshold:g}'})"
-                rows.append(summarise(label, np.stack(clips), None, seconds, passes, motions,
+                setting = f"{label} none" if policy else \
+                    f"{label} default ({stats['cache_policy']}{'' if threshold is None else f' {threshold:g}'})"
+                rows.append(summarise(setting, np.stack(clips), None, seconds, passes, motions,
                                       expected[0] if expected[0][0] is not None else None))
                 print({k: v for k, v in rows[-1].items() if k != "clips"}, flush=True)
     return rows
@@ -141,18 +142,22 @@ def main() -> int:
     parser.add_argument("--name", default="shapes-video", help="served model name")
     parser.add_argument("--count", type=int, default=PAIRS, help="held-out prompt/seed pairs")
     parser.add_argument("--task", choices=("text-to-video", "image-to-video"), default="text-to-video")
+    parser.add_argument("--attention", default="dense",
+                        help="the build's attention (machgen-build build --attention): sparse-fp8 serves the "
+                             "SparseAttention operator, measured against diffusers' dense attention")
     parser.add_argument("--record", type=Path, help="write the table into this markdown file")
     args = parser.parse_args()
 
-    from machgen.builder.build import build_repository
+    from machgen.builder.build import AttentionOptions, build_repository
 
     prompts, pictures = holdout_cases(args.count, args.task)
     with tempfile.TemporaryDirectory(prefix="machgen-bench-video-") as scratch:
         repository = args.repository
         if repository is None:
             repository = Path(scratch) / "repository"
-            build_repository(args.model_dir, args.name, repository)
-        served = served_rows(repository, args.name, prompts, pictures)
+            build_repository(args.model_dir, args.name, repository, attention=AttentionOptions(args.attention))
+        served = served_rows(repository, args.name, prompts, pictures,
+                             "machgen" if args.attention == "dense" else f"machgen {args.attention}")
     eager = diffusers_row(args.model_dir, prompts, pictures)
     motions = [motion for _, _, motion in prompts]
     rows = [summarise(row["setting"], row["clips"], eager["clips"], [row["seconds"]], [row["tail_passes"]], motions,
@@ -171,15 +176,16 @@ def main() -> int:
                      f"{100 * row['direction']:.1f} % ({points:+.1f}) | {100 * row['all_three']:.1f} % | "
                      f"{row['flicker']:.2f} | {expected_text} | {'yes' if holds else 'no'} |")
     table = "\n".join([
-        f"Model `{args.model_dir.name}` ({args.task}) at its served defaults, {len(prompts)} prompt/seed pairs from "
-        f"generator seed {BENCH_HOLDOUT_SEED}, which no calibration uses, {os.cpu_count()} CPU cores "
-        f"({platform.machine()}), measured {time.strftime('%Y-%m-%d %H:%M')}. Seconds per clip end to end; PSNR of "
-        "each clip's frames against diffusers' own clip for the same pair (mean and worst clip; worst single "
-        "frame); direction: the detector's direction accuracy (points against diffusers); all three: colour, "
-        "shape and direction right; flicker: mean frame-to-frame change off the shape's path (0-255 levels). "
-        f"The promise: mean >= {PROMISE['psnr_mean']:g} dB, worst >= {PROMISE['psnr_worst']:g} dB, direction "
-        f"within {PROMISE['direction_points']:g} points, at least {PROMISE['speedup']:g}x faster than diffusers "
-        "eager. Expected: the PSNR the calibration promised (mean, worst), as each response's stats report it.",
+        f"Model `{args.model_dir.name}` ({args.task}, {args.attention} attention) at its served defaults, "
+        f"{len(prompts)} prompt/seed pairs from generator seed {BENCH_HOLDOUT_SEED}, which no calibration uses, "
+        f"{os.cpu_count()} CPU cores ({platform.machine()}), measured {time.strftime('%Y-%m-%d %H:%M')}. "
+        "Seconds per clip end to end; PSNR of each clip's frames against diffusers' own clip for the same pair "
+        "(mean and worst clip; worst single frame); direction: the detector's direction accuracy (points against "
+        "diffusers); all three: colour, shape and direction right; flicker: mean frame-to-frame change off the "
+        f"shape's path (0-255 levels). The promise: mean >= {PROMISE['psnr_mean']:g} dB, worst >= "
+        f"{PROMISE['psnr_worst']:g} dB, direction within {PROMISE['direction_points']:g} points, at least "
+        f"{PROMISE['speedup']:g}x faster than diffusers eager. Expected: the PSNR the calibration promised (mean, "
+        "worst), as each response's stats report it.",
         "",
         "| setting | tail passes / clip | s / clip | faster | PSNR vs diffusers, mean (worst clip) dB | worst frame "
         "dB | direction | all three | flicker | expected dB | holds |",
@@ -188,8 +194,10 @@ def main() -> int:
     ])
     print(table)
     if args.record:
-        section = f"{SECTION}-{args.task}:{args.model_dir.name}"
-        record(args.record, section, table, f"Video against diffusers (perf/bench_video.py --task {args.task})")
+        attention = "" if args.attention == "dense" else f" --attention {args.attention}"
+        section = f"{SECTION}-{args.task}{attention.replace(' --attention ', '-')}:{args.model_dir.name}"
+        record(args.record, section, table, f"Video against diffusers (perf/bench_video.py --task {args.task}"
+                                            f"{attention})")
         print(f"recorded in {args.record}")
     return 0
 

@@ -45,6 +45,24 @@ def test_the_mean_bound_is_a_prediction_bound_for_the_held_out_mean():
     assert QualityTargets().mean_bound([31.0]) == 31.0
 
 
+@pytest.mark.parametrize("model", ["shapes-flux", "shapes-wan"])
+def test_a_sparse_build_reports_no_expected_psnr_that_dense_attention_measured(model):
+    from pathlib import Path
+
+    from machgen.builder.build import model_cache_settings
+    from machgen.builder.calibrate import calibration_summary
+
+    folder = Path(__file__).resolve().parents[1] / "models" / model
+    dense, sparse = model_cache_settings(folder), model_cache_settings(folder, sparse=True)
+    policy = dense.default_policy
+    threshold = dense.thresholds[policy]
+    assert dense.held_out_quality(policy, threshold) is not None  # the committed model's calibration
+    assert sparse.held_out_quality(policy, threshold) is None
+    assert (sparse.default_policy, sparse.thresholds, sparse.magnitude_ratios) == (
+        dense.default_policy, dense.thresholds, dense.magnitude_ratios)  # the same cache default served
+    assert "dense attention" in calibration_summary(sparse)
+
+
 def test_a_magcache_schedule_is_known_before_any_generation():
     """Calibration runs one trial per distinct MagCache schedule: it is decided by the ratios and controls alone."""
     settings = CacheSettings(magnitude_ratios=(1.0,) + (0.95,) * 9,

@@ -159,12 +159,19 @@ def served_defaults(model_dir: Path, family: Family, pipe) -> ServedDefaults:
     return defaults
 
 
-def model_cache_settings(model_dir: Path):
-    """The cache defaults ``machgen-build calibrate`` stored with the model, if any."""
+def model_cache_settings(model_dir: Path, sparse: bool = False):
+    """The cache defaults ``machgen-build calibrate`` stored with the model, if any. For a build with sparse
+    attention (``sparse``) without the held-out figures: calibration measured the dense model, so a response
+    of this build reports no expected PSNR rather than the dense model's."""
     from machgen.runtime.cache import CacheSettings
 
     card = model_dir / SERVING_FILE
-    return CacheSettings.from_json(json.loads(card.read_text()).get("cache") if card.is_file() else None)
+    settings = CacheSettings.from_json(json.loads(card.read_text()).get("cache") if card.is_file() else None)
+    if sparse and "held_out" in settings.calibration:
+        settings = replace(settings, calibration={key: value for key, value in settings.calibration.items()
+                                                  if key != "held_out"}
+                           | {"held_out_note": "measured with dense attention: not this build's"})
+    return settings
 
 
 def write_tiny_model(family: Family, out: Path) -> Path:
@@ -274,7 +281,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     serving = TargetServing(target, torch_device=device, torch_dtype=dtype,
                             parallel=layout.to_json() if layout is not None else None,
                             parallel_components=tuple(on_ranks))
-    cache_settings = model_cache_settings(model_dir)
+    cache_settings = model_cache_settings(model_dir, sparse=sparse is not None)
     files = render_repository(name, family, specs, defaults, settings, options=options, cache=cache_settings,
                               attention=asdict(sparse) if sparse else None, serving=serving, adapters=adapters)
     # Before minutes of export: what the repository holds that this build would lose.

@@ -280,6 +280,8 @@ def calibration_summary(settings: CacheSettings) -> str:
     line += (f"; fitted on {calibration['prompts']} pairs: {fitted['tail_passes']:.1f} tail passes, PSNR mean "
              f"{fitted['psnr_mean']:.2f} dB, worst {fitted['psnr_worst']:.2f}")
     held_out = calibration.get("held_out", {}).get(policy)
+    if held_out is None and calibration.get("held_out_note"):
+        return line + f"; held-out figures {calibration['held_out_note']} (responses report no expected PSNR)"
     if held_out is None:
         return line + "; no held-out report (calibrated before machgen reported one: calibrate again)"
     return line + (f"; held out {calibration['holdout_prompts']} pairs: mean {held_out['psnr_mean']:.2f} dB, worst "
