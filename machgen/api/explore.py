@@ -19,7 +19,7 @@ import io
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -75,7 +75,7 @@ class ExploreSettings:
         return self.scorer.startswith(("http://", "https://"))
 
     def to_json(self) -> dict[str, Any]:
-        return {"keep": self.keep, "at_step": self.at_step, "scorer": self.scorer, "timeout_s": self.timeout_s}
+        return asdict(self)
 
 
 def explore_settings(value: Any, n: int, steps: int) -> ExploreSettings:
