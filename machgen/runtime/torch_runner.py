@@ -148,9 +148,10 @@ class TorchProgram:
         import machgen.parallel.op  # noqa: F401
         import machgen.plugins.ops  # noqa: F401
 
+        from machgen.runtime.program_load import load_program
+
         folder = Path(folder)
-        return cls(torch.export.load(os.fspath(folder / PROGRAM_FILE)), TorchComponentInfo.read(folder), device,
-                   folder)
+        return cls(load_program(folder / PROGRAM_FILE), TorchComponentInfo.read(folder), device, folder)
 
     def memory_report(self) -> str:
         """Where the program runs and what it holds, for the model's log."""
