@@ -141,13 +141,10 @@ class TorchProgram:
     @classmethod
     def load(cls, folder: str | os.PathLike, device: str | None = None) -> "TorchProgram":
         """The program a build wrote to ``folder`` (model.pt2, component.json)."""
-        import torch
-
         # The program may call machgen::sparse_attention or machgen::sequence_attention: they must be
         # registered before loading.
         import machgen.parallel.op  # noqa: F401
         import machgen.plugins.ops  # noqa: F401
-
         from machgen.runtime.program_load import load_program
 
         folder = Path(folder)
