@@ -56,10 +56,24 @@ def test_the_remembered_load_is_the_plain_load(saved_program):
     with torch.no_grad():
         for got, want in zip(remembered.module()(image, scale), module(image, scale)):
             assert torch.allclose(got, want, atol=1e-6)
-    # The deserializer's own names are back after the load.
+    # The deserializer's own modules are back after the load.
+    import sympy
+    import typing
+
     from torch._export.serde import serialize
 
-    assert serialize.sympy.__name__ == "sympy" and serialize.typing.__name__ == "typing"
+    assert serialize.sympy is sympy and serialize.typing is typing
+
+
+def test_this_torch_takes_the_remembering_path(saved_program):
+    """Where torch's deserializer stops calling sympify and get_type_hints through its module names, the load
+    falls back to the plain one, and its speed goes with it: this says so."""
+    from torch._export.serde import serialize
+
+    from machgen.runtime.program_load import _remembering, _RememberingSympy, _RememberingTyping
+
+    with _remembering():
+        assert isinstance(serialize.sympy, _RememberingSympy) and isinstance(serialize.typing, _RememberingTyping)
 
 
 def test_a_parse_is_reused_only_where_its_symbols_are_the_same():

@@ -1,7 +1,7 @@
 """``torch.export.load`` in about half the time, same program.
 
-Measured (torch 2.13, a tiny Wan's seven programs, every axis dynamic):
-8.1 s plain, 4.2 s here. Nearly all of a load is the deserializer's own
+perf/bench_program_load.py measures it against ``torch.export.load``
+(perf/RESULTS.md). Nearly all of a load is the deserializer's own
 bookkeeping, not the weights: it parses every symbolic size and stride of
 every node from its text with ``sympy.sympify`` (the same few expressions,
 thousands of times), and looks up a schema class's type hints for every
@@ -30,47 +30,45 @@ from typing import Any, Iterator
 _LOADING = threading.Lock()
 
 
-class _RememberingSympy:
-    """The ``sympy`` module as the deserializer sees it, with ``sympify`` of text remembered."""
+class _ModuleView:
+    """A module as the deserializer sees it: its own names, but for those a subclass remembers."""
 
-    def __init__(self, sympy):
-        self._sympy = sympy
-        self._parsed: dict = {}
+    def __init__(self, module):
+        self._module = module
+        self._remembered: dict = {}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._sympy, name)
+        return getattr(self._module, name)
+
+
+class _RememberingSympy(_ModuleView):
+    """``sympy`` with ``sympify`` of text remembered."""
 
     def sympify(self, value, *args, locals=None, **kwargs):  # noqa: A002 - sympy's own keyword
         if args or kwargs or not isinstance(value, str) or locals is None:
-            return self._sympy.sympify(value, *args, locals=locals, **kwargs)
+            return self._module.sympify(value, *args, locals=locals, **kwargs)
         # Every name the text can refer to is a substring of it: those bindings decide the result.
         key = (value, tuple(sorted(((name, bound) for name, bound in locals.items() if name in value),
                                    key=lambda item: item[0])))
         try:
-            return self._parsed[key]
+            return self._remembered[key]
         except KeyError:
-            parsed = self._parsed[key] = self._sympy.sympify(value, locals=locals)
+            parsed = self._remembered[key] = self._module.sympify(value, locals=locals)
             return parsed
         except TypeError:  # a binding that cannot be hashed: parse it every time
-            return self._sympy.sympify(value, locals=locals)
+            return self._module.sympify(value, locals=locals)
 
 
-class _RememberingTyping:
-    """The ``typing`` module as the deserializer sees it, with ``get_type_hints`` of a class remembered."""
-
-    def __init__(self, typing):
-        self._typing = typing
-        self._hints: dict = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._typing, name)
+class _RememberingTyping(_ModuleView):
+    """``typing`` with ``get_type_hints`` of a class remembered."""
 
     def get_type_hints(self, owner, *args, **kwargs):
         if args or set(kwargs) - {"globalns"} or not isinstance(owner, type):
-            return self._typing.get_type_hints(owner, *args, **kwargs)
-        if owner not in self._hints:
-            self._hints[owner] = self._typing.get_type_hints(owner, **kwargs)
-        return self._hints[owner]
+            return self._module.get_type_hints(owner, *args, **kwargs)
+        key = (owner, id(kwargs.get("globalns")))  # the deserializer passes one namespace, its schema's
+        if key not in self._remembered:
+            self._remembered[key] = self._module.get_type_hints(owner, **kwargs)
+        return self._remembered[key]
 
 
 @contextlib.contextmanager
