@@ -470,6 +470,29 @@ def wait_until(condition, timeout: float = 60.0, what: str = "the condition") ->
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def single_rank_pipeline(repository: Path, name: str):
+    """A LocalPipeline of a parallel build on one rank, for a module's tests to run under each layout
+    (``under_layout``): what runs in process under every layout is loaded once for them all."""
+    from machgen.parallel.layout import ParallelLayout
+    from machgen.runtime.local import LocalPipeline
+
+    with LocalPipeline(repository, name, layout=ParallelLayout()) as pipeline:
+        yield pipeline
+
+
+@contextlib.contextmanager
+def under_layout(pipeline, layout):
+    """``pipeline`` (single_rank_pipeline's) running ``layout`` inside the block; its ranks stopped after it."""
+    from machgen.parallel.layout import ParallelLayout
+
+    pipeline.use_layout(layout)
+    try:
+        yield pipeline
+    finally:
+        pipeline.use_layout(ParallelLayout())
+
+
 @pytest.fixture(scope="session")
 def runtime_factory(tiny_flux_dir):
     """Flux's runtime over any run_component (a closed-form fake, for example), built without an export."""

@@ -46,3 +46,11 @@ def fails_on_rank_one(mesh):
     if mesh.rank == 1:
         raise ValueError("rank one fails on purpose")
     torch.distributed.barrier()  # rank 0 waits for a rank that never comes: the parent must end it
+
+
+def identity(mesh):
+    """This rank's process name and its parent's pid."""
+    import os
+
+    with open(f"/proc/{os.getpid()}/comm") as comm:
+        return comm.read().strip(), os.getppid()

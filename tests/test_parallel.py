@@ -6,6 +6,7 @@ attention; every rank process gone afterwards."""
 from __future__ import annotations
 
 import multiprocessing
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from machgen.parallel.layout import LayoutError, ParallelLayout, ParallelSupport, check_layout, refusals
 from machgen.parallel.mesh import axis_groups, coordinates
 
-from conftest import build_tiny_repository
+from conftest import build_tiny_repository, single_rank_pipeline, under_layout
 from parallel_ranks import full_inputs, reference_attention
 
 # Exact modes in float32: the merge by log-sum-exp and the exchanges reorder sums only.
@@ -116,6 +117,20 @@ def test_kept_inputs_reach_the_ranks_exactly_and_once_they_repeat():
     assert len(rank) == 0
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process names are set through Linux's prctl")
+def test_ranks_are_named_and_forked_from_a_forkserver_not_from_their_owner():
+    import os
+
+    from machgen.parallel.ranks import run_on_ranks
+
+    first = run_on_ranks(ParallelLayout(ring=2), "parallel_ranks:identity")
+    again = run_on_ranks(ParallelLayout(ulysses=2), "parallel_ranks:identity")
+    assert [name for name, _ in first] == ["machgen-rank-0", "machgen-rank-1"]
+    parents = {parent for _, parent in first + again}
+    assert len(parents) == 1 and os.getpid() not in parents  # one forkserver for every pool of this process
+    assert not multiprocessing.active_children()
+
+
 def test_a_failing_rank_is_reported_and_every_rank_process_is_gone():
     from machgen.parallel.ranks import RankError, run_on_ranks
 
@@ -142,13 +157,16 @@ def parallel_repository(tiny_flux_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_rank(parallel_repository):
-    """The parallel build's programs on one rank: the reference every layout must give."""
-    from machgen.runtime.local import LocalPipeline
+def local_parallel(parallel_repository):
+    with single_rank_pipeline(parallel_repository, "flux") as pipeline:
+        yield pipeline
 
-    with LocalPipeline(parallel_repository, "flux", layout=ParallelLayout()) as pipeline:
-        yield {"uncached": pipeline.generate(**GUIDED, cache_policy="none"),
-               "cached": pipeline.generate(**GUIDED, **CACHED)}
+
+@pytest.fixture(scope="module")
+def single_rank(local_parallel):
+    """The parallel build's programs on one rank: the reference every layout must give."""
+    return {"uncached": local_parallel.generate(**GUIDED, cache_policy="none"),
+            "cached": local_parallel.generate(**GUIDED, **CACHED)}
 
 
 @pytest.mark.export
@@ -187,12 +205,9 @@ def test_on_one_rank_the_parallel_build_equals_diffusers(single_rank, parallel_r
 
 @pytest.mark.export
 @pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
-def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(layout, parallel_repository,
-                                                                              single_rank):
-    from machgen.runtime.local import LocalPipeline
-
+def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(layout, local_parallel, single_rank):
     layout = ParallelLayout.parse(layout)
-    with LocalPipeline(parallel_repository, "flux", layout=layout) as pipeline:
+    with under_layout(local_parallel, layout) as pipeline:
         uncached, _ = pipeline.generate(**GUIDED, cache_policy="none")
         cached, stats = pipeline.generate(**GUIDED, **CACHED)
         tail = pipeline.runner("denoiser_tail")
@@ -234,14 +249,25 @@ def _command(process) -> str:
         return ""
 
 
+def _name(process) -> str:
+    import psutil
+
+    try:
+        return process.name()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return ""
+
+
 def rank_processes(stub_pids) -> list:
-    """The running rank processes started by the given Triton stubs (spawned Pythons)."""
+    """The running rank processes started by the given Triton stubs (machgen-rank-N, forked from the stub's
+    forkserver)."""
     import psutil
 
     found = []
     for pid in stub_pids:
         try:
-            found += [child for child in psutil.Process(pid).children() if "spawn_main" in _command(child)]
+            found += [child for child in psutil.Process(pid).children(recursive=True)
+                      if _name(child).startswith("machgen-rank-")]
         except psutil.NoSuchProcess:
             pass
     return found
@@ -260,7 +286,8 @@ def component_stubs(served, component: str) -> list[int]:
 def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank(parallel_repository, single_rank):
     """machgen serve of the parallel build: each parallel component's stub starts its ranks; a request equals
     the single-rank image; a SIGKILLed rank makes the component unhealthy, the step in flight is run again
-    once machgen serve has loaded it with new ranks; a stop leaves no rank process and no shared memory."""
+    once machgen serve has loaded it with new ranks; a stop leaves no rank process, no forkserver and no shared
+    memory."""
     import os
     import signal
     import threading
@@ -282,12 +309,14 @@ def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank
         assert len(rank_processes(component_stubs(served, "denoiser_head"))) == len(tail_ranks)
 
         answers = []
+        under_way = threading.Event()
 
         def request() -> None:
             with MachgenClient(served.grpc_url) as client:
                 answers.append(client.generate("flux", GUIDED["prompt"], negative_prompt=GUIDED["negative_prompt"],
                                                true_cfg_scale=GUIDED["true_cfg_scale"], seed=GUIDED["seed"],
-                                               num_inference_steps=24, cache_policy="none"))
+                                               num_inference_steps=24, cache_policy="none",
+                                               on_progress=lambda progress: under_way.set()))
 
         with MachgenClient(served.grpc_url) as client:
             expected = client.generate("flux", GUIDED["prompt"], negative_prompt=GUIDED["negative_prompt"],
@@ -295,7 +324,7 @@ def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank
                                        num_inference_steps=24, cache_policy="none")
         sender = threading.Thread(target=request)
         sender.start()
-        time.sleep(1.0)  # the request under way
+        assert under_way.wait(timeout=60)  # its first step done: the kill comes mid-request
         killed_at = time.monotonic()
         os.kill(tail_ranks[-1].pid, signal.SIGKILL)
         sender.join(timeout=180)
@@ -304,12 +333,14 @@ def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank
         new_ranks = rank_processes(component_stubs(served, "denoiser_tail"))
         assert len(new_ranks) == len(tail_ranks) and not {p.pid for p in new_ranks} & {p.pid for p in tail_ranks}
         all_ranks = new_ranks + rank_processes(component_stubs(served, "denoiser_head"))
+        forkservers = list({rank.parent().pid: rank.parent() for rank in all_ranks}.values())
+        assert forkservers and "forkserver" in " ".join(_command(server) for server in forkservers)
     finally:
         served.stop()
     assert served.process.returncode == 0, served.output()
     import psutil
 
-    _, alive = psutil.wait_procs(all_ranks, timeout=15)
+    _, alive = psutil.wait_procs(all_ranks + forkservers, timeout=15)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     # The regions of this server's Python backend (machgen/server.py names them after machgen serve's pid);
     # other tests' servers run beside it.

@@ -12,7 +12,8 @@ import pytest
 
 from machgen.parallel.layout import ParallelLayout
 
-from conftest import build_tiny_repository, levels, load_diffusers, write_tiny
+from conftest import (build_tiny_repository, levels, load_diffusers, single_rank_pipeline, under_layout,
+                      write_tiny)
 
 BUILT_LAYOUT = "cfg=2,ulysses=2"
 # 64x64: 256 image tokens; 16 T5 and 16 Llama tokens: every sequence degree here divides them. CFG with an
@@ -37,12 +38,15 @@ def hidream_parallel_repository(tiny_hidream_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_rank(hidream_parallel_repository):
-    from machgen.runtime.local import LocalPipeline
+def local_hidream(hidream_parallel_repository):
+    with single_rank_pipeline(hidream_parallel_repository, "hidream") as pipeline:
+        yield pipeline
 
-    with LocalPipeline(hidream_parallel_repository, "hidream", layout=ParallelLayout()) as pipeline:
-        yield {"uncached": pipeline.generate(**IMAGE, cache_policy="none"),
-               "cached": pipeline.generate(**IMAGE, **CACHED)}
+
+@pytest.fixture(scope="module")
+def single_rank(local_hidream):
+    return {"uncached": local_hidream.generate(**IMAGE, cache_policy="none"),
+            "cached": local_hidream.generate(**IMAGE, **CACHED)}
 
 
 def test_head_and_tail_run_on_the_ranks_and_the_single_rank_image_equals_diffusers(hidream_parallel_repository,
@@ -70,12 +74,9 @@ def test_head_and_tail_run_on_the_ranks_and_the_single_rank_image_equals_diffuse
 
 
 @pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
-def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(layout, hidream_parallel_repository,
-                                                                              single_rank):
-    from machgen.runtime.local import LocalPipeline
-
+def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(layout, local_hidream, single_rank):
     layout = ParallelLayout.parse(layout)
-    with LocalPipeline(hidream_parallel_repository, "hidream", layout=layout) as pipeline:
+    with under_layout(local_hidream, layout) as pipeline:
         uncached, _ = pipeline.generate(**IMAGE, cache_policy="none")
         cached, stats = pipeline.generate(**IMAGE, **CACHED)
         for part in ("denoiser_head", "denoiser_tail"):

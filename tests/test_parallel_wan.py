@@ -14,7 +14,7 @@ import pytest
 
 from machgen.parallel.layout import ParallelLayout
 
-from conftest import build_tiny_repository, serving, write_tiny
+from conftest import build_tiny_repository, serving, single_rank_pipeline, under_layout, write_tiny
 
 BUILT_LAYOUT = "cfg=2,ulysses=2"
 # 9 frames: 3 latent frames of 4x2 patches (Wan 2.2, 64x32) or 2x2 (TI2V's VAE compresses 16x, 64x64), 24 or
@@ -55,13 +55,16 @@ def picture(family, video):
 
 
 @pytest.fixture(scope="module")
-def single_rank(wan_parallel_repository, video, picture):
-    from machgen.runtime.local import LocalPipeline
+def local_wan(wan_parallel_repository):
+    with single_rank_pipeline(wan_parallel_repository, "wan") as pipeline:
+        yield pipeline
 
-    with LocalPipeline(wan_parallel_repository, "wan", layout=ParallelLayout()) as pipeline:
-        yield {"uncached": pipeline.generate(**video, cache_policy="none"),
-               "cached": pipeline.generate(**video, **CACHED),
-               "picture": pipeline.generate(**video, image=picture) if picture is not None else None}
+
+@pytest.fixture(scope="module")
+def single_rank(local_wan, video, picture):
+    return {"uncached": local_wan.generate(**video, cache_policy="none"),
+            "cached": local_wan.generate(**video, **CACHED),
+            "picture": local_wan.generate(**video, image=picture) if picture is not None else None}
 
 
 def test_only_the_tails_run_on_the_ranks_and_split_their_tokens_themselves(wan_parallel_repository, family):
@@ -77,12 +80,10 @@ def test_only_the_tails_run_on_the_ranks_and_split_their_tokens_themselves(wan_p
 
 
 @pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
-def test_every_layout_gives_the_single_rank_video_with_cache_reuse_on_and_off(layout, wan_parallel_repository,
-                                                                              single_rank, family, video, picture):
-    from machgen.runtime.local import LocalPipeline
-
+def test_every_layout_gives_the_single_rank_video_with_cache_reuse_on_and_off(layout, local_wan, single_rank, family,
+                                                                              video, picture):
     layout = ParallelLayout.parse(layout)
-    with LocalPipeline(wan_parallel_repository, "wan", layout=layout) as pipeline:
+    with under_layout(local_wan, layout) as pipeline:
         uncached, _ = pipeline.generate(**video, cache_policy="none")
         cached, stats = pipeline.generate(**video, **CACHED)
         from_picture = pipeline.generate(**video, image=picture)[0] if picture is not None else None

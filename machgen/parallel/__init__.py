@@ -10,5 +10,5 @@
 - ``ring``: key/value blocks passed round the ring while the current block
   is computed, partial results merged by log-sum-exp in float32.
 - ``usp``: Ulysses inside ring, the attention every sequence layout runs.
-- ``ranks``: the rank processes (spawned, gloo or NCCL) and their teardown.
+- ``ranks``: the rank processes (forked from a clean forkserver, gloo or NCCL) and their teardown.
 """

@@ -25,7 +25,8 @@ class LocalPipeline:
 
     def __init__(self, repository: Path, name: str, intra_op_threads: int = 0, layout: Any = None):
         """``layout``: run a parallel build's components under another layout it allows (a
-        parallel.layout.ParallelLayout; one rank: as plain programs). ``close`` stops their ranks."""
+        parallel.layout.ParallelLayout; one rank: as plain programs; ``use_layout`` changes it). ``close``
+        stops their ranks."""
         self.repository = Path(repository)
         self.name = name
         self._layout = layout
@@ -62,6 +63,26 @@ class LocalPipeline:
                                                            adapters=self._adapters, max_loaded=self._max_loaded,
                                                            layout=self._layout)
             return self._sessions[component]
+
+    def use_layout(self, layout: Any) -> None:
+        """Run the parallel build's components under ``layout`` from now on (a
+        ParallelLayout the build allows): those on ranks are closed (their ranks
+        stopped) and opened again under it on first use; the components that
+        run in this process under every layout stay loaded, so that runs
+        comparing layouts load them once."""
+        with self._opening:
+            for component in [name for name in self._sessions if self._on_ranks(name)]:
+                getattr(self._sessions.pop(component), "close", lambda: None)()
+            self._layout = layout
+
+    def _on_ranks(self, component: str) -> bool:
+        """Whether the layout decides how ``component`` runs (a torch program built for a parallel layout)."""
+        if self.manifest.target != "torch":
+            return False
+        from machgen.runtime.torch_runner import TorchComponentInfo
+
+        return TorchComponentInfo.read(self.repository / self.manifest.components[component].model / "1"
+                                       ).parallel is not None
 
     def close(self) -> None:
         """Stop what the components run besides this process (a parallel component's ranks)."""
