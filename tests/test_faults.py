@@ -242,6 +242,9 @@ REPLICA_SEEDS = (0, 1, 2)
 # Each client thread sends its own kind of request: a plain gRPC one, a gRPC stream with progress
 # (NAME_stream) and a plain HTTP one.
 KINDS = ("grpc", "stream", "http")
+# A client's pause between an answer and its next request: three clients keep requests in flight on both
+# replicas without taking every core from the replicas' own restarts (and from the other test worker).
+THINK_S = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -321,6 +324,7 @@ class Load:
             except Exception as err:  # noqa: BLE001 - a lost request is what the test counts
                 outcome = f"{type(err).__name__}: {err}"
             self.outcomes.append((kind, seed, outcome))
+            self._stop.wait(THINK_S)
 
     def stop(self) -> list[tuple[str, int, str]]:
         self._stop.set()
