@@ -187,11 +187,11 @@ def fast_tier_refuses_exports_and_servers():
             raise AssertionError(f"{what} in the fast tier: mark the test export or integration")
         return refuse
 
-    saved = export.export_onnx, export.export_torch, export.trace_torch, TritonServer.start
-    export.export_onnx, export.export_torch, export.trace_torch = (refused("an export"),) * 3
+    saved = export.export_onnx, export.export_torch, export.trace_torch, export.trace, TritonServer.start
+    export.export_onnx, export.export_torch, export.trace_torch, export.trace = (refused("an export"),) * 4
     TritonServer.start = refused("a server")
     yield
-    export.export_onnx, export.export_torch, export.trace_torch, TritonServer.start = saved
+    export.export_onnx, export.export_torch, export.trace_torch, export.trace, TritonServer.start = saved
 
 
 def session_root(tmp_path_factory) -> Path:

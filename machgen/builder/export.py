@@ -62,9 +62,33 @@ def _dynamic_shapes(spec: ComponentSpec, inferred: bool = False) -> dict:
     return shapes
 
 
+def trace(component: ExportableComponent, dtype: str = "float32", device: str = "cpu"):
+    """``component`` (its module already in ``dtype`` on ``device``) traced
+    with torch.export on its sample inputs, every named axis dynamic: what
+    the ``torch`` target saves and what the ONNX export converts.
+
+    Every axis is Dim.DYNAMIC: named ranges fail where a model's guards
+    narrow them (the VAE's batch <= 63). The inputs are made contiguous, as
+    the torch target's inputs always are (TorchProgram.prepare): a sample
+    that is a view (one part's output sliced) would leave a guard on its
+    strides that a gathered or copied input fails."""
+    import torch
+
+    spec = component.spec
+    missing = [t.name for t in spec.inputs if t.name not in component.sample_inputs]
+    if missing:
+        raise ValueError(f"{spec.name}: sample inputs lack {missing}")
+    inputs = {t.name: _to_program(component.sample_inputs[t.name], dtype, device).contiguous() for t in spec.inputs}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        return torch.export.export(component.module, args=(), kwargs=inputs,
+                                   dynamic_shapes=_dynamic_shapes(spec, inferred=True))
+
+
 def export_onnx(component: ExportableComponent, path: Path,
                 attention: "SparseAttentionConfig | None" = None) -> int:
-    """Export ``component`` to ``path`` (ONNX, opset chosen by the exporter).
+    """Export ``component`` to ``path`` (ONNX, opset chosen by the exporter):
+    its ``trace`` in float32 on the CPU, converted.
 
     With ``attention``, the module is expected to call the SparseAttention
     op (plugins/ops.attention_swapped): each call becomes a
@@ -77,19 +101,13 @@ def export_onnx(component: ExportableComponent, path: Path,
     from machgen.plugins import ops
 
     spec = component.spec
-    missing = [t.name for t in spec.inputs if t.name not in component.sample_inputs]
-    if missing:
-        raise ValueError(f"{spec.name}: sample inputs lack {missing}")
+    # torch.export first, then the conversion of its program: the exporter's own trace leaves some shapes
+    # unproved that torch.export proves (LTX's attention mask view: (b*h*t)//(b*h*t)).
+    exported = trace(component)
     path.parent.mkdir(parents=True, exist_ok=True)
     kwargs = {t.name: component.sample_inputs[t.name] for t in spec.inputs}
     with warnings.catch_warnings(), torch.no_grad(), _without_slices_split():
         warnings.simplefilter("ignore")
-        # torch.export first, then the conversion of its program: the exporter's own trace leaves
-        # some shapes unproved that torch.export proves (LTX's attention mask view: (b*h*t)//(b*h*t)).
-        # Every axis Dim.DYNAMIC, as for the torch target: named ranges fail where a model's guards
-        # narrow them (the VAE's batch <= 63).
-        exported = torch.export.export(component.module, args=(), kwargs=kwargs,
-                                       dynamic_shapes=_dynamic_shapes(spec, inferred=True))
         program = torch.onnx.export(
             exported,
             args=(),
@@ -164,20 +182,12 @@ def _name_axes(model, spec: ComponentSpec) -> None:
 
 def trace_torch(component: ExportableComponent, dtype: str, device: str, cuda_graphs: bool = True,
                 compile: bool = False):
-    """(program, TorchComponentInfo) of ``component`` (its module already in
-    ``dtype`` on ``device``) traced with torch.export, every named axis dynamic."""
-    import torch
-
+    """(program, TorchComponentInfo) of ``component``: its ``trace`` in
+    ``dtype`` on ``device``."""
     from machgen.runtime.torch_runner import TorchComponentInfo
 
     spec = component.spec
-    # Contiguous, as the program's inputs always are (TorchProgram.prepare): a sample that is a view (one
-    # part's output sliced) would leave a guard on its strides that a gathered or copied input fails.
-    inputs = {t.name: _to_program(component.sample_inputs[t.name], dtype, device).contiguous() for t in spec.inputs}
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        program = torch.export.export(component.module, args=(), kwargs=inputs,
-                                      dynamic_shapes=_dynamic_shapes(spec, inferred=True))
+    program = trace(component, dtype, device)
     weight_bytes = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
     info = TorchComponentInfo(inputs=tuple(t.name for t in spec.inputs), outputs=tuple(t.name for t in spec.outputs),
                               dtype=dtype, device=device, weight_bytes=weight_bytes, cuda_graphs=cuda_graphs,
