@@ -54,3 +54,12 @@ def identity(mesh):
 
     with open(f"/proc/{os.getpid()}/comm") as comm:
         return comm.read().strip(), os.getppid()
+
+
+def dies_on_rank_one(mesh):
+    """Rank one's process ends in the middle of a call (as if killed), the other waits for it in a collective."""
+    import os
+
+    if mesh.rank == 1:
+        os._exit(3)
+    torch.distributed.barrier()

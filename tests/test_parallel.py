@@ -139,6 +139,14 @@ def test_a_failing_rank_is_reported_and_every_rank_process_is_gone():
     assert not multiprocessing.active_children()
 
 
+def test_a_rank_that_dies_in_a_call_fails_it_and_every_rank_process_is_gone():
+    from machgen.parallel.ranks import RankError, run_on_ranks
+
+    with pytest.raises(RankError, match=r"^rank 1 died \(exit code 3\)"):
+        run_on_ranks(ParallelLayout(ring=2), "parallel_ranks:dies_on_rank_one", timeout=60)
+    assert not multiprocessing.active_children()
+
+
 # --- a family under every layout it allows: the tiny Flux's torch-target build, in process ---------------------
 
 # The build's own layout; the others below run its programs as the build allows (LocalPipeline(layout=...)).

@@ -203,13 +203,12 @@ class RankPool:
                     rank = sentinels[item]
                     if waiting.get(rank) is not None and waiting[rank].poll():
                         continue  # its last answer is still to be read
-                    self._processes[rank].join(timeout=1.0)
-                    code = self._processes[rank].exitcode
-                    self.stop()
-                    raise RankError(f"rank {rank} died (exit code {code})"
-                                    + (f"; before it:\n{_report(failed)}" if failed else ""))
+                    self._died(rank, failed)
                 rank = next(rank for rank, connection in waiting.items() if connection is item)
-                outcome, value = item.recv()
+                try:
+                    outcome, value = item.recv()
+                except (EOFError, OSError):  # its end of the pipe closed: it died (its sentinel can come later)
+                    self._died(rank, failed)
                 del waiting[rank]
                 if outcome == "error":
                     failed[rank] = value
@@ -225,6 +224,14 @@ class RankPool:
         if failed:
             raise RankError(_report(failed))
         return [answers[rank] for rank in range(len(self._connections))]
+
+    def _died(self, rank: int, failed: dict[int, str]) -> None:
+        """Raise RankError for ``rank``'s death, every rank stopped (those in a collective with it would wait
+        for it until their timeout)."""
+        self._processes[rank].join(timeout=1.0)
+        code = self._processes[rank].exitcode
+        self.stop()
+        raise RankError(f"rank {rank} died (exit code {code})" + (f"; before it:\n{_report(failed)}" if failed else ""))
 
     def _collect(self, failed: dict[int, str], waiting: dict, grace: float) -> None:
         """The other ranks' answers within ``grace``, their failures into ``failed`` (a rank whose peer
