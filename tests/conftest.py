@@ -516,7 +516,7 @@ def _builds(item) -> set[str]:
 # with the other worker running anything else; beside each other on two cores they did not (a replica killed
 # under load took 213 s instead of 12 beside test_parallel_wan's ranks).
 MANY_PROCESSES = ("test_faults", "test_parallel", "test_parallel_wan", "test_parallel_wan_ti2v",
-                  "test_parallel_hidream")
+                  "test_parallel_hidream", "test_parallel_ltx2")
 
 
 def pytest_xdist_make_scheduler(config, log):

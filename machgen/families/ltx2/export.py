@@ -16,6 +16,7 @@ from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
 # and the same frames to uint8.
 from machgen.families.ltx.export import Postprocess, VaeDecoder
 from machgen.families.ltx2.spec import ltx2_specs
+from machgen.parallel.layout import ParallelSupport
 
 # The rotary position modules' settings the sampler rebuilds them from (they hold no weights).
 _ROPE_FIELDS = ("dim", "patch_size", "patch_size_t", "base_num_frames", "base_height", "base_width",
@@ -232,6 +233,17 @@ class Ltx2Export(FamilyExport):
         # The video self-attention only, the long one: the audio-video attention can have keys as long as its
         # queries, and the sound's own self-attention is short.
         return [block.attn1 for block in pipe.transformer.transformer_blocks]
+
+    def parallel_support(self, pipe, ranges: dict[str, AxisRange]) -> ParallelSupport:
+        # Guidance rows: CFG's, the spatio-temporal guidance's perturbed and the modality guidance's isolated
+        # rows, all in each step's one call. The sequence stays whole: every block's sound queries attend all
+        # of the video's tokens (video-to-audio cross-attention), so a split video needs its keys and values
+        # gathered in that attention, which is not built.
+        return ParallelSupport(heads=pipe.transformer.config.num_attention_heads, guidance_rows=True,
+                               sequence=False,
+                               sequence_reason="LTX-2's sound attends every video token (its video-to-audio "
+                                               "cross-attention) and a split video's keys are not gathered yet: "
+                                               "use cfg=2")
 
     def specs(self, pipe) -> dict[str, ComponentSpec]:
         tr = pipe.transformer.config

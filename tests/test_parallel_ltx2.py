@@ -1,0 +1,93 @@
+"""LTX-2 (video and sound) under the parallel layouts it allows, in process on
+CPU ranks (gloo, float32): cfg=2 splits each step's guidance rows (CFG's,
+the spatio-temporal guidance's perturbed ones and the modality guidance's
+isolated ones) over two ranks, and every frame and the whole sound track
+equal the single-rank clip, which equals diffusers'. Its sequence stays whole
+(the sound attends every video token): a sequence layout is refused at
+build, naming why."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+
+from machgen.parallel.layout import LayoutError, ParallelLayout
+
+from conftest import build_tiny_repository, load_diffusers, single_rank_pipeline, under_layout, write_tiny
+from test_ltx2 import MAX_AUDIO_DIFF, PROMPT, assert_same_clip, diffusers_clip
+
+SAME_PIXELS = 1  # of 255, on every frame: exact modes, float32 sums reordered
+# The served defaults (4 rows a step: CFG, STG, modality isolation; uneven over two ranks: one padded) and
+# a clip of other settings with 3 rows.
+CALLS = {"defaults": {},
+         "9-frames-3-rows": {"num_frames": 9, "height": 64, "width": 32, "guidance_scale": 4.0,
+                             "negative_prompt": "a blue square", "stg_scale": 3.0, "modality_scale": 1.0,
+                             "audio_modality_scale": 1.0}}
+CACHED = dict(num_inference_steps=12, cache_policy="fbcache", cache_threshold=0.5)
+
+pytestmark = pytest.mark.export
+
+
+@pytest.fixture(scope="module")
+def tiny_ltx2_dir(tmp_path_factory):
+    return write_tiny(tmp_path_factory, "ltx2")
+
+
+@pytest.fixture(scope="module")
+def ltx2_parallel_repository(tiny_ltx2_dir, tmp_path_factory):
+    return build_tiny_repository(tmp_path_factory, tiny_ltx2_dir, "ltx2", in_flight=1, target="torch",
+                                 parallel=ParallelLayout.parse("cfg=2"))
+
+
+@pytest.fixture(scope="module")
+def local_ltx2(ltx2_parallel_repository):
+    with single_rank_pipeline(ltx2_parallel_repository, "ltx2") as pipeline:
+        yield pipeline
+
+
+@pytest.fixture(scope="module")
+def single_rank(local_ltx2):
+    clips = {name: local_ltx2.generate_with_audio(PROMPT, seed=5, cache_policy="none", **call)
+             for name, call in CALLS.items()}
+    clips["cached"] = local_ltx2.generate_with_audio(PROMPT, seed=5, **CACHED)
+    return clips
+
+
+def test_on_one_rank_the_parallel_build_equals_diffusers(local_ltx2, single_rank, tiny_ltx2_dir):
+    pipe = load_diffusers(tiny_ltx2_dir)
+    defaults = local_ltx2.manifest.defaults.to_json()
+    for name, call in CALLS.items():
+        frames, audio, _ = single_rank[name]
+        assert_same_clip(frames, audio, diffusers_clip(pipe, defaults, 5, **call))
+
+
+def test_cfg2_gives_the_single_rank_clip_with_cache_reuse_on_and_off(local_ltx2, single_rank):
+    with under_layout(local_ltx2, ParallelLayout.parse("cfg=2")) as pipeline:
+        clips = {name: pipeline.generate_with_audio(PROMPT, seed=5, cache_policy="none", **call)
+                 for name, call in CALLS.items()}
+        clips["cached"] = pipeline.generate_with_audio(PROMPT, seed=5, **CACHED)
+        for part in ("denoiser_head", "denoiser_tail"):
+            runner = pipeline.runner(part)
+            assert runner.calls and runner.split_calls == 0  # rows split over the two ranks, no sequence
+    assert not multiprocessing.active_children()
+    for name, (frames, audio, stats) in clips.items():
+        want_frames, want_audio, want_stats = single_rank[name]
+        assert frames.shape == want_frames.shape and audio.shape == want_audio.shape
+        assert np.abs(frames.astype(int) - want_frames.astype(int)).max() <= SAME_PIXELS, name
+        assert np.abs(audio - want_audio).max() <= MAX_AUDIO_DIFF, name
+        assert stats.denoiser_tail_passes == want_stats.denoiser_tail_passes, name
+    # cache reuse skipped steps, and decided alike on both (4 rows a computed step)
+    assert clips["cached"][2].denoiser_tail_passes < 4 * CACHED["num_inference_steps"]
+
+
+@pytest.mark.parametrize("layout", ["ulysses=2", "ring=2", "cfg=2,ulysses=2"])
+def test_a_sequence_layout_is_refused_before_any_export_naming_why(layout, tiny_ltx2_dir, tmp_path):
+    from machgen.builder.build import build_repository
+
+    logged = []
+    with pytest.raises(LayoutError, match="video-to-audio cross-attention"):
+        build_repository(tiny_ltx2_dir, "ltx2", tmp_path / "repository", target="torch", log=logged.append,
+                         preview=False, parallel=ParallelLayout.parse(layout))
+    assert not any("exporting" in line for line in logged) and not (tmp_path / "repository").exists()
