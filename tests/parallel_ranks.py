@@ -63,3 +63,12 @@ def dies_on_rank_one(mesh):
     if mesh.rank == 1:
         os._exit(3)
     torch.distributed.barrier()
+
+
+def adapter_rows(mesh, rows: int, adapted: list[int]):
+    """This cfg group's share (cfg.split_adapter_rows) of adapters on ``adapted`` of a ``rows``-row batch,
+    each adapted row's scales [2 * its position, 2 * its position + 1]."""
+    from machgen.parallel.cfg import split_adapter_rows
+
+    scales = torch.arange(2 * len(adapted), dtype=torch.float32).reshape(len(adapted), 2)
+    return split_adapter_rows(torch.tensor(adapted, dtype=torch.int64), scales, rows, mesh.cfg_group)

@@ -89,6 +89,19 @@ def test_cfg_rows_are_split_padded_and_gathered_whole():
     assert np.array_equal(whole0, batch * 2) and np.array_equal(whole1, batch * 2)
 
 
+@pytest.mark.parametrize("rows, adapted, groups", [
+    (5, [0, 3, 4], [([0], [[0, 1]]), ([0, 1, 2], [[2, 3], [4, 5], [4, 5]])]),  # group 1: rows 3, 4 and 4 padded
+    (4, [3], [([], []), ([1], [[0, 1]])]),  # group 0 runs no adapted row
+])
+def test_adapter_rows_split_over_cfg_groups_numbered_as_each_groups_rows(rows, adapted, groups):
+    from machgen.parallel.ranks import run_on_ranks
+
+    shares = run_on_ranks(ParallelLayout(cfg=2), "parallel_ranks:adapter_rows", rows, adapted)
+    for (got_rows, got_scales), (want_rows, want_scales) in zip(shares, groups):
+        assert got_rows.tolist() == want_rows
+        assert got_scales.reshape(-1, 2).tolist() == want_scales
+
+
 def test_kept_inputs_reach_the_ranks_exactly_and_once_they_repeat():
     """What the ranks rebuild from each call's packing is that call's inputs, bit for bit, whatever repeats,
     changes or is forgotten; a repeated input travels twice, then as a reference; the held bytes stay within
@@ -353,6 +366,37 @@ def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank
     # The regions of this server's Python backend (machgen/server.py names them after machgen serve's pid);
     # other tests' servers run beside it.
     assert not list(Path("/dev/shm").glob(f"machgen_{served.process.pid}_*"))
+
+
+@pytest.fixture(scope="module")
+def adapted_cfg_repository(tiny_flux_dir, tmp_path_factory):
+    """The tiny Flux for cfg=2 with per-request adapters, and one added."""
+    from machgen.builder.adapters import add_adapter
+
+    from test_lora_adapters import ADAPTERS, write_random_adapter
+
+    repository = build_tiny_repository(tmp_path_factory, tiny_flux_dir, "flux", in_flight=1, target="torch",
+                                       parallel=ParallelLayout(cfg=2), max_lora_rank=8)
+    rank, alpha, targets = ADAPTERS["attn"]
+    add_adapter(repository, "attn", write_random_adapter(tiny_flux_dir, tmp_path_factory.mktemp("attn"), rank,
+                                                         alpha, targets, seed=0))
+    return repository
+
+
+@pytest.mark.export
+def test_per_request_adapters_under_cfg2_give_the_single_rank_image(adapted_cfg_repository):
+    """Both guidance rows name the adapter; the second cfg group's row is row 1 of the batch and row 0 of its
+    own share (the unit test above covers rows without adapters and padding)."""
+    adapter = dict(lora=["attn"], lora_scale=[1.0])
+    with single_rank_pipeline(adapted_cfg_repository, "flux") as pipeline:
+        plain, _ = pipeline.generate(**GUIDED, cache_policy="none")
+        single, _ = pipeline.generate(**GUIDED, cache_policy="none", **adapter)
+        with under_layout(pipeline, ParallelLayout(cfg=2)):
+            split, _ = pipeline.generate(**GUIDED, cache_policy="none", **adapter)
+            assert pipeline.runner("denoiser_tail").calls
+    assert not multiprocessing.active_children()
+    assert np.abs(single.astype(int) - plain.astype(int)).max() > 8 * SAME_PIXELS  # the adapter does something
+    assert np.abs(split.astype(int) - single.astype(int)).max() <= SAME_PIXELS
 
 
 @pytest.mark.parametrize("layout, message", [

@@ -260,7 +260,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     exports, specs, adapters = components_to_export(exporter, pipe, options, target, log)
     layout = parallel if parallel is not None and not parallel.is_single else None
     if layout is not None:
-        check_parallel_build(layout, exporter, pipe, target, exporter.axis_ranges(defaults, settings), adapters)
+        check_parallel_build(layout, exporter, pipe, target, exporter.axis_ranges(defaults, settings))
         if sparse is not None:
             raise LayoutError(f"--parallel {layout} with --attention {attention.kind}: sparse attention inside "
                               "a sharded attention is not built yet")

@@ -22,7 +22,7 @@ from machgen.parallel.layout import (
 
 
 def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: Any, target: str,
-                         ranges: dict[str, AxisRange], adapters: Any) -> ParallelSupport:
+                         ranges: dict[str, AxisRange]) -> ParallelSupport:
     """What the model allows, or LayoutError naming why ``layout`` cannot be built."""
     name = exporter.family.name
     if target != "torch":
@@ -31,9 +31,6 @@ def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: A
     support = exporter.parallel_support(pipe, ranges)
     if support is None:
         raise LayoutError(f"--parallel {layout}: family '{name}' declares no parallel layouts")
-    if adapters is not None and layout.cfg > 1:
-        raise LayoutError(f"--parallel {layout}: per-request adapters (--max-lora-rank) are not split over cfg "
-                          "groups yet; use a sequence layout or build without adapters")
     check_layout(layout, support, f"family '{name}'")
     return support
 

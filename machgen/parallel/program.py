@@ -31,13 +31,17 @@ def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: 
     whole outputs and whether the sequence was split."""
     import torch
 
-    from machgen.parallel.cfg import gather_rows, split_rows
+    from machgen.contract.adapters import ROW_SCALES_INPUT, ROWS_INPUT
+    from machgen.parallel.cfg import gather_rows, split_adapter_rows, split_rows
     from machgen.parallel.op import split_sequence
     from machgen.parallel.usp import gather_sequence, shard_sequence
 
     tensors = {name: torch.as_tensor(value) for name, value in inputs.items()}
     rows = next((tensors[name].shape[0] for name in plan.batched if name in tensors), 1)
     tensors = {name: split_rows(t, mesh.cfg_group) if name in plan.batched else t for name, t in tensors.items()}
+    if ROWS_INPUT in tensors:  # per-request adapters: the rows that have them, numbered as this group's rows
+        tensors[ROWS_INPUT], tensors[ROW_SCALES_INPUT] = split_adapter_rows(
+            tensors[ROWS_INPUT], tensors[ROW_SCALES_INPUT], rows, mesh.cfg_group)
     degree = plan.layout.sequence_degree
     split = degree > 1 and all(t.shape[plan.sequence[name]] % degree == 0
                                for name, t in tensors.items() if name in plan.sequence)
