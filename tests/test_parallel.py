@@ -173,8 +173,18 @@ CACHED = dict(num_inference_steps=8, cache_policy="fbcache", cache_threshold=0.5
 
 @pytest.fixture(scope="module")
 def parallel_repository(tiny_flux_dir, tmp_path_factory):
-    return build_tiny_repository(tmp_path_factory, tiny_flux_dir, "flux", in_flight=1, target="torch",
-                                 parallel=ParallelLayout.parse(BUILT_LAYOUT))
+    """The tiny Flux for BUILT_LAYOUT, with per-request adapters (one added: "attn"); the layout tests' requests
+    name none, test_per_request_adapters_under_cfg2_give_the_single_rank_image's do."""
+    from machgen.builder.adapters import add_adapter
+
+    from test_lora_adapters import ADAPTERS, write_random_adapter
+
+    repository = build_tiny_repository(tmp_path_factory, tiny_flux_dir, "flux", in_flight=1, target="torch",
+                                       parallel=ParallelLayout.parse(BUILT_LAYOUT), max_lora_rank=8)
+    rank, alpha, targets = ADAPTERS["attn"]
+    add_adapter(repository, "attn", write_random_adapter(tiny_flux_dir, tmp_path_factory.mktemp("attn"), rank,
+                                                         alpha, targets, seed=0))
+    return repository
 
 
 @pytest.fixture(scope="module")
@@ -368,33 +378,17 @@ def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank
     assert not list(Path("/dev/shm").glob(f"machgen_{served.process.pid}_*"))
 
 
-@pytest.fixture(scope="module")
-def adapted_cfg_repository(tiny_flux_dir, tmp_path_factory):
-    """The tiny Flux for cfg=2 with per-request adapters, and one added."""
-    from machgen.builder.adapters import add_adapter
-
-    from test_lora_adapters import ADAPTERS, write_random_adapter
-
-    repository = build_tiny_repository(tmp_path_factory, tiny_flux_dir, "flux", in_flight=1, target="torch",
-                                       parallel=ParallelLayout(cfg=2), max_lora_rank=8)
-    rank, alpha, targets = ADAPTERS["attn"]
-    add_adapter(repository, "attn", write_random_adapter(tiny_flux_dir, tmp_path_factory.mktemp("attn"), rank,
-                                                         alpha, targets, seed=0))
-    return repository
-
-
 @pytest.mark.export
-def test_per_request_adapters_under_cfg2_give_the_single_rank_image(adapted_cfg_repository):
+def test_per_request_adapters_under_cfg2_give_the_single_rank_image(local_parallel, single_rank):
     """Both guidance rows name the adapter; the second cfg group's row is row 1 of the batch and row 0 of its
     own share (the unit test above covers rows without adapters and padding)."""
     adapter = dict(lora=["attn"], lora_scale=[1.0])
-    with single_rank_pipeline(adapted_cfg_repository, "flux") as pipeline:
-        plain, _ = pipeline.generate(**GUIDED, cache_policy="none")
-        single, _ = pipeline.generate(**GUIDED, cache_policy="none", **adapter)
-        with under_layout(pipeline, ParallelLayout(cfg=2)):
-            split, _ = pipeline.generate(**GUIDED, cache_policy="none", **adapter)
-            assert pipeline.runner("denoiser_tail").calls
+    single, _ = local_parallel.generate(**GUIDED, cache_policy="none", **adapter)
+    with under_layout(local_parallel, ParallelLayout(cfg=2)) as pipeline:
+        split, _ = pipeline.generate(**GUIDED, cache_policy="none", **adapter)
+        assert pipeline.runner("denoiser_tail").calls
     assert not multiprocessing.active_children()
+    plain = single_rank["uncached"][0]
     assert np.abs(single.astype(int) - plain.astype(int)).max() > 8 * SAME_PIXELS  # the adapter does something
     assert np.abs(split.astype(int) - single.astype(int)).max() <= SAME_PIXELS
 
