@@ -102,8 +102,13 @@ class Supervisor:
                         break
                     if not self.server.alive():
                         self._restart_server()
-                    else:
+                        continue
+                    try:
                         self._check_stubs()
+                    except OSError:  # refused: the server died after the check above (a SIGKILL between them)
+                        if not self._exits_within(5.0):
+                            raise
+                        self._restart_server()
         except Exception as err:  # noqa: BLE001 - an orchestrator must see the supervisor gone
             self.log(f"supervisor: {err}; giving up")
             self.exit_code = 1
@@ -176,6 +181,16 @@ class Supervisor:
                 live = self.server.stubs()
         self.recoveries[model] += 1
         self.log(f"supervisor: model {model} serves again ({time.monotonic() - started:.1f} s)")
+
+    def _exits_within(self, seconds: float) -> bool:
+        """Whether the server process has ended, or ends within ``seconds``."""
+        import subprocess
+
+        try:
+            self.server.process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def _restart_server(self, reason: str | None = None) -> None:
         """Start the server again (killing what is left of it), unless it was started again too often."""
