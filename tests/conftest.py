@@ -68,7 +68,7 @@ def load_diffusers(model_dir: Path):
 
 
 def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, in_flight: int = 2, preview: bool = False,
-                          into: Path | None = None, target: str = "onnxruntime", parallel=None,
+                          into: Path | None = None, target: str = "onnxruntime", parallel=None, attention=None,
                           **options) -> Path:
     """A model repository of ``model_dir`` served as ``name`` (one instance per
     component; ``options``: other ServingOptions). Without the preview
@@ -76,14 +76,15 @@ def build_tiny_repository(tmp_path_factory, model_dir: Path, name: str, in_fligh
     seconds per build that only the tests of previews need. ``into``: an
     existing repository that gets this pipeline beside its others (a family
     module's task variants share one repository, and so one server);
-    ``target`` and ``parallel`` (a ParallelLayout): build_repository's."""
-    from machgen.builder.build import build_repository
+    ``target``, ``parallel`` (a ParallelLayout) and ``attention`` (AttentionOptions): build_repository's."""
+    from machgen.builder.build import AttentionOptions, build_repository
     from machgen.builder.repository import ServingOptions
 
     out = into if into is not None else tmp_path_factory.mktemp(f"{name}-repository")
     build_repository(model_dir, name, out, options=ServingOptions(in_flight=in_flight, component_instances=1,
                                                                   **options),
-                     log=lambda line: None, preview=preview, target=target, parallel=parallel)
+                     log=lambda line: None, preview=preview, target=target, parallel=parallel,
+                     attention=attention or AttentionOptions())
     return out
 
 

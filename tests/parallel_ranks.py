@@ -72,3 +72,22 @@ def adapter_rows(mesh, rows: int, adapted: list[int]):
 
     scales = torch.arange(2 * len(adapted), dtype=torch.float32).reshape(len(adapted), 2)
     return split_adapter_rows(torch.tensor(adapted, dtype=torch.int64), scales, rows, mesh.cfg_group)
+
+
+def joint_chunk(tensor, mesh, leading: int):
+    """This rank's chunk of a joint sequence [B, leading + others, ...] split as a joint-attention model's
+    streams are: its chunk of the leading stream, then its chunk of the others."""
+    return torch.cat([sequence_chunk(tensor[:, :leading], mesh), sequence_chunk(tensor[:, leading:], mesh)], dim=1)
+
+
+def sparse_attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int, leading: int, attributes: dict):
+    """This rank's output chunk of machgen::sequence_sparse_attention (``attributes``: the sparse op's) on
+    its cfg group's rows of a joint sequence led by ``leading`` tokens."""
+    from machgen.parallel.cfg import split_rows
+    from machgen.parallel.op import sequence_sparse_attention, set_mesh, split_sequence
+
+    set_mesh(mesh)
+    q, k, v = (joint_chunk(split_rows(t, mesh.cfg_group), mesh, leading)
+               for t in full_inputs(batch, tokens, heads, dim))
+    with split_sequence(True):
+        return sequence_sparse_attention(q, k, v, leading, *attributes.values())

@@ -48,6 +48,12 @@ def test_a_layout_the_model_does_not_allow_is_refused_with_every_reason():
     assert "cannot split its sequence" in refusals(ParallelLayout(ring=2), ParallelSupport(8, True, False))[0]
     with pytest.raises(LayoutError, match="tiny cannot run the parallel layout cfg=2,ulysses=4: "):
         check_layout(ParallelLayout(cfg=2, ulysses=4), embedded_guidance, "tiny")
+    # sparse attention: whole sequences after a Ulysses exchange, never on a ring, nor in another order
+    joint = ParallelSupport(8, True, sparse_sequence_reason="its image tokens lead")
+    assert refusals(ParallelLayout(cfg=2, ulysses=2), ParallelSupport(8, True), sparse=True) == []
+    assert "a ring never gathers" in refusals(ParallelLayout(ulysses=2, ring=2), ParallelSupport(8, True), True)[0]
+    assert refusals(ParallelLayout(cfg=2), joint, sparse=True) == []
+    assert "with sparse attention: its image tokens lead" in refusals(ParallelLayout(ulysses=2), joint, True)[0]
 
 
 def test_ranks_are_numbered_cfg_then_ring_then_ulysses():
@@ -78,6 +84,35 @@ def test_sequence_parallel_attention_equals_attention_on_whole_sequences(layout)
         whole = np.concatenate(groups, axis=0)
         assert whole.shape == expected.shape
         assert np.abs(whole - expected).max() <= ATTENTION_TOLERANCE
+
+
+@pytest.mark.parametrize("layout", ["ulysses=2", "cfg=2,ulysses=2"])
+@pytest.mark.parametrize("leading", [0, 8])
+def test_sparse_attention_on_split_sequences_equals_one_rank_on_whole_ones(layout, leading):
+    """The block mask and the FP8 rounding of a sharded sparse attention are one rank's: the Ulysses exchange
+    gives each rank whole sequences, put back in one rank's order where a joint attention's leading stream
+    (text) is split beside the rest."""
+    import torch
+
+    from machgen.parallel.ranks import run_on_ranks
+    from machgen.plugins.ops import sparse_attention
+    from machgen.plugins.schema import SparseAttentionConfig
+
+    layout = ParallelLayout.parse(layout)
+    batch, tokens, heads, dim = 4, 32, 4, 8
+    config = SparseAttentionConfig(block_q=4, block_k=4, topk_ratio=0.5, dense_prefix_tokens=leading)
+    chunks = run_on_ranks(layout, "parallel_ranks:sparse_attention_chunks", batch, tokens, heads, dim, leading,
+                          config.onnx_attributes())
+    assert not multiprocessing.active_children()
+    q, k, v = full_inputs(batch, tokens, heads, dim)
+    expected = sparse_attention(q, k, v, config).numpy()
+    assert np.abs(expected - reference_attention(q, k, v).numpy()).max() > 1e-3  # blocks were skipped
+    rows = []
+    for start in range(0, layout.world_size, layout.sequence_degree):
+        group = chunks[start:start + layout.sequence_degree]
+        share = leading // layout.sequence_degree  # each chunk: its share of the leading tokens, then the rest
+        rows.append(np.concatenate([c[:, :share] for c in group] + [c[:, share:] for c in group], axis=1))
+    assert np.abs(np.concatenate(rows, axis=0) - expected).max() <= ATTENTION_TOLERANCE
 
 
 def test_cfg_rows_are_split_padded_and_gathered_whole():
@@ -254,19 +289,58 @@ def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(la
         "num_inference_steps"]
 
 
+@pytest.fixture(scope="module")
+def sparse_parallel_repository(tiny_flux_dir, tmp_path_factory):
+    """The tiny Flux with FP8 sparse attention for ulysses=2 (its text encoders and decoder: the export cache's
+    from parallel_repository's build)."""
+    from machgen.builder.build import AttentionOptions
+
+    return build_tiny_repository(tmp_path_factory, tiny_flux_dir, "flux", in_flight=1, target="torch",
+                                 parallel=ParallelLayout(ulysses=2), max_lora_rank=8,
+                                 attention=AttentionOptions("sparse-fp8", block=2, mask_method="topk"))
+
+
+@pytest.mark.export
+def test_sparse_attention_under_every_layout_gives_the_single_rank_image(sparse_parallel_repository,
+                                                                         single_rank):
+    """FP8 sparse attention inside the sharded attention (the mask computed on whole sequences after the Ulysses
+    exchange) gives what the same build gives on one rank, with cache reuse on and off."""
+    import json
+
+    tail = json.loads((sparse_parallel_repository / "flux_denoiser_tail" / "1" / "component.json").read_text())
+    assert tail["parallel"]["layout"] == ParallelLayout(ulysses=2).to_json()
+    with single_rank_pipeline(sparse_parallel_repository, "flux") as pipeline:
+        one_rank = {"uncached": pipeline.generate(**GUIDED, cache_policy="none")[0],
+                    "cached": pipeline.generate(**GUIDED, **CACHED)[0]}
+        # sparse: not the dense build's image
+        assert np.abs(one_rank["uncached"].astype(int) - single_rank["uncached"][0].astype(int)).max() > SAME_PIXELS
+        for layout in ("ulysses=2", "cfg=2,ulysses=2"):
+            with under_layout(pipeline, ParallelLayout.parse(layout)):
+                uncached, _ = pipeline.generate(**GUIDED, cache_policy="none")
+                cached, _ = pipeline.generate(**GUIDED, **CACHED)
+                runner = pipeline.runner("denoiser_tail")
+                assert runner.split_calls == runner.calls > 0
+            assert np.abs(uncached.astype(int) - one_rank["uncached"].astype(int)).max() <= SAME_PIXELS, layout
+            assert np.abs(cached.astype(int) - one_rank["cached"].astype(int)).max() <= SAME_PIXELS, layout
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.parametrize("target, layout, message", [
     ("onnxruntime", "ulysses=2", "parallel layouts run on the torch target"),
     ("torch", "ulysses=4", "ulysses=4 does not divide the model's 2 attention heads"),
     ("torch", "cfg=4", "at most cfg=2"),
+    ("torch", "ulysses=2,ring=2 sparse", "ring=2 with sparse attention"),
 ])
 def test_a_layout_the_build_cannot_run_is_refused_before_any_export(target, layout, message, tiny_flux_dir,
                                                                      tmp_path):
-    from machgen.builder.build import build_repository
+    from machgen.builder.build import AttentionOptions, build_repository
 
+    layout, _, attention = layout.partition(" ")
     logged = []
     with pytest.raises(LayoutError, match=message):
         build_repository(tiny_flux_dir, "flux", tmp_path / "repository", target=target, log=logged.append,
-                         preview=False, parallel=ParallelLayout.parse(layout))
+                         preview=False, parallel=ParallelLayout.parse(layout),
+                         attention=AttentionOptions("sparse-fp8" if attention else "dense"))
     assert not any("exporting" in line for line in logged) and not (tmp_path / "repository").exists()
 
 

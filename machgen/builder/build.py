@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 from machgen.contract.adapters import write_component_layers
 from machgen.contract.specs import ServedDefaults
 from machgen.families.registry import Family, family_for_model
-from machgen.parallel.layout import LayoutError, ParallelLayout
+from machgen.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from machgen.builder.family_export import FamilyExport
@@ -200,6 +200,26 @@ def _reached_by_swap(component, module_names, layers) -> bool:
     return any(type(sub).__module__ in module_names for sub in component.module.modules())
 
 
+@contextlib.contextmanager
+def attention_for(exporter: "FamilyExport", sparse, sparse_layers, on_ranks: bool, defaults: ServedDefaults):
+    """Inside, the attention a component exports with: ``sparse`` (a SparseAttentionConfig, or None: dense);
+    for a component that runs on a parallel layout's ranks (``on_ranks``), the sequence attention (and the
+    sparse calls as machgen::sequence_sparse_attention)."""
+    from machgen.parallel.op import sequence_attention_swapped, sequence_sparse_attention_swapped
+    from machgen.plugins.ops import attention_swapped
+
+    with contextlib.ExitStack() as stack:
+        if on_ranks:
+            stack.enter_context(sequence_attention_swapped(exporter.sharded_attention_modules))
+            if sparse is not None:  # inside the sequence swap: the calls it leaves run the sequence attention
+                stack.enter_context(sequence_sparse_attention_swapped(
+                    exporter.attention_modules, sparse, sparse_layers,
+                    leading_tokens=exporter.dense_attention_tokens(defaults)))
+        elif sparse is not None:
+            stack.enter_context(attention_swapped(exporter.attention_modules, sparse, sparse_layers))
+        yield
+
+
 def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxruntime", lora: Path | None = None,
                      options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
                      target_options: TargetOptions = TargetOptions(), export_cache: Path | None = None,
@@ -227,8 +247,6 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     from machgen.builder.rebuild import plan_rebuild
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
     from machgen.builder.parallel import check_parallel_build, parallel_variant, shard_plan, write_shard_plan
-    from machgen.parallel.op import sequence_attention_swapped
-    from machgen.plugins.ops import attention_swapped
 
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
@@ -260,10 +278,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     exports, specs, adapters = components_to_export(exporter, pipe, options, target, log)
     layout = parallel if parallel is not None and not parallel.is_single else None
     if layout is not None:
-        check_parallel_build(layout, exporter, pipe, target, exporter.axis_ranges(defaults, settings))
-        if sparse is not None:
-            raise LayoutError(f"--parallel {layout} with --attention {attention.kind}: sparse attention inside "
-                              "a sharded attention is not built yet")
+        check_parallel_build(layout, exporter, pipe, target, exporter.axis_ranges(defaults, settings),
+                             sparse=sparse is not None)
         log(f"parallel layout: {layout} ({layout.world_size} ranks per step)")
     device, dtype = "cpu", "float32"
     if target == "torch":
@@ -317,9 +333,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])
             else:
                 # Swapped for the parity check too: torch then runs the operator's CPU reference.
-                with (attention_swapped(exporter.attention_modules, sparse, sparse_layers) if sparse else
-                      sequence_attention_swapped(exporter.sharded_attention_modules) if parallel_here else
-                      contextlib.nullcontext()):
+                with attention_for(exporter, sparse, sparse_layers, parallel_here, defaults):
                     if target == "torch":
                         nodes = export_torch(component, folder, dtype, device,
                                              cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)

@@ -208,8 +208,9 @@ def export_torch(component: ExportableComponent, folder: Path, dtype: str, devic
     folder.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, os.fspath(folder / PROGRAM_FILE))
     (folder / INFO_FILE).write_text(info.to_json())
-    return sum(1 for node in program.graph.nodes
-               if node.op == "call_function" and "machgen.sparse_attention" in str(node.target))
+    # A parallel build's sparse calls are machgen::sequence_sparse_attention (the exchange, then the op).
+    return sum(1 for node in program.graph.nodes if node.op == "call_function"
+               and str(node.target).startswith(("machgen.sparse_attention.", "machgen.sequence_sparse_attention.")))
 
 
 def _to_program(value, dtype: str, device: str):

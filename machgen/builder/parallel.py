@@ -22,8 +22,9 @@ from machgen.parallel.layout import (
 
 
 def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: Any, target: str,
-                         ranges: dict[str, AxisRange]) -> ParallelSupport:
-    """What the model allows, or LayoutError naming why ``layout`` cannot be built."""
+                         ranges: dict[str, AxisRange], sparse: bool = False) -> ParallelSupport:
+    """What the model allows, or LayoutError naming why ``layout`` cannot be built (``sparse``: with
+    sparse attention)."""
     name = exporter.family.name
     if target != "torch":
         raise LayoutError(f"--parallel {layout}: parallel layouts run on the torch target (--target torch), "
@@ -31,7 +32,7 @@ def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: A
     support = exporter.parallel_support(pipe, ranges)
     if support is None:
         raise LayoutError(f"--parallel {layout}: family '{name}' declares no parallel layouts")
-    check_layout(layout, support, f"family '{name}'")
+    check_layout(layout, support, f"family '{name}'", sparse)
     return support
 
 

@@ -92,11 +92,20 @@ class ParallelSupport:
     sequence: bool = True
     # Why the sequence cannot be split, said when a layout asks for it.
     sequence_reason: str = ""
+    # Why sparse attention cannot run with the sequence split ("": it can, its sharded attention's whole
+    # sequence put back in single-rank order: one stream, or a joint attention led by its text).
+    sparse_sequence_reason: str = ""
 
 
-def refusals(layout: ParallelLayout, support: ParallelSupport) -> list[str]:
-    """Why ``support``'s model cannot run ``layout`` (empty: it can)."""
+def refusals(layout: ParallelLayout, support: ParallelSupport, sparse: bool = False) -> list[str]:
+    """Why ``support``'s model cannot run ``layout`` (empty: it can); ``sparse``: with sparse attention."""
     reasons = []
+    if sparse and layout.ring > 1:
+        reasons.append(f"ring={layout.ring} with sparse attention: its block mask is computed on whole sequences, "
+                       "which a ring never gathers (use a Ulysses degree for the sequence)")
+    if sparse and layout.sequence_degree > 1 and support.sparse_sequence_reason:
+        reasons.append(f"ulysses x ring = {layout.sequence_degree} with sparse attention: "
+                       f"{support.sparse_sequence_reason}")
     if layout.cfg > 1 and not support.guidance_rows:
         reasons.append(f"cfg={layout.cfg} needs guidance rows, and this model's steps have one row per image "
                        "(guidance embedded, no negative-prompt pass)")
@@ -112,9 +121,10 @@ def refusals(layout: ParallelLayout, support: ParallelSupport) -> list[str]:
     return reasons
 
 
-def check_layout(layout: ParallelLayout, support: ParallelSupport, model: str = "the model") -> None:
-    """Raise LayoutError naming every reason ``model`` cannot run ``layout``."""
-    reasons = refusals(layout, support)
+def check_layout(layout: ParallelLayout, support: ParallelSupport, model: str = "the model",
+                 sparse: bool = False) -> None:
+    """Raise LayoutError naming every reason ``model`` cannot run ``layout`` (``sparse``: with sparse attention)."""
+    reasons = refusals(layout, support, sparse)
     if reasons:
         raise LayoutError(f"{model} cannot run the parallel layout {layout}: " + "; ".join(reasons))
 

@@ -105,6 +105,75 @@ def _(x, axis, like):
     return x.new_empty(shape)
 
 
+@torch.library.custom_op("machgen::sequence_sparse_attention", mutates_args=())
+def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leading_tokens: int,
+                              block_q: int, block_k: int, mask_method: str, topk_ratio: float,
+                              cdf_threshold: float, dense_prefix_tokens: int, dense_diagonal: int, precision: str,
+                              softmax_scale: float) -> torch.Tensor:
+    """``machgen::sparse_attention`` (its attributes after ``leading_tokens``)
+    on q, k, v in [B, N, H, D]; with the sequence split, on whole sequences
+    after the Ulysses exchange, so that its block mask is the one a single
+    rank computes. ``leading_tokens``: the tokens of a joint attention's
+    leading stream (Flux's text) in the whole sequence; each rank's chunk
+    starts with its share of them, and the whole sequence is put back in
+    single-rank order (every chunk's leading tokens first) around the op."""
+    from machgen.plugins.ops import sparse_attention_op
+
+    attributes = (block_q, block_k, mask_method, topk_ratio, cdf_threshold, dense_prefix_tokens, dense_diagonal,
+                  precision, softmax_scale)
+    if _MESH is None or _MESH.layout.sequence_degree == 1 or not getattr(_context, "split", False):
+        return sparse_attention_op(q, k, v, *attributes).contiguous()
+    if _MESH.layout.ring > 1:  # a build refuses it (builder/parallel.py); another layout given at load too
+        raise RuntimeError(f"sparse attention under {_MESH.layout}: its block mask needs whole sequences, which "
+                           "a ring never holds; use a Ulysses degree for the sequence")
+    from machgen.parallel.ulysses import ulysses_attention
+
+    degree = _MESH.layout.ulysses
+
+    def whole_sequences(whole_q, whole_k, whole_v):
+        ordered = [single_rank_order(t, degree, leading_tokens) for t in (whole_q, whole_k, whole_v)]
+        return chunk_order(sparse_attention_op(*ordered, *attributes), degree, leading_tokens)
+
+    return ulysses_attention(q, k, v, _MESH.ulysses_group, whole_sequences).contiguous()
+
+
+@sequence_sparse_attention.register_fake
+def _(q, k, v, *attributes):
+    return torch.empty_like(q)
+
+
+def single_rank_order(gathered: torch.Tensor, degree: int, leading_tokens: int) -> torch.Tensor:
+    """[B, N, ...] of ``degree`` chunks each led by its share of ``leading_tokens`` -> every chunk's leading
+    tokens, then every chunk's others (the order of one rank's joint sequence)."""
+    if not leading_tokens:
+        return gathered
+    chunks = gathered.unflatten(1, (degree, -1))
+    share = leading_tokens // degree
+    return torch.cat([chunks[:, :, :share].flatten(1, 2), chunks[:, :, share:].flatten(1, 2)], dim=1)
+
+
+def chunk_order(whole: torch.Tensor, degree: int, leading_tokens: int) -> torch.Tensor:
+    """single_rank_order's inverse."""
+    if not leading_tokens:
+        return whole
+    leading = whole[:, :leading_tokens].unflatten(1, (degree, -1))
+    others = whole[:, leading_tokens:].unflatten(1, (degree, -1))
+    return torch.cat([leading, others], dim=2).flatten(1, 2)
+
+
+def sequence_sparse_attention_swapped(modules: Sequence[str], config, layers=None, leading_tokens: int = 0):
+    """plugins/ops.attention_swapped for a parallel build: its sparse calls
+    run ``machgen::sequence_sparse_attention`` (``leading_tokens``: its
+    argument). Inside ``sequence_attention_swapped``, the calls the sparse
+    swap leaves run the sequence attention."""
+    from machgen.plugins.ops import attention_swapped
+
+    def operator(q, k, v, chosen):
+        return sequence_sparse_attention(q, k, v, leading_tokens, *chosen.onnx_attributes().values())
+
+    return attention_swapped(modules, config, layers, operator=operator)
+
+
 def sequence_attention_swapped(modules: Sequence[str]):
     """Inside the block, every unmasked, non-causal self-attention call of
     ``dispatch_attention_fn`` in ``modules`` (keys as long as the queries)

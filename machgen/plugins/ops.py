@@ -184,18 +184,23 @@ def _as_float32(attributes: dict) -> dict:
 
 
 def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig,
-                      layers: Sequence[torch.nn.Module] | None = None):
+                      layers: Sequence[torch.nn.Module] | None = None,
+                      operator: Callable[..., torch.Tensor] | None = None):
     """Inside the block, every unmasked, non-causal self-attention call of
     ``dispatch_attention_fn`` in ``modules`` (diffusers model modules,
     [B, N, H, D] layout) runs the op. Cross-attention (keys of another
     length: a video model's text) stays dense: its few key blocks are all needed.
     ``layers``: only the calls made inside these attention modules, for a
     model whose cross-attention can have keys as long as its queries (LTX-2's
-    audio-video attention), which the lengths cannot tell apart."""
+    audio-video attention), which the lengths cannot tell apart.
+    ``operator(q, k, v, config)``: what runs instead of ``sparse_attention``
+    (a parallel build's, which exchanges across the sequence ranks first)."""
+    operator = operator or sparse_attention
+
     def sparse(query, key, value, scale):
         chosen = config if scale is None else SparseAttentionConfig(
             **{**config.onnx_attributes(), "softmax_scale": scale})
-        return sparse_attention(query, key, value, chosen)
+        return operator(query, key, value, chosen)
 
     return dispatch_swapped(modules, sparse, layers)
 

@@ -195,7 +195,11 @@ class HiDreamExport(FamilyExport):
 
     def parallel_support(self, pipe, ranges: dict[str, AxisRange]) -> ParallelSupport:
         # Guidance rows: the negative prompt's (CFG) in each denoiser call.
-        return ParallelSupport(heads=pipe.transformer.config.num_attention_heads, guidance_rows=True)
+        return ParallelSupport(heads=pipe.transformer.config.num_attention_heads, guidance_rows=True,
+                               sparse_sequence_reason="HiDream's joint attention joins each rank's image tokens, "
+                                                      "then its T5 and Llama tokens, so the whole sequence after "
+                                                      "the exchange is in another order than one rank's and its "
+                                                      "block mask would differ (use cfg=2)")
 
     def specs(self, pipe) -> dict[str, ComponentSpec]:
         self.check(pipe)
