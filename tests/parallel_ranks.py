@@ -91,3 +91,28 @@ def sparse_attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int,
                for t in full_inputs(batch, tokens, heads, dim))
     with split_sequence(True):
         return sequence_sparse_attention(q, k, v, leading, *attributes.values())
+
+
+def sharded_denoiser_parts(mesh, model_dir: str):
+    """The outputs of a family's sharded denoiser head and tail (FamilyExport.sequence_parallel's), eager on
+    their sample inputs, with this rank's chunk of the sequence."""
+    from pathlib import Path
+
+    from machgen.builder.build import detect_family, load_pipeline
+    from machgen.parallel.layout import SEQUENCE_MARKER
+    from machgen.parallel.op import set_mesh, split_sequence
+    from machgen.parallel.program import sequence_marker
+
+    family = detect_family(Path(model_dir))
+    exporter = family.exporter()
+    pipe = load_pipeline(Path(model_dir), family)
+    set_mesh(mesh)
+    outputs = {}
+    for component in exporter.components(pipe):
+        variant = exporter.sequence_parallel(component) if component.spec.per_step else None
+        if variant is None or variant.module is component.module:
+            continue
+        inputs = {**variant.sample_inputs, SEQUENCE_MARKER: sequence_marker(mesh.layout.sequence_degree)}
+        with torch.no_grad(), exporter.sequence_attention_swap(pipe), split_sequence(True):
+            outputs[component.spec.name] = [output.numpy() for output in variant.module(**inputs)]
+    return outputs

@@ -1,10 +1,10 @@
-"""LTX-2 (video and sound) under the parallel layouts it allows, in process on
-CPU ranks (gloo, float32): cfg=2 splits each step's guidance rows (CFG's,
-the spatio-temporal guidance's perturbed ones and the modality guidance's
-isolated ones) over two ranks, and every frame and the whole sound track
-equal the single-rank clip, which equals diffusers'. Its sequence stays whole
-(the sound attends every video token): a sequence layout is refused at
-build, naming why."""
+"""LTX-2 (video and sound) under every parallel layout, in process on CPU
+ranks (gloo, float32): cfg=2 splits each step's guidance rows (CFG's, the
+spatio-temporal guidance's perturbed ones and the modality guidance's
+isolated ones) over two ranks; a sequence layout splits the video's tokens
+(the sound, whole on every rank, attends all of them: every rank's part
+merged). Every frame and the whole sound track equal the single-rank clip,
+which equals diffusers'."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import multiprocessing
 import numpy as np
 import pytest
 
-from machgen.parallel.layout import LayoutError, ParallelLayout
+from machgen.parallel.layout import ParallelLayout
 
 from conftest import build_tiny_repository, load_diffusers, single_rank_pipeline, under_layout, write_tiny
 from test_ltx2 import MAX_AUDIO_DIFF, PROMPT, assert_same_clip, diffusers_clip
@@ -38,7 +38,7 @@ def tiny_ltx2_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ltx2_parallel_repository(tiny_ltx2_dir, tmp_path_factory):
     return build_tiny_repository(tmp_path_factory, tiny_ltx2_dir, "ltx2", in_flight=1, target="torch",
-                                 parallel=ParallelLayout.parse("cfg=2"))
+                                 parallel=ParallelLayout.parse("cfg=2,ulysses=2"))
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +63,17 @@ def test_on_one_rank_the_parallel_build_equals_diffusers(local_ltx2, single_rank
         assert_same_clip(frames, audio, diffusers_clip(pipe, defaults, 5, **call))
 
 
-def test_cfg2_gives_the_single_rank_clip_with_cache_reuse_on_and_off(local_ltx2, single_rank):
-    with under_layout(local_ltx2, ParallelLayout.parse("cfg=2")) as pipeline:
+@pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
+def test_every_layout_gives_the_single_rank_clip_with_cache_reuse_on_and_off(layout, local_ltx2, single_rank):
+    layout = ParallelLayout.parse(layout)
+    with under_layout(local_ltx2, layout) as pipeline:
         clips = {name: pipeline.generate_with_audio(PROMPT, seed=5, cache_policy="none", **call)
                  for name, call in CALLS.items()}
         clips["cached"] = pipeline.generate_with_audio(PROMPT, seed=5, **CACHED)
         for part in ("denoiser_head", "denoiser_tail"):
             runner = pipeline.runner(part)
-            assert runner.calls and runner.split_calls == 0  # rows split over the two ranks, no sequence
+            # every call's video split where the layout splits it (2 x 4 x 4 and 3 x 8 x 4 latent tokens)
+            assert runner.calls and runner.split_calls == (runner.calls if layout.sequence_degree > 1 else 0)
     assert not multiprocessing.active_children()
     for name, (frames, audio, stats) in clips.items():
         want_frames, want_audio, want_stats = single_rank[name]
@@ -82,12 +85,25 @@ def test_cfg2_gives_the_single_rank_clip_with_cache_reuse_on_and_off(local_ltx2,
     assert clips["cached"][2].denoiser_tail_passes < 4 * CACHED["num_inference_steps"]
 
 
-@pytest.mark.parametrize("layout", ["ulysses=2", "ring=2", "cfg=2,ulysses=2"])
-def test_a_sequence_layout_is_refused_before_any_export_naming_why(layout, tiny_ltx2_dir, tmp_path):
-    from machgen.builder.build import build_repository
+def test_image_to_video_split_over_the_ranks_gives_the_whole_sequences_outputs(tmp_path_factory):
+    """LTX-2 image-to-video's head and tail (a timestep per video token: the picture's at 0) split over
+    ulysses=2 give every rank what one process gives on the whole video."""
+    import torch
 
-    logged = []
-    with pytest.raises(LayoutError, match="video-to-audio cross-attention"):
-        build_repository(tiny_ltx2_dir, "ltx2", tmp_path / "repository", target="torch", log=logged.append,
-                         preview=False, parallel=ParallelLayout.parse(layout))
-    assert not any("exporting" in line for line in logged) and not (tmp_path / "repository").exists()
+    from machgen.builder.build import detect_family, load_pipeline
+    from machgen.parallel.ranks import run_on_ranks
+
+    model_dir = write_tiny(tmp_path_factory, "ltx2-i2v")
+    family = detect_family(model_dir)
+    components = {component.spec.name: component for component in family.exporter().components(
+        load_pipeline(model_dir, family))}
+    assert "video_timestep" in components["denoiser_tail"].sample_inputs
+    per_rank = run_on_ranks(ParallelLayout(ulysses=2), "parallel_ranks:sharded_denoiser_parts", str(model_dir))
+    assert not multiprocessing.active_children()
+    for name in ("denoiser_head", "denoiser_tail"):
+        with torch.no_grad():
+            expected = [output.numpy() for output in components[name].module(**components[name].sample_inputs)]
+        for outputs in per_rank:
+            assert len(outputs[name]) == len(expected)
+            for got, want in zip(outputs[name], expected):
+                assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5, name

@@ -201,16 +201,17 @@ def _reached_by_swap(component, module_names, layers) -> bool:
 
 
 @contextlib.contextmanager
-def attention_for(exporter: "FamilyExport", sparse, sparse_layers, on_ranks: bool, defaults: ServedDefaults):
+def attention_for(exporter: "FamilyExport", pipe, sparse, sparse_layers, on_ranks: bool,
+                  defaults: ServedDefaults):
     """Inside, the attention a component exports with: ``sparse`` (a SparseAttentionConfig, or None: dense);
     for a component that runs on a parallel layout's ranks (``on_ranks``), the sequence attention (and the
     sparse calls as machgen::sequence_sparse_attention)."""
-    from machgen.parallel.op import sequence_attention_swapped, sequence_sparse_attention_swapped
+    from machgen.parallel.op import sequence_sparse_attention_swapped
     from machgen.plugins.ops import attention_swapped
 
     with contextlib.ExitStack() as stack:
         if on_ranks:
-            stack.enter_context(sequence_attention_swapped(exporter.sharded_attention_modules))
+            stack.enter_context(exporter.sequence_attention_swap(pipe))
             if sparse is not None:  # inside the sequence swap: the calls it leaves run the sequence attention
                 stack.enter_context(sequence_sparse_attention_swapped(
                     exporter.attention_modules, sparse, sparse_layers,
@@ -333,7 +334,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])
             else:
                 # Swapped for the parity check too: torch then runs the operator's CPU reference.
-                with attention_for(exporter, sparse, sparse_layers, parallel_here, defaults):
+                with attention_for(exporter, pipe, sparse, sparse_layers, parallel_here, defaults):
                     if target == "torch":
                         nodes = export_torch(component, folder, dtype, device,
                                              cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)

@@ -87,6 +87,15 @@ class FamilyExport:
             return self.attention_modules
         return self.sequence_attention_modules
 
+    def sequence_attention_swap(self, pipe: Any):
+        """The context a component that runs on a parallel layout's ranks is
+        exported in: its self-attention swapped for machgen::sequence_attention
+        (parallel/op.py). A model with attention over the split sequence that
+        the swap's rule does not take, or takes wrongly, says which layers do what."""
+        from machgen.parallel.op import sequence_attention_swapped
+
+        return sequence_attention_swapped(self.sharded_attention_modules)
+
     def parallel_support(self, pipe: Any, ranges: dict[str, AxisRange]) -> "ParallelSupport | None":
         """What parallel layouts the model allows (``ranges``: axis_ranges'),
         or None: it runs on one device only. A call whose token counts the

@@ -174,12 +174,52 @@ def sequence_sparse_attention_swapped(modules: Sequence[str], config, layers=Non
     return attention_swapped(modules, config, layers, operator=operator)
 
 
-def sequence_attention_swapped(modules: Sequence[str]):
+@torch.library.custom_op("machgen::sequence_keys_attention", mutates_args=())
+def sequence_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of whole queries over keys and values split over the
+    sequence ranks (LTX-2's sound attending its video), q, k, v in [B, N, H, D]:
+    each rank attends over its chunk of the keys, and the partial results of
+    every rank are merged by their log-sum-exp in rank order, the same on each
+    rank (whose queries' stream goes on replicated)."""
+    chosen = scale if scale > 0 else None
+    if _MESH is None or _MESH.layout.sequence_degree == 1 or not getattr(_context, "split", False):
+        return _sdpa(q, k, v, chosen).contiguous()
+    import torch.distributed as dist
+
+    from machgen.parallel.ring import attention_with_lse, merge
+
+    partial = attention_with_lse(q, k, v, chosen)
+    gathered = [[torch.empty_like(part) for _ in range(_MESH.layout.sequence_degree)] for part in partial]
+    for parts, part in zip(gathered, partial):
+        dist.all_gather(parts, part.contiguous(), group=_MESH.sequence_group)
+    out = lse = None
+    for block_out, block_lse in zip(*gathered):
+        out, lse = merge(out, lse, block_out, block_lse)
+    return out.to(q.dtype).contiguous()
+
+
+@sequence_keys_attention.register_fake
+def _(q, k, v, scale):
+    return torch.empty_like(q)
+
+
+def sequence_attention_swapped(modules: Sequence[str], layers: Sequence[torch.nn.Module] | None = None):
     """Inside the block, every unmasked, non-causal self-attention call of
-    ``dispatch_attention_fn`` in ``modules`` (keys as long as the queries)
-    runs ``machgen::sequence_attention``. Cross-attention to keys that are
-    not split (a video model's text) stays as it is: each rank attends from
-    its own query chunk."""
+    ``dispatch_attention_fn`` in ``modules`` (keys as long as the queries;
+    ``layers``: only those made inside these attention modules) runs
+    ``machgen::sequence_attention``. Cross-attention to keys that are not
+    split (a video model's text) stays as it is: each rank attends from its
+    own query chunk."""
     from machgen.plugins.ops import dispatch_swapped
 
-    return dispatch_swapped(modules, lambda q, k, v, scale: sequence_attention(q, k, v, scale or 0.0))
+    return dispatch_swapped(modules, lambda q, k, v, scale: sequence_attention(q, k, v, scale or 0.0), layers)
+
+
+def sequence_keys_attention_swapped(modules: Sequence[str], layers: Sequence[torch.nn.Module]):
+    """Inside the block, every unmasked call inside ``layers`` (attention
+    modules whose keys, not queries, are the split sequence) runs
+    ``machgen::sequence_keys_attention``."""
+    from machgen.plugins.ops import dispatch_swapped
+
+    return dispatch_swapped(modules, lambda q, k, v, scale: sequence_keys_attention(q, k, v, scale or 0.0),
+                            layers, any_keys=True)

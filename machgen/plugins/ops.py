@@ -207,19 +207,21 @@ def attention_swapped(modules: Sequence[str], config: SparseAttentionConfig,
 
 @contextlib.contextmanager
 def dispatch_swapped(modules: Sequence[str], attention: Callable[..., torch.Tensor],
-                     layers: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
+                     layers: Sequence[torch.nn.Module] | None = None, any_keys: bool = False) -> Iterator[None]:
     """Inside the block, every unmasked, non-causal call of
     ``dispatch_attention_fn`` in ``modules`` (or, in a module that calls
     ``F.scaled_dot_product_attention`` itself, of that) whose keys are as
     long as its queries runs ``attention(query, key, value, scale)`` instead
-    ([B, N, H, D]; ``layers``: only the calls made inside these modules)."""
+    ([B, N, H, D]; ``layers``: only the calls made inside these modules;
+    ``any_keys``: with ``layers``, whatever its keys' length: a cross-attention)."""
     patched, hooks = [], []
     inside = [0]  # the calls in progress of one of ``layers``
 
     def make(original):
         def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *args,
                      **kwargs):
-            if (attn_mask is not None or is_causal or dropout_p or key.shape[1] != query.shape[1]
+            if (attn_mask is not None or is_causal or dropout_p
+                    or (key.shape[1] != query.shape[1] and not (any_keys and layers is not None))
                     or (layers is not None and not inside[0])):
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
             return attention(query, key, value, scale)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -11,12 +12,18 @@ import torch
 from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 
 from machgen.builder.family_export import ExportableComponent, FamilyExport
-from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
+from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults, TensorSpec
 # LTX-Video's: the same latent denormalisation and decode call (LTX2Pipeline's, at decode_timestep 0),
 # and the same frames to uint8.
 from machgen.families.ltx.export import Postprocess, VaeDecoder
 from machgen.families.ltx2.spec import ltx2_specs
-from machgen.parallel.layout import ParallelSupport
+from machgen.parallel.layout import SEQUENCE_MARKER, ParallelSupport
+from machgen.parallel.op import (
+    sequence_attention_swapped,
+    sequence_gather,
+    sequence_keys_attention_swapped,
+    sequence_shard,
+)
 
 # The rotary position modules' settings the sampler rebuilds them from (they hold no weights).
 _ROPE_FIELDS = ("dim", "patch_size", "patch_size_t", "base_num_frames", "base_height", "base_width",
@@ -177,6 +184,57 @@ class DenoiserTail(torch.nn.Module):
                 pack(video - video_hidden, audio - audio_hidden))
 
 
+def video_shards(sequence_marker, hidden, video_coords, video_timestep):
+    """This rank's chunk of the video's tokens, of their coordinates and per-token timesteps (every
+    per-token stream the blocks see derives from these); the sound stays whole on every rank."""
+    return (sequence_shard(hidden, 1, sequence_marker), sequence_shard(video_coords, 2, sequence_marker),
+            None if video_timestep is None else sequence_shard(video_timestep, 1, sequence_marker))
+
+
+class ShardedDenoiserHead(DenoiserHead):
+    """DenoiserHead with the video's tokens split over the sequence ranks of a
+    parallel layout (machgen::sequence_shard), joined again after the block.
+    The sound is whole on every rank, and the same there: its attention over
+    the split video merges every rank's part (machgen::sequence_keys_attention)."""
+
+    def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
+                encoder_attention_mask, timestep, video_coords, audio_coords, perturbation_mask,
+                cross_modal_mask, sequence_marker, video_timestep=None):
+        tr = self.transformer
+        whole_video, audio = tr.proj_in(hidden_states), tr.audio_proj_in(audio_hidden_states)
+        video, video_coords, video_timestep = video_shards(sequence_marker, whole_video, video_coords,
+                                                           video_timestep)
+        streams, _, _ = step_streams(tr, hidden_states.size(0), encoder_hidden_states, audio_encoder_hidden_states,
+                                     encoder_attention_mask, timestep, video_coords, audio_coords, video.dtype,
+                                     video_timestep)
+        video_out, audio_out = run_blocks(tr, range(1), video, audio, streams, perturbation_mask,
+                                          cross_modal_mask)
+        video_out = sequence_gather(video_out, 1, whole_video)
+        return video_out, audio_out, pack(video_out - whole_video, audio_out - audio)
+
+
+class ShardedDenoiserTail(DenoiserTail):
+    """DenoiserTail with the video's tokens split as ShardedDenoiserHead's."""
+
+    def forward(self, video_hidden, audio_hidden, encoder_hidden_states, audio_encoder_hidden_states,
+                encoder_attention_mask, timestep, video_coords, audio_coords, perturbation_mask,
+                cross_modal_mask, sequence_marker, video_timestep=None):
+        tr = self.transformer
+        batch, dtype = video_hidden.size(0), video_hidden.dtype
+        # The output layer runs on the whole video: its embedded timesteps (per token for image-to-video) too.
+        embedded = video_modulation(tr, timestep, video_timestep, batch, dtype)[1]
+        video, video_coords, video_timestep = video_shards(sequence_marker, video_hidden, video_coords,
+                                                           video_timestep)
+        streams, _, audio_embedded = step_streams(
+            tr, batch, encoder_hidden_states, audio_encoder_hidden_states, encoder_attention_mask,
+            timestep, video_coords, audio_coords, dtype, video_timestep)
+        video, audio = run_blocks(tr, range(1, len(tr.transformer_blocks)), video, audio_hidden, streams,
+                                  perturbation_mask, cross_modal_mask)
+        video = sequence_gather(video, 1, video_hidden)
+        return (outputs(tr, video, audio, embedded, audio_embedded),
+                pack(video - video_hidden, audio - audio_hidden))
+
+
 class DenoiserReuse(torch.nn.Module):
     """LTX2VideoTransformer3DModel.forward with every block replaced by a kept residual."""
 
@@ -228,6 +286,7 @@ class VaeEncoder(torch.nn.Module):
 class Ltx2Export(FamilyExport):
     sampler_assets = ("tokenizer", "scheduler")
     attention_modules = ("diffusers.models.transformers.transformer_ltx2",)
+    sequence_axes = ("video_tokens",)
 
     def sparse_attention_layers(self, pipe) -> list:
         # The video self-attention only, the long one: the audio-video attention can have keys as long as its
@@ -236,14 +295,32 @@ class Ltx2Export(FamilyExport):
 
     def parallel_support(self, pipe, ranges: dict[str, AxisRange]) -> ParallelSupport:
         # Guidance rows: CFG's, the spatio-temporal guidance's perturbed and the modality guidance's isolated
-        # rows, all in each step's one call. The sequence stays whole: every block's sound queries attend all
-        # of the video's tokens (video-to-audio cross-attention), so a split video needs its keys and values
-        # gathered in that attention, which is not built.
-        return ParallelSupport(heads=pipe.transformer.config.num_attention_heads, guidance_rows=True,
-                               sequence=False,
-                               sequence_reason="LTX-2's sound attends every video token (its video-to-audio "
-                                               "cross-attention) and a split video's keys are not gathered yet: "
-                                               "use cfg=2")
+        # rows, all in each step's one call. The sequence split is the video's (Ulysses over its heads); the
+        # sound, short, stays whole on every rank.
+        return ParallelSupport(heads=pipe.transformer.config.num_attention_heads, guidance_rows=True)
+
+    def sequence_parallel(self, component: ExportableComponent) -> ExportableComponent | None:
+        # Head and tail split the video themselves: its positions and per-token timesteps come whole.
+        sharded = {"denoiser_head": ShardedDenoiserHead, "denoiser_tail": ShardedDenoiserTail}.get(
+            component.spec.name)
+        if sharded is None:
+            return None
+        marker = TensorSpec(SEQUENCE_MARKER, "int64", ("sequence_degree",))
+        # Two chunks in the sample: a length of one would be fixed by the trace.
+        return ExportableComponent(dataclasses.replace(component.spec, inputs=component.spec.inputs + (marker,)),
+                                   sharded(component.module.transformer).eval(),
+                                   {**component.sample_inputs, SEQUENCE_MARKER: torch.zeros(2, dtype=torch.int64)})
+
+    @contextlib.contextmanager
+    def sequence_attention_swap(self, pipe):
+        # The video's self-attention across the ranks; the sound's attention over the video (video-to-audio)
+        # merges every rank's keys; the sound's own attention and the video's over the sound stay as they are
+        # (whole sound keys on every rank), whatever the lengths.
+        blocks = pipe.transformer.transformer_blocks
+        with sequence_attention_swapped(self.attention_modules, [block.attn1 for block in blocks]), \
+                sequence_keys_attention_swapped(self.attention_modules,
+                                                [block.video_to_audio_attn for block in blocks]):
+            yield
 
     def specs(self, pipe) -> dict[str, ComponentSpec]:
         tr = pipe.transformer.config
