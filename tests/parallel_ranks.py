@@ -116,3 +116,29 @@ def sharded_denoiser_parts(mesh, model_dir: str):
         with torch.no_grad(), exporter.sequence_attention_swap(pipe), split_sequence(True):
             outputs[component.spec.name] = [output.numpy() for output in variant.module(**inputs)]
     return outputs
+
+
+def assert_sharded_parts_equal_whole(model_dir, layout, tolerance: float = 1e-5) -> list[str]:
+    """Every rank's outputs of ``model_dir``'s sharded denoiser parts under ``layout`` (sharded_denoiser_parts)
+    equal the whole parts' in this process, within ``tolerance``; the parts' names."""
+    import multiprocessing
+
+    import numpy as np
+
+    from machgen.builder.build import detect_family, load_pipeline
+    from machgen.parallel.ranks import run_on_ranks
+
+    family = detect_family(model_dir)
+    whole = {component.spec.name: component
+             for component in family.exporter().components(load_pipeline(model_dir, family))}
+    per_rank = run_on_ranks(layout, "parallel_ranks:sharded_denoiser_parts", str(model_dir))
+    assert not multiprocessing.active_children()
+    assert per_rank[0], "no sharded part"
+    for name in per_rank[0]:
+        with torch.no_grad():
+            expected = [output.numpy() for output in whole[name].module(**whole[name].sample_inputs)]
+        for outputs in per_rank:
+            assert len(outputs[name]) == len(expected)
+            for got, want in zip(outputs[name], expected):
+                assert got.shape == want.shape and np.abs(got - want).max() <= tolerance, name
+    return list(per_rank[0])

@@ -3,7 +3,9 @@ ranks (gloo, float32): its tails split their tokens themselves (the rotary
 positions come from the whole latents' shape), and every frame equals the
 single-rank video, in process and through Triton. test_parallel_wan_ti2v.py
 runs the in-process tests on Wan 2.2 TI2V (its per-token modulation split
-as its tokens are; text- and image-to-video)."""
+as its tokens are; text- and image-to-video). Wan 2.2 image-to-video and
+VACE (its control stream split as the video) take the same tails: their
+sharded tails on the ranks equal the whole ones."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ BUILT_LAYOUT = "cfg=2,ulysses=2"
 # 12 tokens, which every sequence degree here divides; CFG with the default negative prompt: two guidance rows a
 # call.
 SIZES = {"wan": dict(height=64, width=32), "wan-ti2v": dict(height=64, width=64)}
+# 5 frames of these: 2 latent frames of 16 tokens in all, as many as the text's.
+AS_MANY_AS_THE_TEXT = {"wan": dict(height=64, width=32, num_frames=5), "wan-ti2v": dict(height=128, width=64,
+                                                                                       num_frames=5)}
 EXPERTS = {"wan": ("denoiser", "denoiser_2"), "wan-ti2v": ("denoiser",)}
 SAME_PIXELS = 1  # of 255, on every frame
 CACHED = dict(num_inference_steps=8, cache_policy="fbcache", cache_threshold=0.5)
@@ -108,3 +113,22 @@ def test_served_by_triton_every_frame_equals_the_single_rank_video(wan_parallel_
         frames = client.generate("wan", video["prompt"], seed=video["seed"], height=video["height"],
                                  width=video["width"], num_frames=video["num_frames"], cache_policy="none")
     assert np.abs(frames.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS
+
+
+def test_a_video_with_as_many_tokens_as_the_text_runs_on_one_rank_and_split(local_wan, video, family):
+    """The swap tells self- from cross-attention without a guard on the lengths: a trace that compared the
+    video's tokens with the text's would refuse every call where they are equal (16 here, on one rank)."""
+    short = {**video, **AS_MANY_AS_THE_TEXT[family], "num_inference_steps": 2}
+    one_rank, _ = local_wan.generate(**short)
+    with under_layout(local_wan, ParallelLayout(ulysses=2)) as pipeline:
+        split, _ = pipeline.generate(**short)
+    assert np.abs(split.astype(int) - one_rank.astype(int)).max() <= SAME_PIXELS
+
+
+@pytest.mark.parametrize("variant, layout", [("wan-i2v", "ulysses=2"), ("wan-vace", "ring=2")])
+def test_image_to_video_and_vace_tails_split_over_the_ranks_give_the_whole_tails_outputs(variant, layout,
+                                                                                         tmp_path_factory):
+    from parallel_ranks import assert_sharded_parts_equal_whole
+
+    parts = assert_sharded_parts_equal_whole(write_tiny(tmp_path_factory, variant), ParallelLayout.parse(layout))
+    assert parts and all(part.endswith("_tail") for part in parts)

@@ -7,6 +7,7 @@ import pytest
 from test_parallel_wan import *  # noqa: F401,F403 - the same tests and fixtures, on another family
 
 del test_served_by_triton_every_frame_equals_the_single_rank_video  # noqa: F821 - served there, for Wan 2.2
+del test_image_to_video_and_vace_tails_split_over_the_ranks_give_the_whole_tails_outputs  # noqa: F821 - not TI2V's
 
 
 @pytest.fixture(scope="module")

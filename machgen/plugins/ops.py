@@ -221,7 +221,7 @@ def dispatch_swapped(modules: Sequence[str], attention: Callable[..., torch.Tens
         def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *args,
                      **kwargs):
             if (attn_mask is not None or is_causal or dropout_p
-                    or (key.shape[1] != query.shape[1] and not (any_keys and layers is not None))
+                    or (not _same_length(query, key) and not (any_keys and layers is not None))
                     or (layers is not None and not inside[0])):
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale, *args, **kwargs)
             return attention(query, key, value, scale)
@@ -251,6 +251,17 @@ def dispatch_swapped(modules: Sequence[str], attention: Callable[..., torch.Tens
             hook.remove()
         for module, name, original in patched:
             setattr(module, name, original)
+
+
+def _same_length(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the keys are as many as the queries, decided without a guard
+    while a program is traced: as lengths the trace knows equal (one
+    sequence's, a self-attention's). A plain comparison of two sequences'
+    lengths (video and text tokens) would leave a guard that they differ,
+    and the program would refuse every call whose lengths happen to match."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(key.shape[1] == query.shape[1])
 
 
 def _sdpa_as_dispatch(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -261,15 +261,33 @@ class VaceDenoiserHead(DenoiserHead, _Vace):
 
 class VaceDenoiserTail(DenoiserTail, _Vace):
     def forward(self, image_hidden, text_hidden, timestep_proj, temb, hidden_states, control_hidden):
+        hidden = self.blocks(image_hidden, control_hidden, text_hidden, timestep_proj,
+                             self.transformer.rope(hidden_states))
+        return self.output(hidden, temb, hidden_states), hidden - image_hidden
+
+    def blocks(self, hidden, control, text_hidden, timestep_proj, rotary):
+        """The main blocks after the first, each control block's hint added after its main block."""
         tr = self.transformer
-        rotary = tr.rope(hidden_states)
-        hidden, control = image_hidden, control_hidden
         for index, block in enumerate(tr.blocks[1:], start=1):
             hidden = block(hidden, text_hidden, timestep_proj, rotary)
             if self.hint_after(index) is not None:
                 hint, control = tr.vace_blocks[self.hint_after(index)](hidden, text_hidden, control,
                                                                        timestep_proj, rotary)
                 hidden = hidden + hint
+        return hidden
+
+
+class ShardedVaceDenoiserTail(VaceDenoiserTail):
+    """VaceDenoiserTail with its tokens split as ShardedDenoiserTail's: the
+    control stream is token for token the video's (references included), so
+    each rank keeps the same chunk of it and adds its hints locally."""
+
+    def forward(self, image_hidden, text_hidden, timestep_proj, temb, hidden_states, control_hidden,
+                sequence_marker):
+        rotary = tuple(sequence_shard(part, 1, sequence_marker) for part in self.transformer.rope(hidden_states))
+        hidden = self.blocks(sequence_shard(image_hidden, 1, sequence_marker),
+                             sequence_shard(control_hidden, 1, sequence_marker), text_hidden, timestep_proj, rotary)
+        hidden = sequence_gather(hidden, 1, image_hidden)
         return self.output(hidden, temb, hidden_states), hidden - image_hidden
 
 
@@ -510,7 +528,7 @@ class WanVaceExport(WanExport):
     then dropped."""
 
     denoiser_classes = (VaceDenoiserHead, VaceDenoiserTail, DenoiserReuse)
-    sharded_tail = None  # its tail adds the control hints: not split yet
+    sharded_tail = ShardedVaceDenoiserTail
 
     def control_channels(self, pipe) -> int | None:
         return pipe.transformer.config.vace_in_channels
