@@ -13,8 +13,15 @@ what the ring's overlap hides, and a step-time model for NVLink GPUs.
    and Wan 720p, from the step's FLOPs (linear layers and attention) and
    the Ulysses bytes above, calibrated on a published one-GPU time. No
    multi-GPU machine ran this: the model is arithmetic, stated as such.
+5. quality (``--parts quality``, slow: an export and dozens of clips): the
+   trained video default (models/shapes-wan) built for the torch target
+   with a parallel layout, run in process under each layout it allows on
+   held-out prompts with its served settings (calibrated cache reuse on):
+   PSNR against one rank over every frame, mean and worst clip, and the
+   detector's accuracy (colour, shape, direction) per layout.
 
     python perf/bench_parallel.py --record perf/RESULTS.md
+    python perf/bench_parallel.py --parts quality --count 8 --record perf/RESULTS.md
 """
 
 from __future__ import annotations
@@ -191,6 +198,65 @@ def model_table() -> str:
     return "\n".join(rows) + "\n\n" + note
 
 
+QUALITY_LAYOUTS = ("cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2")
+
+
+def quality_table(model_dir: Path, count: int) -> str:
+    """The trained video model under each layout against one rank (and the detector), in process."""
+    import tempfile
+
+    import numpy as np
+
+    from bench_video import holdout_cases
+    from machgen.builder import moving_shapes
+    from machgen.builder.build import build_repository
+    from machgen.builder.evaluate import psnr, score_motion
+    from machgen.parallel.layout import ParallelLayout
+    from machgen.runtime.local import LocalPipeline
+
+    prompts, _ = holdout_cases(count, "text-to-video")
+    motions = [motion for _, _, motion in prompts]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="machgen-bench-parallel-") as scratch:
+        build_repository(model_dir, "video", Path(scratch), target="torch", preview=False,
+                         parallel=ParallelLayout.parse("cfg=2,ulysses=2"), log=lambda line: print(line, flush=True))
+        with LocalPipeline(Path(scratch), "video", layout=ParallelLayout()) as pipeline:
+            def clips(label: str):
+                start = time.perf_counter()
+                made = [pipeline.generate(prompt, seed=seed)[0] for prompt, seed, _ in prompts]
+                print(f"{label}: {len(made)} clips in {time.perf_counter() - start:.1f} s", flush=True)
+                return made
+
+            one_rank = clips("one rank")
+            results = {"one rank": one_rank}
+            for layout in QUALITY_LAYOUTS:
+                pipeline.use_layout(ParallelLayout.parse(layout))
+                results[layout] = clips(layout)
+            pipeline.use_layout(ParallelLayout())
+    for label, made in results.items():
+        accuracy = score_motion(made, motions)
+        per_clip = [psnr(clip, reference) for clip, reference in zip(made, one_rank)]
+        worst_frame = min(psnr(frame, reference_frame) for clip, reference in zip(made, one_rank)
+                          for frame, reference_frame in zip(clip, reference))
+        biggest = max(int(np.abs(clip.astype(int) - reference.astype(int)).max())
+                      for clip, reference in zip(made, one_rank))
+        rows.append(f"| {label} | {np.mean(per_clip):.1f} dB ({np.min(per_clip):.1f} dB) | {worst_frame:.1f} dB | "
+                    f"{biggest} | {100 * accuracy.direction:.1f} % | {100 * accuracy.all_three:.1f} % | "
+                    f"{np.mean([moving_shapes.flicker(clip) for clip in made]):.2f} |")
+        print(rows[-1], flush=True)
+    return "\n".join([
+        f"`{model_dir.name}` built for the torch target with --parallel cfg=2,ulysses=2 and run in process "
+        f"under each layout on {count} held-out text-to-video prompts (perf/bench_video.py's, no calibration saw "
+        "them) at its served settings, calibrated cache reuse on; PSNR against the one-rank clips (99 dB: "
+        "identical).",
+        "",
+        "| layout | PSNR vs one rank, mean (worst clip) | worst frame | max level difference | direction | "
+        "colour, shape and direction | flicker |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1152, help="sequence length of the measured layers")
@@ -200,7 +266,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=300, help="control calls timed per rank count")
     parser.add_argument("--record", type=Path, help="write the tables into this markdown file")
+    parser.add_argument("--parts", default="bytes,control,overlap,model",
+                        help="which tables to measure (also: quality)")
+    parser.add_argument("--model-dir", type=Path, default=Path("models/shapes-wan"), help="quality: the model")
+    parser.add_argument("--count", type=int, default=8, help="quality: held-out prompts")
     args = parser.parse_args()
+    parts = args.parts.split(",")
 
     import os
     import platform
@@ -208,20 +279,27 @@ def main() -> int:
     when = time.strftime("%Y-%m-%d %H:%M")
     header = (f"CPU ranks (gloo, one thread each), {os.cpu_count()} CPU cores ({platform.machine()}), float32, "
               f"measured {when}.")
-    tables = {
-        "bytes": (f"{header} One attention layer, {args.tokens} tokens, {args.heads} heads x {args.head_dim}: "
-                  "bytes each rank sends, counted at the collectives.\n\n" + bytes_table(args.tokens, args.heads,
-                                                                                          args.head_dim)),
-        "control": (f"{header} A call that does no work on the ranks, {args.calls} timed after 20 warm-up "
-                    "(goal: at most 1 ms).\n\n" + control_table(args.calls)),
-        "overlap": (f"{header} Ring attention, {args.heads} heads x {args.head_dim}, median of {args.repeats}, "
-                    "alternating.\n\n" + overlap_table(args.ring_tokens, args.heads, args.head_dim, args.repeats)),
-        "model": model_table(),
+    measurements = {
+        "bytes": lambda: (f"{header} One attention layer, {args.tokens} tokens, {args.heads} heads x "
+                          f"{args.head_dim}: bytes each rank sends, counted at the collectives.\n\n"
+                          + bytes_table(args.tokens, args.heads, args.head_dim)),
+        "control": lambda: (f"{header} A call that does no work on the ranks, {args.calls} timed after 20 warm-up "
+                            "(goal: at most 1 ms).\n\n" + control_table(args.calls)),
+        "overlap": lambda: (f"{header} Ring attention, {args.heads} heads x {args.head_dim}, median of "
+                            f"{args.repeats}, alternating.\n\n"
+                            + overlap_table(args.ring_tokens, args.heads, args.head_dim, args.repeats)),
+        "model": model_table,
+        "quality": lambda: f"{header}\n\n" + quality_table(args.model_dir, args.count),
     }
-    for part, table in tables.items():
+    unknown = set(parts) - set(measurements)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(measurements)}")
+    for part in parts:
+        table = measurements[part]()
         print(f"\n{part}\n{table}")
         if args.record:
-            record(args.record, f"{SECTION}-{part}:cpu-ranks", table, f"Parallel layouts: {part} (perf/bench_parallel.py)")
+            subject = args.model_dir.name if part == "quality" else "cpu-ranks"
+            record(args.record, f"{SECTION}-{part}:{subject}", table, f"Parallel layouts: {part} (perf/bench_parallel.py)")
     return 0
 
 
