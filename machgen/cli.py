@@ -215,6 +215,9 @@ def api(
                                              help="API keys (machgen api-key); without it no key is needed (with "
                                                   "--database-url: the database's keys, once it has one)"),
     max_jobs_per_key: int = typer.Option(16, "--max-jobs-per-key", min=1, help="jobs in flight per key; more: 429"),
+    max_running_per_key: Optional[int] = typer.Option(
+        None, "--max-running-per-key", min=1,
+        help="jobs of one key running at once (every API process of the database); its others wait queued"),
     max_upload_mb: float = typer.Option(25.0, "--max-upload-mb", min=0.001, help="largest request body"),
     result_ttl_hours: float = typer.Option(24.0, "--result-ttl-hours", min=0.0, help="how long results are kept"),
     max_latents_mb: float = typer.Option(64.0, "--max-latents-mb", min=0.0,
@@ -245,7 +248,8 @@ def api(
                                  param_hint="--database-url")
     _run_api(ApiSettings(triton_url=triton, data_dir=data_dir, database=database, database_url=database_url,
                          job_lease_s=job_lease, keys_file=keys_file,
-                         max_jobs_per_key=max_jobs_per_key, max_upload_bytes=int(max_upload_mb * 1024 * 1024),
+                         max_jobs_per_key=max_jobs_per_key, max_running_per_key=max_running_per_key,
+                         max_upload_bytes=int(max_upload_mb * 1024 * 1024),
                          result_ttl_s=result_ttl_hours * 3600, max_latents_bytes=int(max_latents_mb * (1 << 20)),
                          webhook_secret=webhook_secret,
                          allow_private_callbacks=allow_private_callbacks,

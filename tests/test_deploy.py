@@ -172,6 +172,10 @@ def test_the_chart_lints_strictly_and_renders_valid_objects(helm, values):
         (deployment,) = [d for d in kinds["Deployment"] if d["metadata"]["labels"]["app.kubernetes.io/component"] == "api"]
         (api_container,) = deployment["spec"]["template"]["spec"]["containers"]
         env = {variable["name"]: variable for variable in api_container.get("env", [])}
+        assert f"--max-jobs-per-key={api.get('maxJobsPerKey', 16)}" in api_container["args"]
+        running_cap = [arg for arg in api_container["args"] if arg.startswith("--max-running-per-key=")]
+        assert running_cap == ([f"--max-running-per-key={api['maxRunningPerKey']}"]
+                               if api.get("maxRunningPerKey") else [])
         if api.get("databaseUrlSecret"):  # several pods share the database's jobs
             assert deployment["spec"]["replicas"] == api.get("replicas", 2) > 1
             assert env["MACHGEN_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": api["databaseUrlSecret"],

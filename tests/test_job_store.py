@@ -74,6 +74,55 @@ def test_a_job_whose_lease_ran_out_is_taken_over_once_with_its_inputs_and_its_ho
     assert first.claim_webhook(lease_s=30) is None  # the fenced finish queued no webhook
 
 
+def test_an_owners_jobs_take_turns_in_order_under_its_running_cap_across_processes(database, tmp_path):
+    """At most ``cap`` of an owner's jobs have their turn at once, in every process; the owner's oldest waiting
+    job goes next; other owners are not held back; a job taken over waits its turn again."""
+    import threading
+
+    first, second = stores(database, tmp_path)
+    alice = [(first if index % 2 == 0 else second).insert(
+        Job(f"img_a{index}", "image", "flux", "alice", {}), pack_inputs([{}]), lease_s=0.3) for index in range(4)]
+    bob = first.insert(Job("img_b0", "image", "flux", "bob", {}))
+    assert not second.admit("img_a1", "alice", 2)  # img_a0 came first and still waits
+    assert first.admit("img_a0", "alice", 2) and second.admit("img_a1", "alice", 2)
+    assert not first.admit("img_a2", "alice", 2)  # two of alice's run
+    assert first.admit("img_b0", "bob", 2)  # bob's own turns
+    alice[0].status = "completed"
+    assert first.finish(alice[0], None)
+    assert not second.admit("img_a3", "alice", 2) and first.admit("img_a2", "alice", 2)
+    # img_a1's process was killed: taken over, it waits for its turn again, still before img_a3
+    time.sleep(0.4)
+    first.renew({"img_a2": ("in_progress", 10)}, lease_s=30)
+    second.renew({"img_a3": ("queued", 0)}, lease_s=30)
+    taken, _ = first.take_over(lease_s=30)
+    assert taken.id == "img_a1" and first.take_over(lease_s=30) is None
+    assert not second.admit("img_a3", "alice", 2) and first.admit("img_a1", "alice", 2)
+    assert not second.admit("img_a3", "alice", 2)  # a1 and a2 run
+    assert second.admit("img_a3", "alice", None) and first.admit(bob.id, "bob", None)  # no cap: at once
+
+    # Eight of carol's jobs on two processes, each asking again and again from its own thread: three at once.
+    for index in range(8):
+        (first if index % 2 else second).insert(Job(f"img_c{index}", "image", "flux", "carol", {}))
+    admitted, stop = [], threading.Event()
+
+    def ask(store, job_id):
+        while not stop.is_set():
+            if store.admit(job_id, "carol", 3):
+                admitted.append(job_id)
+                return
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=ask, args=(first if index % 2 else second, f"img_c{index}"))
+               for index in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert sorted(admitted) == ["img_c0", "img_c1", "img_c2"]
+
+
 def test_a_webhook_is_claimed_by_one_process_at_a_time_until_delivered(database, tmp_path):
     first, second = stores(database, tmp_path)
     job = first.insert(Job("img_w", "image", "flux", "alice", {}))

@@ -178,6 +178,41 @@ def test_without_a_valid_key_401_and_over_a_keys_limit_429(api_server, api_keys)
     assert cancelled["status"] == "cancelled"
 
 
+def test_a_keys_jobs_past_its_running_cap_wait_queued_start_in_order_and_leave_others_be(triton_server, api_keys,
+                                                                                          tmp_path):
+    """--max-running-per-key 1: three jobs of one key run one after the other, in the order they came, the
+    others queued meanwhile; another key's job runs beside them."""
+    from machgen.api.webhooks import new_secret
+
+    keys_file, key, other_key = api_keys
+    api = ApiProcess(triton_server.grpc_url, tmp_path / "data", keys_file, key, new_secret(), tmp_path / "api.log",
+                     "--max-running-per-key", "1").wait_ready()
+    try:
+        body = {"model": PIPELINE_NAME, "prompt": "a cat", "num_inference_steps": 30, "async": True}
+        submitted = [httpx.post(f"{api.url}/v1/images/generations", json=body, headers=auth(api, chosen), timeout=30)
+                     for chosen in (key, key, key, other_key)]
+        assert all(response.status_code == 200 for response in submitted), [r.text for r in submitted]
+        *mine, other = [response.json()["id"] for response in submitted]
+        seen = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            seen.append({job_id: httpx.get(f"{api.url}/v1/jobs/{job_id}", timeout=30,
+                                           headers=auth(api, other_key if job_id == other else key)).json()["status"]
+                         for job_id in (*mine, other)})
+            if all(status == "completed" for status in seen[-1].values()):
+                break
+            time.sleep(0.05)
+        assert all(status == "completed" for status in seen[-1].values()), seen[-1]
+        assert all(sum(statuses[job_id] == "in_progress" for job_id in mine) <= 1 for statuses in seen)
+        started = [next(index for index, statuses in enumerate(seen) if statuses[job_id] != "queued")
+                   for job_id in mine]
+        assert started == sorted(started) and started[0] < started[-1], started
+        assert any(statuses[other] == "in_progress" and "queued" in [statuses[job_id] for job_id in mine]
+                   for statuses in seen)
+    finally:
+        api.stop()
+
+
 class _Receiver(BaseHTTPRequestHandler):
     """Answers 500 to its first delivery, 200 after."""
 

@@ -42,14 +42,19 @@ STEPS = 40
 SEED = 1234
 
 # Samples #progress every 20 ms, as a user would see it, until stopped.
+# Every value the page gives the progress bar, as it gives it (a timer sampling the bar misses the values a
+# loaded browser sets between two of its ticks: events read from the stream in one chunk).
 RECORD_PROGRESS = """
 window.__progress = [];
 const bar = document.getElementById("progress");
-window.__progressTimer = setInterval(() => window.__progress.push(bar.value), 20);
+const native = Object.getOwnPropertyDescriptor(HTMLProgressElement.prototype, "value");
+Object.defineProperty(bar, "value", {configurable: true, get() { return native.get.call(this); },
+  set(value) { native.set.call(this, value); window.__progress.push(native.get.call(this)); }});
 """
 STOP_RECORDING = """
-clearInterval(window.__progressTimer);
-window.__progress.push(document.getElementById("progress").value);
+const bar = document.getElementById("progress");
+delete bar.value;
+window.__progress.push(bar.value);
 return window.__progress;
 """
 STATE = """

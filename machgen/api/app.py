@@ -75,8 +75,12 @@ class ApiSettings:
     job_lease_s: float = 30.0
     # API keys (keys.py); None: no key needed (with database_url: the database's keys, when it has any).
     keys_file: Path | None = None
-    # Jobs in flight per key (a key's own limit in the file wins); more answer 429.
+    # Jobs in flight (queued or running) per key (a key's own limit in the file wins); more answer 429.
     max_jobs_per_key: int = 16
+    # Jobs of one owner (key) that run at once, in every API process of the database; its others wait, queued,
+    # and start in the order they came (None: no limit below max_jobs_per_key). So an agent's burst holds at
+    # most this many of Triton's request slots, and queues at most max_jobs_per_key minus this many.
+    max_running_per_key: int | None = None
     # Largest request body (uploaded images included), bytes.
     max_upload_bytes: int = 25 * 1024 * 1024
     # How long results stay downloadable, seconds.
@@ -463,7 +467,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
         signer = UrlSigner(bytes.fromhex(store.setting("url_signing_key", lambda: secrets.token_hex(32)))) \
             if store.shared else UrlSigner.in_folder(settings.data_dir)
         jobs = JobManager(store, triton, webhooks, JobMetrics(registry), settings.result_ttl_s,
-                          settings.queue_retry_s, settings.job_lease_s, settings.max_latents_bytes)
+                          settings.queue_retry_s, settings.job_lease_s, settings.max_latents_bytes,
+                          settings.max_running_per_key)
         state = _State(settings, store, triton, keys, webhooks, jobs, signer)
         app.state.machgen = state
         loop = asyncio.get_running_loop()

@@ -101,6 +101,10 @@ CREATE TABLE settings (
     value TEXT NOT NULL
 );
 """),
+    (3, "which active jobs have their turn to run (an owner's running cap)", """
+ALTER TABLE jobs ADD COLUMN admitted INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX jobs_owner_active ON jobs (owner, status, admitted);
+"""),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _MIGRATION_LOCK = 0x6D616368  # "mach": the advisory lock PostgreSQL migrations hold

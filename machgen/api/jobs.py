@@ -146,8 +146,9 @@ class JobManager:
 
     def __init__(self, store: JobStore, triton: TritonModels, webhooks: WebhookSender, metrics: JobMetrics,
                  result_ttl_s: float, queue_retry_s: float = 1.0, lease_s: float = 30.0,
-                 max_latents_bytes: int = 64 << 20):
+                 max_latents_bytes: int = 64 << 20, max_running_per_owner: int | None = None):
         self.store = store
+        self.max_running_per_owner = max_running_per_owner
         self.max_latents_bytes = max_latents_bytes
         self.triton = triton
         self.webhooks = webhooks
@@ -161,6 +162,7 @@ class JobManager:
         # Finished jobs' events, kept a while for a listener that comes late.
         self._finished_events: dict[str, JobEvents] = {}
         self._handing_over = False
+        self._job_ended = asyncio.Event()  # set, and replaced, when a job of this process ends
 
     def in_flight(self, owner: str) -> int:
         """The owner's jobs queued or running, in every API process of the database."""
@@ -292,6 +294,7 @@ class JobManager:
                    wait_when_queue_full: bool) -> None:
         job = running.job
         try:
+            await self._turn(job)
             if job.request.get("explore"):
                 results = await self._explore(running, model, variants, wait_when_queue_full)
             else:
@@ -314,6 +317,8 @@ class JobManager:
             job.status = "failed"
             job.error = {"code": "internal", "message": f"{type(err).__name__}: {err}"}
         job.completed_at = int(time.time())
+        ended, self._job_ended = self._job_ended, asyncio.Event()
+        ended.set()  # the owner's next job may have its turn
         webhook = None
         if job.request.get("callback_url") and self.webhooks.policy is not None:
             from machgen.api.schemas import public_object
@@ -337,6 +342,18 @@ class JobManager:
         while len(self._finished_events) > 256:
             self._finished_events.pop(next(iter(self._finished_events)))
         await self._emit(running, job.status, job_object(job))
+
+    async def _turn(self, job: Job) -> None:
+        """Until the job may run: at most ``max_running_per_owner`` of an owner's jobs run at once, in every
+        API process of the database; the others wait, queued, and start in the order they came."""
+        while True:
+            ended = self._job_ended
+            if await asyncio.to_thread(self.store.admit, job.id, job.owner, self.max_running_per_owner):
+                return
+            try:  # a job ending here wakes it at once; one ending in another process, within a poll
+                await asyncio.wait_for(ended.wait(), timeout=self.queue_retry_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def _variants(self, running: Running, model: ServedModel, variants: dict[int, dict[str, Any]],
                         wait_when_queue_full: bool) -> list[dict[str, Any]]:

@@ -92,6 +92,13 @@ def runner_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def _owner_lock(owner: str) -> int:
+    """The PostgreSQL advisory lock of an owner's turns: a signed 64-bit number from its name."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"machgen-turns/{owner}".encode()).digest()[:8], "big", signed=True)
+
+
 @dataclass(frozen=True)
 class Webhook:
     """A delivery of the outbox: its body is signed and sent until a 2xx answer or the attempts run out."""
@@ -194,12 +201,28 @@ class JobStore:
                        (now,))
             if not rows:
                 return None
-            run("UPDATE jobs SET runner = ?, lease_until = ?, status = 'queued', progress = 0 WHERE id = ?",
-                (self.runner, now + lease_s, rows[0][0]))
+            run("UPDATE jobs SET runner = ?, lease_until = ?, status = 'queued', progress = 0, admitted = 0 "
+                "WHERE id = ?", (self.runner, now + lease_s, rows[0][0]))
             found = run(f"SELECT {', '.join(_JOB_FIELDS)}, inputs FROM jobs WHERE id = ?", (rows[0][0],))
         *fields, inputs = found[0]
         self.db.execute("DELETE FROM job_events WHERE job_id = ?", (rows[0][0],))  # a rerun's events start again
         return self._job(dict(zip(_JOB_FIELDS, fields))), bytes(inputs)
+
+    def admit(self, job_id: str, owner: str, cap: int | None) -> bool:
+        """Whether the job's turn to run has come, in every API process of the database: it is the oldest of
+        its owner's active jobs still waiting, and fewer than ``cap`` (None: no limit) of the owner's jobs
+        have theirs. Marked as having it if so."""
+        with self.db.transaction() as run:
+            if self.db.shared:  # the count and the mark as one step for every process of the database
+                run("SELECT pg_advisory_xact_lock(?)", (_owner_lock(owner),))
+            if cap is not None:
+                running = run(f"SELECT COUNT(*) FROM jobs WHERE owner = ? AND admitted = 1 AND {_ACTIVE_SQL}",
+                              (owner,))[0][0]
+                first = run(f"SELECT id FROM jobs WHERE owner = ? AND admitted = 0 AND {_ACTIVE_SQL} "
+                            f"ORDER BY {self._order} LIMIT 1", (owner,))
+                if running >= cap or not first or first[0][0] != job_id:
+                    return False
+            return bool(run("UPDATE jobs SET admitted = 1 WHERE id = ? RETURNING id", (job_id,)))
 
     def request_cancel(self, job_id: str) -> None:
         """Ask the process that runs the job to cancel it (it learns at its next lease renewal)."""
