@@ -196,9 +196,12 @@ def test_a_keys_jobs_past_its_running_cap_wait_queued_start_in_order_and_leave_o
         seen = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            # The latest first: a job in progress means every earlier one had ended before it was read, so one
+            # look cannot show two in progress that never were (the other order can: an earlier job read just
+            # before it ends, a later one just after it starts).
             seen.append({job_id: httpx.get(f"{api.url}/v1/jobs/{job_id}", timeout=30,
                                            headers=auth(api, other_key if job_id == other else key)).json()["status"]
-                         for job_id in (*mine, other)})
+                         for job_id in (other, *reversed(mine))})
             if all(status == "completed" for status in seen[-1].values()):
                 break
             time.sleep(0.05)

@@ -317,8 +317,6 @@ class JobManager:
             job.status = "failed"
             job.error = {"code": "internal", "message": f"{type(err).__name__}: {err}"}
         job.completed_at = int(time.time())
-        ended, self._job_ended = self._job_ended, asyncio.Event()
-        ended.set()  # the owner's next job may have its turn
         webhook = None
         if job.request.get("callback_url") and self.webhooks.policy is not None:
             from machgen.api.schemas import public_object
@@ -329,6 +327,8 @@ class JobManager:
             recorded = await asyncio.to_thread(self.store.finish, job, webhook)
         finally:
             self.running.pop(job.id, None)
+            ended, self._job_ended = self._job_ended, asyncio.Event()
+            ended.set()  # recorded ended: the owner's next job may have its turn
         if not recorded:
             log.warning("job %s: taken over by another API process before it ended here; its result is theirs",
                         job.id)
