@@ -25,7 +25,7 @@ CALLS = {"defaults": {},
          "9-frames-3-rows": {"num_frames": 9, "height": 64, "width": 32, "guidance_scale": 4.0,
                              "negative_prompt": "a blue square", "stg_scale": 3.0, "modality_scale": 1.0,
                              "audio_modality_scale": 1.0}}
-CACHED = dict(num_inference_steps=12, cache_policy="fbcache", cache_threshold=0.5)
+CACHED = dict(num_inference_steps=8, cache_policy="fbcache", cache_threshold=0.5)
 
 pytestmark = pytest.mark.export
 
@@ -66,9 +66,11 @@ def test_on_one_rank_the_parallel_build_equals_diffusers(local_ltx2, single_rank
 @pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
 def test_every_layout_gives_the_single_rank_clip_with_cache_reuse_on_and_off(layout, local_ltx2, single_rank):
     layout = ParallelLayout.parse(layout)
+    # The 3-row clip where rows are split (an odd count padded); the served defaults under every layout.
+    calls = {name: call for name, call in CALLS.items() if layout.cfg > 1 or name == "defaults"}
     with under_layout(local_ltx2, layout) as pipeline:
         clips = {name: pipeline.generate_with_audio(PROMPT, seed=5, cache_policy="none", **call)
-                 for name, call in CALLS.items()}
+                 for name, call in calls.items()}
         clips["cached"] = pipeline.generate_with_audio(PROMPT, seed=5, **CACHED)
         for part in ("denoiser_head", "denoiser_tail"):
             runner = pipeline.runner(part)
