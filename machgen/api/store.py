@@ -222,7 +222,8 @@ class JobStore:
                             f"ORDER BY {self._order} LIMIT 1", (owner,))
                 if running >= cap or not first or first[0][0] != job_id:
                     return False
-            return bool(run("UPDATE jobs SET admitted = 1 WHERE id = ? RETURNING id", (job_id,)))
+            run("UPDATE jobs SET admitted = 1 WHERE id = ?", (job_id,))
+            return True
 
     def request_cancel(self, job_id: str) -> None:
         """Ask the process that runs the job to cancel it (it learns at its next lease renewal)."""
