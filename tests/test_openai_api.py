@@ -188,20 +188,29 @@ def test_a_keys_jobs_past_its_running_cap_wait_queued_start_in_order_and_leave_o
     api = ApiProcess(triton_server.grpc_url, tmp_path / "data", keys_file, key, new_secret(), tmp_path / "api.log",
                      "--max-running-per-key", "1").wait_ready()
     try:
-        body = {"model": PIPELINE_NAME, "prompt": "a cat", "num_inference_steps": 30, "async": True}
-        submitted = [httpx.post(f"{api.url}/v1/images/generations", json=body, headers=auth(api, chosen), timeout=30)
-                     for chosen in (key, key, key, other_key)]
-        assert all(response.status_code == 200 for response in submitted), [r.text for r in submitted]
-        *mine, other = [response.json()["id"] for response in submitted]
+        def submit(chosen: str, steps: int) -> str:
+            response = httpx.post(f"{api.url}/v1/images/generations", headers=auth(api, chosen), timeout=30,
+                                  json={"model": PIPELINE_NAME, "prompt": "a cat", "num_inference_steps": steps,
+                                        "async": True})
+            assert response.status_code == 200, response.text
+            return response.json()["id"]
+
+        def status_of(job_id: str, chosen: str = key) -> str:
+            return httpx.get(f"{api.url}/v1/jobs/{job_id}", headers=auth(api, chosen), timeout=30).json()["status"]
+
+        # The first job long enough to still run while the others are submitted and looked at on a loaded machine
+        # (a look after two short jobs had ended showed nothing waiting).
+        mine = [submit(key, 300)]
+        wait_until(lambda: status_of(mine[0]) == "in_progress", what="the first job to start")
+        mine += [submit(key, 20), submit(key, 20)]
+        other = submit(other_key, 20)
         seen = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             # The latest first: a job in progress means every earlier one had ended before it was read, so one
             # look cannot show two in progress that never were (the other order can: an earlier job read just
             # before it ends, a later one just after it starts).
-            seen.append({job_id: httpx.get(f"{api.url}/v1/jobs/{job_id}", timeout=30,
-                                           headers=auth(api, other_key if job_id == other else key)).json()["status"]
-                         for job_id in (other, *reversed(mine))})
+            seen.append({other: status_of(other, other_key), **{job_id: status_of(job_id) for job_id in reversed(mine)}})
             if all(status == "completed" for status in seen[-1].values()):
                 break
             time.sleep(0.05)
