@@ -474,17 +474,22 @@ def wait_until(condition, timeout: float = 60.0, what: str = "the condition") ->
 @contextlib.contextmanager
 def single_rank_pipeline(repository: Path, name: str):
     """A LocalPipeline of a parallel build on one rank, for a module's tests to run under each layout
-    (``under_layout``): what runs in process under every layout is loaded once for them all."""
+    (``under_layout``): what runs in process under every layout is loaded once for them all, and the ranks of
+    each world size once (use_layout puts them aside between layouts). Every rank is gone when it ends."""
+    import multiprocessing
+
     from machgen.parallel.layout import ParallelLayout
     from machgen.runtime.local import LocalPipeline
 
+    others = set(multiprocessing.active_children())  # another module's pipeline's ranks, put aside
     with LocalPipeline(repository, name, layout=ParallelLayout()) as pipeline:
         yield pipeline
+    assert not set(multiprocessing.active_children()) - others
 
 
 @contextlib.contextmanager
 def under_layout(pipeline, layout):
-    """``pipeline`` (single_rank_pipeline's) running ``layout`` inside the block; its ranks stopped after it."""
+    """``pipeline`` (single_rank_pipeline's) running ``layout`` inside the block, one rank again after it."""
     from machgen.parallel.layout import ParallelLayout
 
     pipeline.use_layout(layout)

@@ -87,7 +87,8 @@ class WholeSequence:
 
 def serve_programs(mesh: Any, device: str | None) -> Any:
     """A rank's handler: ("load", folder, plan) loads a component's program, ("run", folder, inputs,
-    forget) calls it (inputs as KeptInputs packed them), ("unload", folder) lets it go."""
+    forget) calls it (inputs as KeptInputs packed them), ("unload", folder) lets it go, ("layout", layout)
+    makes the process groups of another layout of as many ranks (the programs stay loaded)."""
     from machgen.parallel.op import set_mesh
     from machgen.runtime.torch_runner import TorchProgram
 
@@ -98,17 +99,39 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
     kept = RankStore()
 
     def handle(message: tuple) -> Any:
-        kind, folder, *rest = message
+        nonlocal mesh
+        kind, *rest = message
         if kind == "load":
-            programs[folder] = (TorchProgram.load(folder, device=device), ShardPlan.from_json(rest[0]))
+            folder, plan = rest
+            programs[folder] = (TorchProgram.load(folder, device=device), ShardPlan.from_json(plan))
         elif kind == "unload":
-            programs.pop(folder, None)
+            programs.pop(rest[0], None)
+        elif kind == "layout":
+            mesh = _remesh(mesh, ParallelLayout.from_json(rest[0]))
+            programs.update({folder: (program, dataclasses.replace(plan, layout=mesh.layout))
+                             for folder, (program, plan) in programs.items()})
         else:
+            folder, payload, forget = rest
             program, plan = programs[folder]
-            return run_sharded(program, kept.unpack(*rest), plan, mesh)
+            return run_sharded(program, kept.unpack(payload, forget), plan, mesh)
         return None
 
     return handle
+
+
+def _remesh(mesh: Any, layout: ParallelLayout) -> Any:
+    """This rank's mesh of ``layout`` (every rank makes its groups in one order), set for the operators;
+    the old mesh's groups destroyed."""
+    import torch.distributed as dist
+
+    from machgen.parallel.mesh import RankMesh
+    from machgen.parallel.op import set_mesh
+
+    for group in {id(group): group for group in mesh.groups.values() if group is not None}.values():
+        dist.destroy_process_group(group)
+    mesh = RankMesh(layout, mesh.rank)
+    set_mesh(mesh)
+    return mesh
 
 
 # (layout, device, threads) -> [pool, users, the inputs its ranks keep]
@@ -130,7 +153,8 @@ class ParallelProgram:
         self.input_names = [name for name in inputs if name != plan.marker]  # the ranks add the marker
         self.output_names = list(outputs)
         self.folder = str(Path(folder).resolve())
-        # Calls, and those whose sequence was split (the others ran it whole on every sequence rank).
+        # Calls under this layout, and those whose sequence was split (the others ran it whole on every
+        # sequence rank).
         self.calls = self.split_calls = 0
         self._key = (self.layout, device, threads)
         with _POOLS_LOCK:
@@ -185,3 +209,45 @@ class ParallelProgram:
             self.pool.stop()
         elif self.pool.alive():
             self.pool.call(("unload", self.folder))
+
+
+def move_to_layout(programs: Sequence[Any], layout: ParallelLayout) -> bool:
+    """Run ``programs`` (ParallelPrograms, or runners that wrap them) under ``layout`` from now on, in place:
+    their rank processes and loaded programs stay, only the process groups are made again (a run comparing
+    layouts of one world size loads each program once). False, and nothing changed, where that cannot be:
+    another world size, ranks that other programs use too, ranks gone; the caller then opens them anew."""
+    programs = [_unwrapped(program) for program in programs]
+    if not all(isinstance(program, ParallelProgram) for program in programs):
+        return False
+    with _POOLS_LOCK:
+        pools: dict[int, list[ParallelProgram]] = {}
+        for program in programs:
+            pools.setdefault(id(program.pool), []).append(program)
+        for group in pools.values():
+            entry = _POOLS.get(group[0]._key)
+            if (entry is None or entry[0] is not group[0].pool or entry[1] != len(group) or not entry[0].alive()
+                    or layout.world_size != entry[0].layout.world_size
+                    or (layout, *group[0]._key[1:]) in _POOLS and layout != entry[0].layout):
+                return False
+        for group in pools.values():
+            pool, old_key = group[0].pool, group[0]._key
+            new_key = (layout, *old_key[1:])
+            if pool.layout != layout:
+                try:
+                    pool.call(("layout", layout.to_json()))
+                except RankError:
+                    return False  # the pool stopped: closing its programs finds it gone
+                pool.layout = layout
+                _POOLS[new_key] = _POOLS.pop(old_key)
+            for program in group:
+                program.layout, program._key = layout, new_key
+                program.plan = dataclasses.replace(program.plan, layout=layout)
+                program.calls = program.split_calls = 0  # counted per layout
+    return True
+
+
+def _unwrapped(runner: Any) -> Any:
+    """The program inside a runner that wraps it (an AdaptedRunner's ``runner``)."""
+    while not isinstance(runner, ParallelProgram) and "runner" in getattr(runner, "__dict__", {}):
+        runner = runner.runner
+    return runner

@@ -34,6 +34,7 @@ class LocalPipeline:
         self.manifest = PipelineManifest.read(sampler_dir)
         self._intra_op_threads = intra_op_threads
         self._sessions: dict[str, Any] = {}
+        self._parked: dict[int, dict[str, Any]] = {}  # world size: components put aside by use_layout
         self._opening = threading.Lock()
         self._adapters, self._max_loaded = served_adapters(self.manifest.adapters, sampler_dir)
         self.in_sampler = InSamplerComponents(self.manifest.components, sampler_dir, self._adapters,
@@ -66,14 +67,37 @@ class LocalPipeline:
 
     def use_layout(self, layout: Any) -> None:
         """Run the parallel build's components under ``layout`` from now on (a
-        ParallelLayout the build allows): those on ranks are closed (their ranks
-        stopped) and opened again under it on first use; the components that
-        run in this process under every layout stay loaded, so that runs
-        comparing layouts load them once."""
+        ParallelLayout the build allows). Those whose layout decides how they
+        run are put aside with their ranks, by world size, and taken up again
+        by the next layout of that size, which remakes only the ranks' process
+        groups; the components that run in this process under every layout
+        stay loaded. So runs comparing layouts load each program once per
+        world size. ``close`` stops every rank."""
+        from machgen.parallel.program import move_to_layout
+
         with self._opening:
-            for component in [name for name in self._sessions if self._on_ranks(name)]:
-                getattr(self._sessions.pop(component), "close", lambda: None)()
+            leaving = {name: self._sessions.pop(name) for name in list(self._sessions) if self._on_ranks(name)}
+            self._close_all(self._parked.pop(self._world_size(self._layout), {}))
+            if leaving:
+                self._parked[self._world_size(self._layout)] = leaving
+            resumed = self._parked.pop(self._world_size(layout), {})
+            if resumed and layout.world_size > 1 and not move_to_layout(list(resumed.values()), layout):
+                self._close_all(resumed)
+                resumed = {}
+            self._sessions.update(resumed)
             self._layout = layout
+
+    def _world_size(self, layout: Any) -> int:
+        if layout is not None:
+            return layout.world_size
+        from machgen.parallel.layout import ParallelLayout
+
+        return ParallelLayout.from_json(self.manifest.parallel).world_size if self.manifest.parallel else 1
+
+    @staticmethod
+    def _close_all(sessions: dict[str, Any]) -> None:
+        for session in sessions.values():
+            getattr(session, "close", lambda: None)()
 
     def _on_ranks(self, component: str) -> bool:
         """Whether the layout decides how ``component`` runs (a torch program built for a parallel layout)."""
@@ -87,9 +111,11 @@ class LocalPipeline:
     def close(self) -> None:
         """Stop what the components run besides this process (a parallel component's ranks)."""
         with self._opening:
-            for session in self._sessions.values():
-                getattr(session, "close", lambda: None)()
+            self._close_all(self._sessions)
             self._sessions.clear()
+            for parked in self._parked.values():
+                self._close_all(parked)
+            self._parked.clear()
 
     def __enter__(self) -> "LocalPipeline":
         return self
