@@ -743,8 +743,17 @@ class ServeProcess:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             self.lines: list[str] = []
             threading.Thread(target=self._read, daemon=True).start()
-            wait_until(lambda: any(line.startswith("ready:") for line in self.lines) or self.process.poll() is not None,
-                       timeout=180, what="machgen serve ready")
+            try:
+                wait_until(lambda: any(line.startswith("ready:") for line in self.lines)
+                           or self.process.poll() is not None, timeout=180, what="machgen serve ready")
+            except AssertionError as late:
+                self.process.terminate()  # machgen serve stops its tritonserver (a kill would leave it running)
+                try:
+                    self.process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+                raise AssertionError(f"{late}; it printed:\n{self.output()[-6000:]}") from None
             if self.process.poll() is None:
                 return
             if not any(sign in self.output() for sign in RESTARTED_STARTS) or attempt == 2:

@@ -409,7 +409,8 @@ def component_stubs(served, component: str) -> list[int]:
 
 
 @pytest.mark.integration
-def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank(parallel_repository, single_rank):
+def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank(parallel_repository, single_rank,
+                                                                                 local_parallel):
     """machgen serve of the parallel build: each parallel component's stub starts its ranks; a request equals
     the single-rank image; a SIGKILLed rank makes the component unhealthy, the step in flight is run again
     once machgen serve has loaded it with new ranks; a stop leaves no rank process, no forkserver and no shared
@@ -424,6 +425,7 @@ def test_served_by_triton_a_killed_rank_loses_no_request_and_stop_leaves_no_rank
 
     from conftest import ServeProcess
 
+    local_parallel.close()  # the ranks the layout tests put aside (a server started beside them started slowly)
     served = ServeProcess(parallel_repository)
     try:
         with MachgenClient(served.grpc_url) as client:

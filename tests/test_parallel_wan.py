@@ -104,9 +104,11 @@ def test_every_layout_gives_the_single_rank_video_with_cache_reuse_on_and_off(la
 
 
 @pytest.mark.integration
-def test_served_by_triton_every_frame_equals_the_single_rank_video(wan_parallel_repository, single_rank, video):
+def test_served_by_triton_every_frame_equals_the_single_rank_video(wan_parallel_repository, single_rank, video,
+                                                                  local_wan):
     from machgen.client import MachgenClient
 
+    local_wan.close()  # the ranks the layout tests put aside (a server started beside them started slowly)
     with serving(wan_parallel_repository) as server, MachgenClient(server.grpc_url) as client:
         frames = client.generate("wan", video["prompt"], seed=video["seed"], height=video["height"],
                                  width=video["width"], num_frames=video["num_frames"], cache_policy="none")

@@ -15,6 +15,8 @@ pytestmark = [pytest.mark.export,
               pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
+# A refine with its parent's prompt against the parent's clip (Wan's UniPC restarts its history at the step).
+SAME_PROMPT_PSNR = 30.0
 NAME = "ti2v"
 PROMPT = "a red circle at the top"
 
@@ -262,3 +264,98 @@ def test_a_video_request_the_model_refuses_is_400_naming_the_field(ti2v_api):
         response = httpx.post(f"{ti2v_api.url}/v1/videos", headers=headers,
                               json={"model": NAME, "prompt": PROMPT, **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.integration
+def test_a_video_refine_goes_on_from_its_parents_latents(ti2v_server, ti2v_api, tmp_path):
+    """keep_latents on a video job; a refine (parent, step or strength) gives what the model gives for its prompt
+    from the parent's latents at that step, asked directly (with the parent's prompt, near the parent's clip);
+    OpenAI's remix is one; an image-to-video parent's refine takes its picture again; its length is the parent's."""
+    import base64
+    import io
+    import time
+
+    import httpx
+    from PIL import Image
+
+    from machgen.client import MachgenClient
+    from machgen.client.video import read_mp4, write_mp4
+
+    from openai_schema import validate
+
+    headers = {"Authorization": f"Bearer {ti2v_api.key}"}
+    settings = {"seed": 3, "num_inference_steps": 4, "cache_policy": "none", "size": "64x64"}
+    buffer = io.BytesIO()
+    Image.fromarray(picture(64, 64, seed=9)).save(buffer, format="PNG")
+    start = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    def create(**fields) -> httpx.Response:
+        return httpx.post(f"{ti2v_api.url}/v1/videos", headers=headers, timeout=60,
+                          json={"model": NAME, "prompt": PROMPT, **settings, **fields})
+
+    def finished(**fields) -> tuple[dict, np.ndarray]:
+        answer = create(**fields)
+        assert answer.status_code == 200, answer.text
+        return finished_video(answer.json()["id"])
+
+    def finished_video(video_id: str) -> tuple[dict, np.ndarray]:
+        video, deadline = {"id": video_id, "status": "queued"}, time.monotonic() + 120
+        while video["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+            time.sleep(0.1)
+            video = httpx.get(f"{ti2v_api.url}/v1/videos/{video['id']}", headers=headers, timeout=30).json()
+        assert video["status"] == "completed", video
+        validate(video, "VideoResource")
+        content = httpx.get(f"{ti2v_api.url}/v1/videos/{video['id']}/content", headers=headers, timeout=30)
+        (tmp_path / "served.mp4").write_bytes(content.content)
+        return video, read_mp4(tmp_path / "served.mp4")[0]
+
+    def difference(a: np.ndarray, b: np.ndarray) -> int:
+        return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+    def psnr(a: np.ndarray, b: np.ndarray) -> float:
+        return float(10 * np.log10(255.0 ** 2 / max(np.mean((a.astype(float) - b.astype(float)) ** 2), 1e-12)))
+
+    def direct_refine(prompt: str) -> np.ndarray:
+        """What the model gives for ``prompt`` from the parent's latents after step 2, asked directly."""
+        with MachgenClient(ti2v_server.grpc_url) as client:
+            trajectory = client.generate_all(NAME, PROMPT, seed=3, num_inference_steps=4, cache_policy="none",
+                                             trajectory_steps=[2]).trajectory
+            expected, stats = client.generate_with_stats(NAME, prompt, seed=3, num_inference_steps=4,
+                                                         cache_policy="none", start_step=2,
+                                                         start_latents=trajectory[0])
+        write_mp4(expected, tmp_path / "expected.mp4", fps=stats["fps"])
+        return read_mp4(tmp_path / "expected.mp4")[0]
+
+    parent, parent_frames = finished(keep_latents=True)
+    assert [entry["steps"] for entry in parent["latents"]] == [[1, 2, 3]]
+    again, same_prompt = finished(parent=parent["id"], step=2)
+    assert again["remixed_from_video_id"] == parent["id"]
+    assert again["refines"] == {"parent": parent["id"], "parent_index": 0, "step": 2}
+    assert again["stats"][0]["steps"] == 2 and difference(same_prompt, direct_refine(PROMPT)) <= MAX_PIXEL_DIFF
+    # Wan's multistep UniPC restarts its history at the step (docs/model-api.md start_step): near the parent's
+    # clip, not equal to it as a Flux refine is.
+    assert psnr(same_prompt, parent_frames) >= SAME_PROMPT_PSNR, psnr(same_prompt, parent_frames)
+
+    new_prompt = "a green square at the bottom"
+    refined, frames = finished(prompt=new_prompt, parent=parent["id"], strength=0.5)
+    assert difference(frames, direct_refine(new_prompt)) <= MAX_PIXEL_DIFF
+    assert difference(frames, same_prompt) > MAX_PIXEL_DIFF  # the new prompt reached the steps
+    # OpenAI's remix: the same refine, from half the steps
+    import openai
+
+    remix = openai.OpenAI(base_url=f"{ti2v_api.url}/v1", api_key=ti2v_api.key, max_retries=0).videos.remix(
+        parent["id"], prompt=new_prompt)
+    assert remix.remixed_from_video_id == parent["id"]
+    remixed, remixed_frames = finished_video(remix.id)
+    assert remixed["refines"]["step"] == 2 and difference(remixed_frames, frames) == 0
+
+    from_picture, picture_frames = finished(input_reference=start, keep_latents=[2])
+    refused = create(parent=from_picture["id"], step=2)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_reference", refused.text
+    _, frames = finished(parent=from_picture["id"], step=2, input_reference=start)
+    assert psnr(frames, picture_frames) >= SAME_PROMPT_PSNR, psnr(frames, picture_frames)
+    for fields, param in [({"num_frames": parent["num_frames"] + 4}, "num_frames"), ({"step": 4}, "step"),
+                          ({"explore": {"keep": 1, "scorer": "shapes"}}, "explore"),
+                          ({"num_inference_steps": 6}, "num_inference_steps")]:
+        refused = create(parent=parent["id"], **{"step": 2, **fields})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (fields, refused.text)

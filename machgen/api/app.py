@@ -57,6 +57,9 @@ from machgen.api.webhooks import WebhookPolicy, WebhookSender, secret_key
 log = logging.getLogger("machgen.api")
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 ANONYMOUS = "anonymous"
+# Where a remix (POST /v1/videos/{id}/remix, OpenAI's) starts when its body says neither step nor strength: the
+# parent's latents after half its steps (its composition kept, the rest redrawn under the new prompt).
+REMIX_STRENGTH = 0.5
 
 
 @dataclass(frozen=True)
@@ -598,7 +601,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             inputs["preview_interval"] = settings.preview_interval
 
     async def refine_of(state: _State, request: Request, fields: dict[str, Any], model: ServedModel,
-                        inputs: dict[str, Any]) -> dict[str, Any]:
+                        inputs: dict[str, Any], kind: str = "image") -> dict[str, Any]:
         """A refine's inputs from its parent job (one of the caller's, finished with kept latents): the
         parent's size, steps and settings unless the request gives others, and its latents at the step; what
         the job records of its parent (with the seed it continues)."""
@@ -607,7 +610,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             raise invalid("parent", "'parent' must be a job id")
         owner, _ = _caller(state, request)
         parent = state.store.get(parent_id)
-        if parent is None or parent.owner != owner or parent.kind != "image":
+        if parent is None or parent.owner != owner or parent.kind != kind:
             raise no_parent(parent_id)
         if parent.model != model.name:
             raise invalid("parent", f"the parent job ran on '{parent.model}', not '{model.name}'")
@@ -795,14 +798,35 @@ def create_app(settings: ApiSettings) -> FastAPI:
         state = state_of(request)
         _caller(state, request)
         fields, files = await _read_fields(state, request, form=True, json_body=True)
+        return await video_job(request, state, fields, files)
+
+    @app.post("/v1/videos/{video_id}/remix")
+    async def remix_video(video_id: str, request: Request):
+        """OpenAI's remix: the video again under a new prompt, a refine of it (the video must have kept its
+        latents, keep_latents). From half its steps unless the body says ``step`` or ``strength``."""
+        state = state_of(request)
+        parent = job_for(state, request, video_id, "video")
+        fields, files = await _read_fields(state, request, form=False, json_body=True)
+        if fields.get("parent") is not None:
+            raise invalid("parent", "a remix's parent is the video of its path", code="unknown_parameter")
+        if fields.get("step") is None and fields.get("strength") is None:
+            fields["strength"] = REMIX_STRENGTH
+        return await video_job(request, state, {"model": parent.model, **fields, "parent": video_id}, files)
+
+    async def video_job(request: Request, state: _State, fields: dict[str, Any], files: dict[str, list[bytes]]):
         model = await _model(state, fields.get("model"), "video")
         prompt = fields.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise invalid("prompt", "'prompt' is required: a non-empty string")
         defaults = model.defaults
         inputs: dict[str, Any] = {"prompt": prompt}
-        inputs["width"], inputs["height"] = parse_size(fields.get("size"), defaults)
-        fps = typed("fps", fields["fps"], int) if fields.get("fps") is not None else int(defaults.get("fps") or 16)
+        refined = await refine_of(state, request, fields, model, inputs, "video") if fields.get("parent") is not None \
+            else None
+        if refined is None:
+            inputs["width"], inputs["height"] = parse_size(fields.get("size"), defaults)
+        # A refine's length is its parent's (a refine keeps the latents' shape); given again, it must be the same.
+        fps = typed("fps", fields["fps"], int) if fields.get("fps") is not None else int(
+            inputs.get("fps") or defaults.get("fps") or 16)
         if fields.get("seconds") is not None and fields.get("num_frames") is not None:
             raise invalid("seconds", "give 'seconds' or 'num_frames', not both")
         if fields.get("seconds") is not None:
@@ -810,12 +834,15 @@ def create_app(settings: ApiSettings) -> FastAPI:
             if seconds <= 0:
                 raise invalid("seconds", f"'seconds' must be positive, not {seconds:g}")
             multiple = model.card["frame_multiple"]
-            inputs["num_frames"] = max(round(seconds * fps / multiple), 1) * multiple + 1
+            frames = max(round(seconds * fps / multiple), 1) * multiple + 1
         elif fields.get("num_frames") is not None:
-            inputs["num_frames"] = typed("num_frames", fields["num_frames"], int)
+            frames = typed("num_frames", fields["num_frames"], int)
         else:
-            inputs["num_frames"] = int(defaults["num_frames"])
-        inputs["fps"] = fps
+            frames = int(inputs.get("num_frames") or defaults["num_frames"])
+        if refined is not None and (frames, fps) != (inputs["num_frames"], inputs["fps"]):
+            field = "fps" if fps != inputs["fps"] else ("seconds" if fields.get("seconds") is not None else "num_frames")
+            raise invalid(field, f"a refine keeps its parent's {inputs['num_frames']} frames at {inputs['fps']} fps")
+        inputs["num_frames"], inputs["fps"] = frames, fps
         reference = files.get("input_reference") or ([] if fields.get("input_reference") is None else None)
         if reference is None:
             reference = [_data_url_bytes("input_reference", fields["input_reference"])]
@@ -832,14 +859,33 @@ def create_app(settings: ApiSettings) -> FastAPI:
             inputs["reference_images"] = np.stack(pictures)
         seed = _seed(fields)
         used = {"model", "prompt", "size", "seconds", "num_frames", "fps", "input_reference", "reference_images",
-                "seed", "callback_url"}
+                "seed", "callback_url", "keep_latents", "parent", "parent_index", "step"}
+        pictured = [name for name in ("image", "reference_images") if name in inputs]
+        if refined is not None:
+            seed = refined.pop("seed")
+            used.add("strength")
+            missing = [name for name in state.store.get(refined["parent"]).request.get("pictured", [])
+                       if name not in pictured]
+            if missing:
+                field = {"image": "input_reference"}.get(missing[0], missing[0])
+                raise invalid(field, f"the parent was conditioned on '{field}' at every step: a refine takes it "
+                                     f"again (the same picture continues the parent's trajectory)")
+        for name in ("explore", "prompts"):
+            if fields.get(name) is not None:
+                raise invalid(name, f"'{name}' is for images: a video job makes one video", code="unsupported_value")
         inputs.update(_model_inputs(fields, model, used))
         _scheduling(state, request, model, inputs)
         with_preview_default(inputs)
         callback_url = await _callback(state, fields)
+        steps = int(inputs.get("num_inference_steps") or defaults["num_inference_steps"])
+        kept = kept_latents(fields.get("keep_latents"), inputs.get("start_step", 0), steps)
+        if kept:
+            inputs["trajectory_steps"] = kept
         _check_request(model, {**inputs, "seed": seed})
-        recorded = {name: value for name, value in inputs.items() if name not in ("image", "reference_images")}
-        recorded.update(n=1, seeds=[seed], image_to_video="image" in inputs, callback_url=callback_url)
+        recorded = {name: value for name, value in inputs.items() if name not in ("image", "reference_images",
+                                                                                  "start_latents")}
+        recorded.update(n=1, seeds=[seed], image_to_video="image" in inputs, callback_url=callback_url, steps=steps,
+                        pictured=pictured, **(refined or {}))
         job = await submit(request, state, "video", model, [{**inputs, "seed": seed}], recorded,
                               waits_in_queue=True)
         return video_object(job)

@@ -158,16 +158,20 @@ def job_object(job: Job) -> dict[str, Any]:
         # Agents' fields: the latents kept for refines ([{index, variant, steps, bytes}]), the job refined
         # ({parent, parent_index, step}) and an explore's every variant ranked.
         "latents": request.get("latents"),
-        "refines": ({name: request[name] for name in ("parent", "parent_index", "step")}
-                    if request.get("parent") else None),
+        "refines": _refines(request),
         "explored": request.get("explored"),
     }
 
 
+def _refines(request: dict[str, Any]) -> dict[str, Any] | None:
+    return {name: request[name] for name in ("parent", "parent_index", "step")} if request.get("parent") else None
+
+
 def video_object(job: Job) -> dict[str, Any]:
-    """OpenAI's video object, with machgen's job fields besides (num_frames, fps, seed, stats). OpenAI's
-    statuses are queued, in_progress, completed and failed: a video cancelled through /v1/jobs is failed,
-    its error's code ``cancelled``."""
+    """OpenAI's video object, with machgen's job fields besides (num_frames, fps, seed, stats, and the
+    latents kept and the refined job as job_object's). OpenAI's statuses are queued, in_progress, completed
+    and failed: a video cancelled through /v1/jobs is failed, its error's code ``cancelled``. A refine names
+    its parent as OpenAI's remix does (remixed_from_video_id)."""
     request = job.request
     seconds = request["num_frames"] / request["fps"] if request.get("fps") else 0
     status, error = job.status, job.error
@@ -178,8 +182,9 @@ def video_object(job: Job) -> dict[str, Any]:
         "created_at": job.created_at, "completed_at": job.completed_at, "expires_at": job.expires_at,
         "prompt": request.get("prompt"), "size": f"{request.get('width')}x{request.get('height')}",
         "seconds": f"{seconds:g}", "num_frames": request.get("num_frames"),
-        "fps": request.get("fps"), "seed": (request.get("seeds") or [None])[0], "remixed_from_video_id": None,
-        "error": error, "stats": job.stats,
+        "fps": request.get("fps"), "seed": (request.get("seeds") or [None])[0],
+        "remixed_from_video_id": request.get("parent"), "error": error, "stats": job.stats,
+        "latents": request.get("latents"), "refines": _refines(request),
     }
 
 
