@@ -94,3 +94,20 @@ def test_stats_report_the_calibrations_expected_psnr(video_server):
     held_out = cache["calibration"]["held_out"][cache["default_policy"]]
     assert held_out["meets_targets"] and cache["calibration"]["holdout_prompts"] >= 32
     assert (stats["expected_psnr"], stats["expected_psnr_worst"]) == (held_out["psnr_mean"], held_out["psnr_worst"])
+
+
+def test_machgen_build_eval_scores_the_served_model_uncached_as_diffusers(diffusers_clips, video_server):
+    """machgen-build eval --url ... --cache-policy none: the card's served figures, read as diffusers' are."""
+    from typer.testing import CliRunner
+
+    from machgen.builder.cli import app
+
+    count = 6
+    result = CliRunner().invoke(app, ["eval", "--url", video_server.grpc_url, "--name", NAME, "--task",
+                                      "text-to-video", "--count", str(count), "--cache-policy", "none"])
+    assert result.exit_code == 0, result.output
+    served = json.loads(result.output.strip().splitlines()[-1])
+    expected = evaluate.score_motion(diffusers_clips[0][:count], [motion for _, _, motion in TEXT_PAIRS[:count]])
+    assert served == json.loads(evaluate.report(expected))
+    refused = CliRunner().invoke(app, ["eval", str(MODEL_DIR), "--cache-policy", "none"])
+    assert refused.exit_code != 0 and "--url" in refused.output

@@ -342,6 +342,9 @@ def evaluate(
     round_trip_model: Path = typer.Option(None, "--vae-from", exists=True, file_okay=False,
                                           help="image-to-video with --url: the model folder whose VAE makes the "
                                                "first frame the served clip is checked against"),
+    cache_policy: str = typer.Option(None, "--cache-policy", help="with --url: ask for this cache policy (none: "
+                                                                  "every step computed) instead of the model's "
+                                                                  "served default"),
 ) -> None:
     """Prompt accuracy on a fixed prompt/seed set of the shapes dataset (a video model: the moving-shapes
     dataset, colour, shape and direction; image-to-video also its first frame)."""
@@ -351,12 +354,16 @@ def evaluate(
 
     if (model_dir is None) == (url is None):
         raise typer.BadParameter("give a MODEL_DIR or --url, not both")
+    if cache_policy is not None and url is None:
+        raise typer.BadParameter("a cache policy is asked of a served model: give --url", param_hint="--cache-policy")
+    served_options = {"cache_policy": cache_policy} if cache_policy is not None else {}
     if task is None and model_dir is not None:
         from machgen.builder.build import detect_family
 
         task = detect_family(model_dir).capabilities.tasks[0]
     if task in ("text-to-video", "image-to-video"):
-        _evaluate_video(model_dir, url, name, protocol, task, count or 84, grid, round_trip_model or model_dir)
+        _evaluate_video(model_dir, url, name, protocol, task, count or 84, grid, round_trip_model or model_dir,
+                        served_options)
         return
     if task not in (None, "text-to-image"):
         raise typer.BadParameter(f"no evaluation set for {task!r}", param_hint="--task")
@@ -364,14 +371,14 @@ def evaluate(
     colours = (concept,) if concept else tuple(shapes.PALETTE)
     prompts = shapes.evaluation_prompts(count or 70, colours=colours)
     images = ev.generate_with_diffusers(model_dir, prompts, lora=lora) if model_dir else \
-        ev.generate_served(url, name, prompts, protocol, **({"lora": adapters} if adapters else {}))
+        ev.generate_served(url, name, prompts, protocol, **({"lora": adapters} if adapters else {}), **served_options)
     if grid:
         ev.save_grid(images, grid)
     typer.echo(ev.report(ev.score(images, [label for _, _, label in prompts], palette)))
 
 
 def _evaluate_video(model_dir: Path | None, url: str | None, name: str, protocol: str, task: str, count: int,
-                    grid: Path | None, vae_folder: Path | None) -> None:
+                    grid: Path | None, vae_folder: Path | None, served_options: dict) -> None:
     import numpy as np
 
     from machgen.builder import evaluate as ev
@@ -389,7 +396,7 @@ def _evaluate_video(model_dir: Path | None, url: str | None, name: str, protocol
     else:
         prompts = moving_shapes.evaluation_prompts(count)
     videos = ev.generate_videos_with_diffusers(model_dir, prompts, pictures) if model_dir else \
-        ev.generate_served(url, name, prompts, protocol, pictures=pictures, video=True)
+        ev.generate_served(url, name, prompts, protocol, pictures=pictures, video=True, **served_options)
     if grid:
         ev.save_grid(videos[:, ::4].reshape(-1, *videos.shape[2:]), grid, columns=videos[:, ::4].shape[1] * 2)
     typer.echo(ev.report(ev.score_motion(videos, [motion for _, _, motion in prompts], round_trips)))
