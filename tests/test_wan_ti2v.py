@@ -278,6 +278,7 @@ def test_a_video_refine_goes_on_from_its_parents_latents(ti2v_server, ti2v_api, 
     import httpx
     from PIL import Image
 
+    from machgen.builder.evaluate import psnr
     from machgen.client import MachgenClient
     from machgen.client.video import read_mp4, write_mp4
 
@@ -311,9 +312,6 @@ def test_a_video_refine_goes_on_from_its_parents_latents(ti2v_server, ti2v_api, 
 
     def difference(a: np.ndarray, b: np.ndarray) -> int:
         return int(np.abs(a.astype(int) - b.astype(int)).max())
-
-    def psnr(a: np.ndarray, b: np.ndarray) -> float:
-        return float(10 * np.log10(255.0 ** 2 / max(np.mean((a.astype(float) - b.astype(float)) ** 2), 1e-12)))
 
     def direct_refine(prompt: str) -> np.ndarray:
         """What the model gives for ``prompt`` from the parent's latents after step 2, asked directly."""

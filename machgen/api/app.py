@@ -604,7 +604,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
                         inputs: dict[str, Any], kind: str = "image") -> dict[str, Any]:
         """A refine's inputs from its parent job (one of the caller's, finished with kept latents): the
         parent's size, steps and settings unless the request gives others, and its latents at the step; what
-        the job records of its parent (with the seed it continues)."""
+        the job records of its parent (with the seed it continues). The pictures the parent was conditioned
+        on at every step (its ``pictured`` inputs) must be in ``inputs`` again."""
         parent_id = fields["parent"]
         if not isinstance(parent_id, str):
             raise invalid("parent", "'parent' must be a job id")
@@ -614,6 +615,11 @@ def create_app(settings: ApiSettings) -> FastAPI:
             raise no_parent(parent_id)
         if parent.model != model.name:
             raise invalid("parent", f"the parent job ran on '{parent.model}', not '{model.name}'")
+        missing = [name for name in parent.request.get("pictured", []) if name not in inputs]
+        if missing:
+            field = {"image": "input_reference"}.get(missing[0], missing[0])
+            raise invalid(field, f"the parent was conditioned on '{field}' at every step: a refine takes it again "
+                                 f"(the same picture continues the parent's trajectory)")
         if parent.status != "completed" or not parent.request.get("latents"):
             raise invalid("parent", f"job {parent_id} is {parent.status} and kept no latents: a parent is a "
                                     f"completed job sent with 'keep_latents'", code="parent_without_latents")
@@ -820,6 +826,21 @@ def create_app(settings: ApiSettings) -> FastAPI:
             raise invalid("prompt", "'prompt' is required: a non-empty string")
         defaults = model.defaults
         inputs: dict[str, Any] = {"prompt": prompt}
+        reference = files.get("input_reference") or ([] if fields.get("input_reference") is None else None)
+        if reference is None:
+            reference = [_data_url_bytes("input_reference", fields["input_reference"])]
+        if len(reference) > 1:
+            raise invalid("input_reference", "one picture starts a video")
+        if reference:
+            inputs["image"] = decode_picture("input_reference", reference[0])
+        if files.get("reference_images"):
+            import numpy as np
+
+            pictures = [decode_picture("reference_images", data) for data in files["reference_images"]]
+            if len({p.shape for p in pictures}) != 1:
+                raise invalid("reference_images", "every reference picture must have one size")
+            inputs["reference_images"] = np.stack(pictures)
+        pictured = [name for name in ("image", "reference_images") if name in inputs]
         refined = await refine_of(state, request, fields, model, inputs, "video") if fields.get("parent") is not None \
             else None
         if refined is None:
@@ -843,33 +864,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
             field = "fps" if fps != inputs["fps"] else ("seconds" if fields.get("seconds") is not None else "num_frames")
             raise invalid(field, f"a refine keeps its parent's {inputs['num_frames']} frames at {inputs['fps']} fps")
         inputs["num_frames"], inputs["fps"] = frames, fps
-        reference = files.get("input_reference") or ([] if fields.get("input_reference") is None else None)
-        if reference is None:
-            reference = [_data_url_bytes("input_reference", fields["input_reference"])]
-        if len(reference) > 1:
-            raise invalid("input_reference", "one picture starts a video")
-        if reference:
-            inputs["image"] = decode_picture("input_reference", reference[0])
-        if files.get("reference_images"):
-            import numpy as np
-
-            pictures = [decode_picture("reference_images", data) for data in files["reference_images"]]
-            if len({p.shape for p in pictures}) != 1:
-                raise invalid("reference_images", "every reference picture must have one size")
-            inputs["reference_images"] = np.stack(pictures)
         seed = _seed(fields)
         used = {"model", "prompt", "size", "seconds", "num_frames", "fps", "input_reference", "reference_images",
                 "seed", "callback_url", "keep_latents", "parent", "parent_index", "step"}
-        pictured = [name for name in ("image", "reference_images") if name in inputs]
         if refined is not None:
             seed = refined.pop("seed")
             used.add("strength")
-            missing = [name for name in state.store.get(refined["parent"]).request.get("pictured", [])
-                       if name not in pictured]
-            if missing:
-                field = {"image": "input_reference"}.get(missing[0], missing[0])
-                raise invalid(field, f"the parent was conditioned on '{field}' at every step: a refine takes it "
-                                     f"again (the same picture continues the parent's trajectory)")
         for name in ("explore", "prompts"):
             if fields.get(name) is not None:
                 raise invalid(name, f"'{name}' is for images: a video job makes one video", code="unsupported_value")
