@@ -198,12 +198,12 @@ def test_a_keys_jobs_past_its_running_cap_wait_queued_start_in_order_and_leave_o
         def status_of(job_id: str, chosen: str = key) -> str:
             return httpx.get(f"{api.url}/v1/jobs/{job_id}", headers=auth(api, chosen), timeout=30).json()["status"]
 
-        # The first job long enough to still run while the others are submitted and looked at on a loaded machine
-        # (a look after two short jobs had ended showed nothing waiting).
+        # The first job, and the other key's, long enough to be seen running while the others are submitted and
+        # looked at on a loaded machine (a look after short jobs had ended showed nothing waiting, or running).
         mine = [submit(key, 300)]
         wait_until(lambda: status_of(mine[0]) == "in_progress", what="the first job to start")
         mine += [submit(key, 20), submit(key, 20)]
-        other = submit(other_key, 20)
+        other = submit(other_key, 300)
         seen = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
