@@ -13,7 +13,10 @@ what the ring's overlap hides, and a step-time model for NVLink GPUs.
    and Wan 720p, from the step's FLOPs (linear layers and attention) and
    the Ulysses bytes above, calibrated on a published one-GPU time. No
    multi-GPU machine ran this: the model is arithmetic, stated as such.
-5. quality (``--parts quality``, slow: an export and dozens of clips): the
+5. decode: parallel VAE decode (parallel/rows.py), Wan 2.1's VAE on 1, 2
+   and 4 ranks: time, each rank's largest activation and memory growth,
+   bytes sent (halo rows, the mid-block's keys), the frames against one rank's.
+6. quality (``--parts quality``, slow: an export and dozens of clips): the
    trained video default (models/shapes-wan) built for the torch target
    with a parallel layout, run in process under each layout it allows on
    held-out prompts with its served settings (calibrated cache reuse on):
@@ -96,6 +99,46 @@ def ring_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict[st
     return {mode: statistics.median(values) for mode, values in times.items()}
 
 
+def decode_by_rows(mesh, height: int, width: int, frames: int) -> dict:
+    """Wan 2.1's VAE (its architecture, seeded random weights) decoding a seeded clip's latents split by rows
+    over the ranks (parallel/rows.py): this rank's band of frames, seconds, bytes sent, the most elements a
+    convolution read and its resident memory's growth during the decode."""
+    import resource
+
+    import diffusers
+    import torch
+
+    from machgen.families.wan.export import SplitVaeDecoderFirst, SplitVaeDecoderNext, chunk_layout
+    from machgen.parallel.op import set_mesh, split_sequence
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLWan().eval()
+    factor = vae.config.scale_factor_spatial
+    latents = torch.randn(1, vae.config.z_dim, (frames - 1) // vae.config.scale_factor_temporal + 1,
+                          height // factor, width // factor, generator=torch.Generator().manual_seed(1))
+    band = latents.chunk(mesh.layout.world_size, dim=3)[mesh.rank]
+    layout = chunk_layout(vae, "decoder", {"decoder": (SplitVaeDecoderFirst, SplitVaeDecoderNext)})
+    first, following = SplitVaeDecoderFirst(vae), SplitVaeDecoderNext(vae, *layout)
+    widest, sent = [0], [0]
+    for conv in (sub for sub in vae.decoder.modules() if isinstance(sub, torch.nn.Conv3d)):
+        conv.register_forward_pre_hook(lambda module, args: widest.__setitem__(0, max(widest[0], args[0].numel())))
+    _counting(sent)
+    set_mesh(mesh)
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * resource.getpagesize()
+    start = time.perf_counter()
+    with split_sequence(True), torch.no_grad():
+        decoded, cache = first(band[:, :, :1])
+        decoded = [decoded]
+        for index in range(1, band.shape[2]):
+            chunk, cache = following(band[:, :, index:index + 1], cache)
+            decoded.append(chunk)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"frames": torch.cat(decoded, dim=2), "seconds": seconds, "sent": sent[0], "widest": widest[0],
+            "growth": peak - resident}
+
+
 def idle_handler(mesh):
     return lambda message: None
 
@@ -153,6 +196,30 @@ def overlap_table(tokens: int, heads: int, dim: int, repeats: int) -> str:
         overlapped = max(r["overlapped"] for r in results)
         serialized = max(r["serialized"] for r in results)
         rows.append(f"| {degree} | {tokens} | {overlapped:.4f} | {serialized:.4f} | {serialized / overlapped:.2f}x |")
+    return "\n".join(rows)
+
+
+def decode_table(height: int, width: int, frames: int) -> str:
+    """Parallel VAE decode by rows: Wan 2.1's VAE on 1, 2 and 4 ranks, against one rank's frames."""
+    import torch
+
+    from machgen.parallel.layout import ParallelLayout
+    from machgen.parallel.ranks import run_on_ranks
+
+    rows = ["| ranks | decode s (slowest rank) | largest convolution input per rank | resident growth per rank "
+            "(largest) | halo and keys sent per rank | max difference to one rank |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    whole = None
+    for degree in (1, 2, 4):
+        results = run_on_ranks(ParallelLayout(ring=degree), "bench_parallel:decode_by_rows", height, width, frames)
+        decoded = torch.cat([torch.as_tensor(result["frames"]) for result in results], dim=3)
+        whole = decoded if whole is None else whole
+        difference = (decoded - whole).abs().max().item() * 127.5  # [-1, 1] in levels of 255
+        widest = max(result["widest"] for result in results)
+        rows.append(f"| {degree} | {max(result['seconds'] for result in results):.1f} | "
+                    f"{widest * 4 / 2**20:.1f} MiB | {max(result['growth'] for result in results) / 2**20:.0f} MiB | "
+                    f"{max(result['sent'] for result in results) / 2**20:.2f} MiB | {difference:.4f} / 255 |")
+        print(rows[-1], flush=True)
     return "\n".join(rows)
 
 
@@ -266,8 +333,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=300, help="control calls timed per rank count")
     parser.add_argument("--record", type=Path, help="write the tables into this markdown file")
-    parser.add_argument("--parts", default="bytes,control,overlap,model",
+    parser.add_argument("--parts", default="bytes,control,overlap,model,decode",
                         help="which tables to measure (also: quality)")
+    parser.add_argument("--decode-size", type=int, default=128, help="decode: the clip's height and width")
+    parser.add_argument("--decode-frames", type=int, default=9, help="decode: the clip's frames")
     parser.add_argument("--model-dir", type=Path, default=Path("models/shapes-wan"), help="quality: the model")
     parser.add_argument("--count", type=int, default=8, help="quality: held-out prompts")
     args = parser.parse_args()
@@ -289,6 +358,10 @@ def main() -> int:
                             f"{args.repeats}, alternating.\n\n"
                             + overlap_table(args.ring_tokens, args.heads, args.head_dim, args.repeats)),
         "model": model_table,
+        "decode": lambda: (f"{header} Wan 2.1's VAE (its architecture, random weights) decoding one "
+                           f"{args.decode_size}x{args.decode_size} clip of {args.decode_frames} frames chunk by chunk, "
+                           "split by rows over the ranks (parallel/rows.py); the ranks share the machine's cores.\n\n"
+                           + decode_table(args.decode_size, args.decode_size, args.decode_frames)),
         "quality": lambda: f"{header}\n\n" + quality_table(args.model_dir, args.count),
     }
     unknown = set(parts) - set(measurements)

@@ -143,3 +143,60 @@ def assert_sharded_parts_equal_whole(model_dir, layout, tolerance: float = 1e-5)
             for got, want in zip(outputs[name], expected):
                 assert got.shape == want.shape and np.abs(got - want).max() <= tolerance, name
     return list(per_rank[0])
+
+
+def tiny_video_vae(family: str):
+    """The tiny Wan family's VAE (Wan 2.1's, or Wan 2.2 TI2V's patchified one), the same weights on every
+    rank, and that family's chunked decoder classes split by rows and whole."""
+    import importlib
+
+    torch.manual_seed(0)
+    if family == "wan-ti2v":
+        from machgen.families.wan_ti2v.tiny import tiny_wan_ti2v
+
+        vae = tiny_wan_ti2v()[0].vae
+    else:
+        from machgen.families.wan.tiny import tiny_text_encoder_and_vae
+
+        vae = tiny_text_encoder_and_vae()[2]
+    exporter = importlib.import_module(f"machgen.families.{family.replace('-', '_')}.export")
+    return vae.eval(), exporter
+
+
+def decode_chunks(vae, first_class, next_class, latents):
+    """The frames of every latent frame's chunk (first, then next ones with the flat cache), in time order;
+    and the most elements any convolution read in one call."""
+    from machgen.families.wan.export import chunk_layout
+
+    widest = [0]
+
+    def measure(module, args):
+        widest[0] = max(widest[0], args[0].numel())
+
+    hooks = [sub.register_forward_pre_hook(measure) for sub in vae.decoder.modules()
+             if isinstance(sub, torch.nn.Conv3d)]
+    try:
+        with torch.no_grad():
+            frames, cache = first_class(vae)(latents[:, :, :1])
+            decoded = [frames]
+            following = next_class(vae, *chunk_layout(vae, "decoder", {"decoder": (first_class, next_class)}))
+            for index in range(1, latents.shape[2]):
+                frames, cache = following(latents[:, :, index:index + 1], cache)
+                decoded.append(frames)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.cat(decoded, dim=2), widest[0]
+
+
+def decoded_by_rows(mesh, family: str, latent_shape: tuple[int, ...]):
+    """This rank's band of rows of the video its family's split decoder makes of seeded latents, and the
+    most elements a convolution read on this rank."""
+    from machgen.parallel.op import set_mesh, split_sequence
+
+    vae, exporter = tiny_video_vae(family)
+    latents = torch.randn(*latent_shape, generator=torch.Generator().manual_seed(5))
+    band = latents.chunk(mesh.layout.world_size, dim=3)[mesh.rank]
+    set_mesh(mesh)
+    with split_sequence(True):
+        return decode_chunks(vae, exporter.SplitVaeDecoderFirst, exporter.SplitVaeDecoderNext, band)

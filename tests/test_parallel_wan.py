@@ -71,14 +71,24 @@ def single_rank(local_wan, video, picture):
             "picture": local_wan.generate(**video, image=picture) if picture is not None else None}
 
 
-def test_only_the_tails_run_on_the_ranks_and_split_their_tokens_themselves(wan_parallel_repository, family):
+def test_the_tails_split_their_tokens_themselves_and_the_decoder_its_rows_on_the_ranks(wan_parallel_repository,
+                                                                                     family):
     import json
 
+    def parallel(component):
+        return json.loads((wan_parallel_repository / f"wan_{component}" / "1" / "component.json").read_text()
+                          )["parallel"]
+
     for expert in EXPERTS[family]:
-        tail = json.loads((wan_parallel_repository / f"wan_{expert}_tail" / "1" / "component.json").read_text())
-        assert tail["parallel"]["marker"] == "sequence_marker" and "sequence_marker" in tail["inputs"]
-        head = json.loads((wan_parallel_repository / f"wan_{expert}_head" / "1" / "component.json").read_text())
-        assert head["parallel"] is None
+        tail = parallel(f"{expert}_tail")
+        assert tail["marker"] == "sequence_marker" and tail["ranks"] == "sequence"
+        assert parallel(f"{expert}_head") is None
+    # Parallel VAE decode: the latents' and frames' rows, and each rank's share of the causal cache.
+    assert parallel("vae_decoder_first")["sequence"] == {"latents": 3, "frames": 3, "decoder_cache": 1}
+    assert parallel("vae_decoder_next")["sequence"] == {"latents": 3, "decoder_cache": 1, "frames": 3,
+                                                        "updated_cache": 1}
+    assert parallel("vae_decoder_next")["ranks"] == "all" and parallel("vae_decoder_next")["batched"] == []
+    assert parallel("text_encoder") is None
     config = (wan_parallel_repository / "wan_denoiser_tail" / "config.pbtxt").read_text()
     assert "sequence_marker" not in config  # the served interface is the spec's
 
@@ -94,6 +104,8 @@ def test_every_layout_gives_the_single_rank_video_with_cache_reuse_on_and_off(la
         tails = [pipeline.runner(f"{expert}_tail") for expert in EXPERTS[family]]
         assert all(tail.calls for tail in tails)  # both experts ran
         assert all(tail.split_calls == (tail.calls if layout.sequence_degree > 1 else 0) for tail in tails)
+        decoders = [pipeline.runner(f"vae_decoder_{chunk}") for chunk in ("first", "next")]
+        assert all(decoder.calls and decoder.split_calls == decoder.calls for decoder in decoders)  # by rows
     assert uncached.shape == single_rank["uncached"][0].shape
     assert np.abs(uncached.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS
     assert np.abs(cached.astype(int) - single_rank["cached"][0].astype(int)).max() <= SAME_PIXELS

@@ -247,7 +247,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
     from machgen.builder.rebuild import plan_rebuild
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
-    from machgen.builder.parallel import check_parallel_build, parallel_variant, shard_plan, write_shard_plan
+    from machgen.builder.parallel import check_parallel_build, parallel_variant, write_shard_plan
 
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
@@ -316,7 +316,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         onnx_files: dict[str, Path] = {}  # the tensorrt target's checked ONNX files, beside its engines
         for index, (component, adapter_layers) in enumerate(exports, start=1):
             start = time.perf_counter()
-            component = on_ranks.get(component.spec.name, component)
+            if component.spec.name in on_ranks:
+                component = on_ranks[component.spec.name].component
             spec = component.spec
             log(f"[{index}/{len(exports)}] {spec.name}: exporting ({target})")
             folder = Path(scratch) / spec.name
@@ -343,7 +344,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                     # On one rank (the plan is written after it): the program's sequence attention is SDPA.
                     report = check_parity(component, path, dtype, device)
                 if parallel_here:
-                    write_shard_plan(folder, shard_plan(spec, layout, exporter.sequence_axes))
+                    write_shard_plan(folder, on_ranks[spec.name].plan(layout))
                 if adapter_layers is not None:
                     write_component_layers(folder, adapter_layers)
                 if cache is not None:

@@ -111,6 +111,13 @@ class FamilyExport:
         None: it runs on one device."""
         return component
 
+    def split_by_rows(self, component: ExportableComponent) -> tuple[ExportableComponent, tuple[str, ...]] | None:
+        """What a VAE decoder component exports as under a parallel layout
+        whose every rank decodes a band of the picture's rows
+        (parallel/rows.py), and the axis names of its tensors split so
+        (ShardPlan ``ranks="all"``); None: it decodes on one device."""
+        return None
+
     def adapted_model(self, pipe: Any) -> "torch.nn.Module | None":
         """The model whose linear layers per-request LoRA adapters change (the
         denoiser's transformer), or None: this family serves no adapters."""

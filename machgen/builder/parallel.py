@@ -6,6 +6,7 @@ each parallel component's ``ShardPlan`` written beside its program."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +37,47 @@ def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: A
     return support
 
 
-def parallel_variant(component: ExportableComponent, exporter: FamilyExport) -> ExportableComponent | None:
-    """What the component exports as to run on the ranks (FamilyExport.sequence_parallel), or None: it
-    runs on one device (the encoders and VAEs, run once a request; the denoiser's part run in the sampler's
-    process; a part without attention)."""
+@dataclass(frozen=True)
+class OnRanks:
+    """A component that runs on a parallel layout's ranks: what it exports as, and how its tensors split."""
+
+    component: ExportableComponent
+    # The axis names whose tensors are split (ShardPlan.sequence), and over which ranks (ShardPlan.ranks).
+    split_axes: tuple[str, ...]
+    ranks: str = "sequence"
+
+    def plan(self, layout: ParallelLayout) -> ShardPlan:
+        return shard_plan(self.component.spec, layout, self.split_axes, self.ranks)
+
+
+def parallel_variant(component: ExportableComponent, exporter: FamilyExport) -> OnRanks | None:
+    """How the component runs on the ranks, or None: on one device (the encoders, run once a request; the
+    denoiser's part run in the sampler's process; a part without attention). A denoiser part runs as
+    FamilyExport.sequence_parallel exports it, its tokens split over the sequence ranks; a VAE decoder that
+    FamilyExport.split_by_rows gives a variant for, its rows of pixels over every rank."""
     spec = component.spec
     if (spec.per_step and not spec.in_sampler
             and any(type(sub).__module__ in exporter.sharded_attention_modules
                     for sub in component.module.modules())):
-        return exporter.sequence_parallel(component)
-    return None
+        variant = exporter.sequence_parallel(component)
+        return OnRanks(variant, exporter.sequence_axes) if variant is not None else None
+    by_rows = exporter.split_by_rows(component)
+    return OnRanks(*by_rows, ranks="all") if by_rows is not None else None
 
 
-def shard_plan(spec: ComponentSpec, layout: ParallelLayout, sequence_axes: tuple[str, ...]) -> ShardPlan:
-    """How ``spec``'s tensors split: batched ones by rows, those with a token axis (an axis named in
-    ``sequence_axes``) along it."""
+def shard_plan(spec: ComponentSpec, layout: ParallelLayout, split_axes: tuple[str, ...],
+               ranks: str = "sequence") -> ShardPlan:
+    """How ``spec``'s tensors split: batched ones by rows, those with an axis named in ``split_axes`` along
+    it, over ``ranks`` (ShardPlan.ranks)."""
     tensors = spec.inputs + spec.outputs
     sequence = {}
     for tensor in tensors:
-        axis = next((index for index, size in enumerate(tensor.shape) if size in sequence_axes), None)
+        axis = next((index for index, size in enumerate(tensor.shape) if size in split_axes), None)
         if axis is not None:
             sequence[tensor.name] = axis
     marker = SEQUENCE_MARKER if any(t.name == SEQUENCE_MARKER for t in spec.inputs) else None
-    return ShardPlan(layout, tuple(dict.fromkeys(t.name for t in tensors if t.batched)), sequence, marker)
+    batched = tuple(dict.fromkeys(t.name for t in tensors if t.batched)) if ranks == "sequence" else ()
+    return ShardPlan(layout, batched, sequence, marker, ranks)
 
 
 def write_shard_plan(folder: Path, plan: ShardPlan) -> None:

@@ -142,12 +142,19 @@ class ShardPlan:
     # The program input whose length is the call's sequence degree, for a program that splits its tokens
     # itself (machgen::sequence_shard); its inputs and outputs then travel whole. None: split outside.
     marker: str | None = None
+    # Which ranks split the ``sequence`` tensors: "sequence" (the sequence ranks, each cfg group its share of
+    # the batched rows) or "all" (every rank, the batch whole: a VAE decoder's rows of pixels, parallel/rows.py).
+    ranks: str = "sequence"
+
+    def __post_init__(self) -> None:
+        if self.ranks not in ("sequence", "all"):
+            raise LayoutError(f"a shard plan splits over the 'sequence' ranks or 'all' of them, not {self.ranks!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout.to_json(), "batched": list(self.batched), "sequence": dict(self.sequence),
-                "marker": self.marker}
+                "marker": self.marker, "ranks": self.ranks}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ShardPlan":
         return cls(ParallelLayout.from_json(data["layout"]), tuple(data["batched"]), dict(data["sequence"]),
-                   data.get("marker"))
+                   data.get("marker"), data.get("ranks", "sequence"))

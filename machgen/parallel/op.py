@@ -44,6 +44,16 @@ def split_sequence(split: bool) -> Iterator[None]:
         _context.split = previous
 
 
+def split_mesh(all_ranks: bool = False) -> RankMesh | None:
+    """The rank mesh where the call running now is split over several ranks
+    (its sequence over the sequence ranks; ``all_ranks``: its rows over every
+    rank, parallel/rows.py), else None: it runs whole."""
+    if _MESH is None or not getattr(_context, "split", False):
+        return None
+    degree = _MESH.layout.world_size if all_ranks else _MESH.layout.sequence_degree
+    return _MESH if degree > 1 else None
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           scale=scale).transpose(1, 2)

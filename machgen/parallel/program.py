@@ -9,7 +9,9 @@ and the leader (rank 0) answers with the whole outputs gathered. Inputs
 that repeat from call to call (a request's text conditioning) are sent once
 and kept by the ranks (parallel/kept.py). A call
 whose sequences the sequence degree does not divide runs them whole on every
-rank of a sequence group (the same result, without the speed-up).
+rank of a sequence group (the same result, without the speed-up). A
+component whose plan splits over every rank (a video decoder's rows of
+pixels, parallel/rows.py) gives each rank its band instead, the batch whole.
 """
 
 from __future__ import annotations
@@ -57,6 +59,33 @@ def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: 
                    for name, t in outputs.items()}
     outputs = {name: gather_rows(t, rows, mesh.cfg_group) if name in plan.batched else t
                for name, t in outputs.items()}
+    return (outputs, split) if mesh.rank == 0 else None
+
+
+def run_split_by_rows(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any) -> tuple | None:
+    """run_sharded for a plan over every rank (``ranks="all"``): each rank its band of every split tensor's
+    axis (the batch whole), the leader gathering the outputs' bands. A call whose axes the world size does not
+    divide runs whole on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from machgen.parallel.op import split_sequence
+
+    ranks = plan.layout.world_size
+    tensors = {name: torch.as_tensor(value) for name, value in inputs.items()}
+    split = ranks > 1 and all(t.shape[plan.sequence[name]] % ranks == 0
+                              for name, t in tensors.items() if name in plan.sequence)
+    if split:
+        tensors = {name: t.chunk(ranks, dim=plan.sequence[name])[mesh.rank].contiguous()
+                   if name in plan.sequence else t for name, t in tensors.items()}
+    with split_sequence(split):
+        outputs = program.run(tensors)
+    if split:
+        for name in [name for name in outputs if name in plan.sequence]:
+            band = outputs[name].contiguous()
+            bands = [torch.empty_like(band) for _ in range(ranks)] if mesh.rank == 0 else None
+            dist.gather(band, bands, dst=0)
+            outputs[name] = torch.cat(bands, dim=plan.sequence[name]) if mesh.rank == 0 else None
     return (outputs, split) if mesh.rank == 0 else None
 
 
@@ -113,7 +142,8 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
         else:
             folder, payload, forget = rest
             program, plan = programs[folder]
-            return run_sharded(program, kept.unpack(payload, forget), plan, mesh)
+            run = run_sharded if plan.ranks == "sequence" else run_split_by_rows
+            return run(program, kept.unpack(payload, forget), plan, mesh)
         return None
 
     return handle

@@ -141,9 +141,10 @@ class TorchProgram:
     @classmethod
     def load(cls, folder: str | os.PathLike, device: str | None = None) -> "TorchProgram":
         """The program a build wrote to ``folder`` (model.pt2, component.json)."""
-        # The program may call machgen::sparse_attention or machgen::sequence_attention: they must be
-        # registered before loading.
+        # The program may call machgen::sparse_attention, machgen::sequence_attention or machgen::halo_rows:
+        # they must be registered before loading.
         import machgen.parallel.op  # noqa: F401
+        import machgen.parallel.rows  # noqa: F401
         import machgen.plugins.ops  # noqa: F401
         from machgen.runtime.program_load import load_program
 

@@ -8,7 +8,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d, WanResample
 
 from machgen.builder.family_export import ExportableComponent, FamilyExport
 from machgen.contract.api import MAX_REFERENCE_IMAGES
@@ -16,6 +17,7 @@ from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults, Ten
 from machgen.families.wan.spec import EXPERT_PREFIXES, chunk_specs, wan_specs
 from machgen.parallel.layout import SEQUENCE_MARKER, ParallelSupport
 from machgen.parallel.op import sequence_gather, sequence_shard
+from machgen.parallel.rows import conv2d_by_rows, halo_rows, rows_attention, split_by_rows
 
 
 class TextEncoder(torch.nn.Module):
@@ -217,6 +219,67 @@ class VaeDecoderNext(NextChunk):
         return super().forward(latents, decoder_cache)
 
 
+def causal_conv_by_rows(conv: WanCausalConv3d):
+    """WanCausalConv3d.forward with its height padding read from the neighbouring ranks' rows (after the
+    cached frames are put in front: the neighbours lend theirs too)."""
+    if conv.stride[1] != 1:
+        raise ValueError(f"{conv}: a convolution with a stride along the rows is not split by rows")
+
+    def forward(x, cache_x=None):
+        left, right, top, bottom, front, back = conv._padding
+        if cache_x is not None and front > 0:
+            x = torch.cat([cache_x.to(x.device), x], dim=2)
+            front -= cache_x.shape[2]
+        x = F.pad(halo_rows(x, 3, top, bottom), (left, right, 0, 0, front, back))
+        return torch.nn.Conv3d.forward(conv, x)
+
+    return forward
+
+
+def frame_attention_by_rows(block: WanAttentionBlock):
+    """WanAttentionBlock.forward (one head over each frame's pixels) from this rank's rows over every rank's."""
+    def forward(x):
+        batch, channels, frames, height, width = x.shape
+        frames_first = block.norm(x.permute(0, 2, 1, 3, 4).reshape(batch * frames, channels, height, width))
+        qkv = block.to_qkv(frames_first).reshape(batch * frames, 1, channels * 3, -1).permute(0, 1, 3, 2)
+        attended = rows_attention(*qkv.contiguous().chunk(3, dim=-1))
+        attended = attended.squeeze(1).permute(0, 2, 1).reshape(batch * frames, channels, height, width)
+        return block.proj(attended).view(batch, frames, channels, height, width).permute(0, 2, 1, 3, 4) + x
+
+    return forward
+
+
+def decoder_by_rows(module: torch.nn.Module):
+    """What AutoencoderKLWan's decoder runs split by rows (parallel/rows.py): its convolutions that pad
+    the rows (causal ones, and the upsamplers' 2-D ones) and its mid-block's attention; its norms are over
+    channels, its upsampling (nearest, or channels to space) maps each row to its own rows."""
+    if isinstance(module, WanCausalConv3d):
+        return causal_conv_by_rows(module) if module._padding[2] or module._padding[3] else None
+    if isinstance(module, torch.nn.Conv2d):
+        return conv2d_by_rows(module) if module.padding[0] else None
+    if isinstance(module, WanAttentionBlock):
+        return frame_attention_by_rows(module)
+    if isinstance(module, torch.nn.modules.batchnorm._NormBase | torch.nn.GroupNorm):
+        raise ValueError(f"{type(module).__name__} normalises over space: a decoder with one is not split by rows")
+    return None
+
+
+class SplitVaeDecoderFirst(VaeDecoderFirst):
+    """VaeDecoderFirst with its decoder split by rows over the ranks (decoder_by_rows)."""
+
+    def forward(self, latents):
+        with split_by_rows(self.vae.decoder, decoder_by_rows):
+            return super().forward(latents)
+
+
+class SplitVaeDecoderNext(VaeDecoderNext):
+    """VaeDecoderNext with its decoder split by rows over the ranks; each rank's flat cache is its rows'."""
+
+    def forward(self, latents, decoder_cache):
+        with split_by_rows(self.vae.decoder, decoder_by_rows):
+            return super().forward(latents, decoder_cache)
+
+
 class VaeEncoderFirst(FirstChunk):
     coder = "encoder"
 
@@ -355,6 +418,10 @@ class WanExport(FamilyExport):
     # The tail that splits its tokens under a parallel layout (None: the family runs on one device).
     sharded_tail: type | None = ShardedDenoiserTail
     sequence_axes = ("video_tokens",)
+    # The decoder's chunks split by rows under a parallel layout, by name; each rank keeps its rows' share of
+    # the causal cache, so the flat cache of a split call is every rank's in rank order.
+    split_decoder_classes: dict[str, type] = {"vae_decoder_first": SplitVaeDecoderFirst,
+                                              "vae_decoder_next": SplitVaeDecoderNext}
 
     def check(self, pipe) -> None:
         if getattr(pipe.config, "expand_timesteps", False) or pipe.vae.config.patch_size is not None:
@@ -379,6 +446,14 @@ class WanExport(FamilyExport):
         return ExportableComponent(dataclasses.replace(spec, inputs=spec.inputs + (marker,)),
                                    self.sharded_tail(component.module.transformer).eval(),
                                    {**component.sample_inputs, SEQUENCE_MARKER: torch.zeros(2, dtype=torch.int64)})
+
+    def split_by_rows(self, component: ExportableComponent) -> tuple[ExportableComponent, tuple[str, ...]] | None:
+        variant = self.split_decoder_classes.get(component.spec.name)
+        if variant is None or self.sharded_tail is None:
+            return None
+        chunk = component.module
+        return (dataclasses.replace(component, module=variant(chunk.vae, chunk.slots, chunk.layout).eval()),
+                ("latent_height", "height", "decoder_cache"))
 
     @staticmethod
     def experts(pipe) -> int:

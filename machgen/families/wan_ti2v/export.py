@@ -72,6 +72,14 @@ class VaeDecoderNext(Patchified, wan.VaeDecoderNext):
     pass
 
 
+class SplitVaeDecoderFirst(Patchified, wan.SplitVaeDecoderFirst):
+    pass
+
+
+class SplitVaeDecoderNext(Patchified, wan.SplitVaeDecoderNext):
+    pass
+
+
 class VaeEncoderFirst(Patchified, wan.VaeEncoderFirst):
     pass
 
@@ -87,6 +95,7 @@ class WanTi2vExport(wan.WanExport):
     denoiser_classes = (DenoiserHead, DenoiserTail, DenoiserReuse)
     sharded_tail = ShardedDenoiserTail
     chunk_classes = CHUNK_CLASSES
+    split_decoder_classes = {"vae_decoder_first": SplitVaeDecoderFirst, "vae_decoder_next": SplitVaeDecoderNext}
 
     def check(self, pipe) -> None:
         if not getattr(pipe.config, "expand_timesteps", False) or pipe.vae.config.patch_size is None:
