@@ -146,26 +146,25 @@ def assert_sharded_parts_equal_whole(model_dir, layout, tolerance: float = 1e-5)
 
 
 def tiny_video_vae(family: str):
-    """The tiny Wan family's VAE (Wan 2.1's, or Wan 2.2 TI2V's patchified one), the same weights on every
-    rank, and that family's chunked decoder classes split by rows and whole."""
+    """A tiny video family's VAE (Wan 2.1's, Wan 2.2 TI2V's patchified one, LTX-2's), the same weights on
+    every rank, and the family's export module (its decoder classes, whole and split by rows)."""
     import importlib
 
     torch.manual_seed(0)
-    if family == "wan-ti2v":
-        from machgen.families.wan_ti2v.tiny import tiny_wan_ti2v
-
-        vae = tiny_wan_ti2v()[0].vae
-    else:
+    if family == "wan":
         from machgen.families.wan.tiny import tiny_text_encoder_and_vae
 
         vae = tiny_text_encoder_and_vae()[2]
-    exporter = importlib.import_module(f"machgen.families.{family.replace('-', '_')}.export")
-    return vae.eval(), exporter
+    else:
+        tiny = importlib.import_module(f"machgen.families.{family.replace('-', '_')}.tiny")
+        vae = getattr(tiny, f"tiny_{family.replace('-', '_')}")()[0].vae
+    return vae.eval(), importlib.import_module(f"machgen.families.{family.replace('-', '_')}.export")
 
 
-def decode_chunks(vae, first_class, next_class, latents):
-    """The frames of every latent frame's chunk (first, then next ones with the flat cache), in time order;
-    and the most elements any convolution read in one call."""
+def decode(family: str, vae, exporter, latents, split: bool):
+    """The frames the family's served decoder makes of ``latents`` (``split``: its classes split by rows;
+    Wan's chunk by chunk with the flat cache, LTX-2's in one call), and the most elements any convolution
+    read in one call."""
     from machgen.families.wan.export import chunk_layout
 
     widest = [0]
@@ -177,16 +176,20 @@ def decode_chunks(vae, first_class, next_class, latents):
              if isinstance(sub, torch.nn.Conv3d)]
     try:
         with torch.no_grad():
+            if family == "ltx2":
+                return (exporter.SplitVaeDecoder if split else exporter.VaeDecoder)(vae)(latents), widest[0]
+            prefix = "Split" if split else ""
+            first_class, next_class = (getattr(exporter, f"{prefix}VaeDecoder{chunk}") for chunk in ("First", "Next"))
             frames, cache = first_class(vae)(latents[:, :, :1])
             decoded = [frames]
             following = next_class(vae, *chunk_layout(vae, "decoder", {"decoder": (first_class, next_class)}))
             for index in range(1, latents.shape[2]):
                 frames, cache = following(latents[:, :, index:index + 1], cache)
                 decoded.append(frames)
+            return torch.cat(decoded, dim=2), widest[0]
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.cat(decoded, dim=2), widest[0]
 
 
 def decoded_by_rows(mesh, family: str, latent_shape: tuple[int, ...]):
@@ -199,4 +202,4 @@ def decoded_by_rows(mesh, family: str, latent_shape: tuple[int, ...]):
     band = latents.chunk(mesh.layout.world_size, dim=3)[mesh.rank]
     set_mesh(mesh)
     with split_sequence(True):
-        return decode_chunks(vae, exporter.SplitVaeDecoderFirst, exporter.SplitVaeDecoderNext, band)
+        return decode(family, vae, exporter, band, split=True)

@@ -75,6 +75,14 @@ def test_every_layout_gives_the_single_rank_clip_with_cache_reuse_on_and_off(lay
             runner = pipeline.runner(part)
             # every call's video split where the layout splits it (2 x 4 x 4 and 3 x 8 x 4 latent tokens)
             assert runner.calls and runner.split_calls == (runner.calls if layout.sequence_degree > 1 else 0)
+        # Parallel VAE decode over every rank, where each band gets the two latent rows its reflection needs
+        # (the 64-pixel clip: 8 latent rows; the defaults' 32 pixels: 4, split over 2 ranks, not 4).
+        spatial = local_ltx2.manifest.family_settings["vae_spatial_ratio"]
+        latent_rows = [call.get("height", local_ltx2.manifest.defaults.height) // spatial
+                       for call in [*calls.values(), CACHED]]
+        decoder = pipeline.runner("vae_decoder")
+        assert decoder.calls == len(latent_rows)
+        assert decoder.split_calls == sum(rows >= 2 * layout.world_size for rows in latent_rows)
     for name, (frames, audio, stats) in clips.items():
         want_frames, want_audio, want_stats = single_rank[name]
         assert frames.shape == want_frames.shape and audio.shape == want_audio.shape

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from machgen.families.registry import Family
-    from machgen.parallel.layout import ParallelSupport
+    from machgen.parallel.layout import ParallelLayout, ParallelSupport, ShardPlan
 
 
 @dataclass
@@ -30,6 +30,24 @@ class ExportableComponent:
     sample_inputs: dict[str, "torch.Tensor"]
     # The parity check also runs the batched inputs' first row alone; this fixes up inputs that index rows.
     first_row: "Callable[[dict], dict] | None" = None
+
+
+@dataclass(frozen=True)
+class OnRanks:
+    """A component that runs on a parallel layout's ranks: what it exports as, and how its tensors split
+    (parallel/layout.ShardPlan)."""
+
+    component: ExportableComponent
+    # The axis names whose tensors are split (ShardPlan.sequence), over which ranks (ShardPlan.ranks), and
+    # the fewest a rank may hold for a call to be split (ShardPlan.min_rows).
+    split_axes: tuple[str, ...]
+    ranks: str = "sequence"
+    min_rows: int = 1
+
+    def plan(self, layout: "ParallelLayout") -> "ShardPlan":
+        from machgen.builder.parallel import shard_plan
+
+        return shard_plan(self.component.spec, layout, self.split_axes, self.ranks, self.min_rows)
 
 
 class FamilyExport:
@@ -111,11 +129,11 @@ class FamilyExport:
         None: it runs on one device."""
         return component
 
-    def split_by_rows(self, component: ExportableComponent) -> tuple[ExportableComponent, tuple[str, ...]] | None:
-        """What a VAE decoder component exports as under a parallel layout
-        whose every rank decodes a band of the picture's rows
-        (parallel/rows.py), and the axis names of its tensors split so
-        (ShardPlan ``ranks="all"``); None: it decodes on one device."""
+    def decoder_split_by_rows(self, component: ExportableComponent) -> OnRanks | None:
+        """How a VAE decoder component runs under a parallel layout whose
+        every rank decodes a band of the picture's rows (parallel/rows.py):
+        what it exports as and its tensors split so (``ranks="all"``); None:
+        it decodes on one device."""
         return None
 
     def adapted_model(self, pipe: Any) -> "torch.nn.Module | None":

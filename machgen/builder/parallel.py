@@ -6,11 +6,10 @@ each parallel component's ``ShardPlan`` written beside its program."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from machgen.builder.family_export import ExportableComponent, FamilyExport
+from machgen.builder.family_export import ExportableComponent, FamilyExport, OnRanks
 from machgen.contract.specs import AxisRange, ComponentSpec
 from machgen.parallel.layout import (
     SEQUENCE_MARKER,
@@ -37,38 +36,24 @@ def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: A
     return support
 
 
-@dataclass(frozen=True)
-class OnRanks:
-    """A component that runs on a parallel layout's ranks: what it exports as, and how its tensors split."""
-
-    component: ExportableComponent
-    # The axis names whose tensors are split (ShardPlan.sequence), and over which ranks (ShardPlan.ranks).
-    split_axes: tuple[str, ...]
-    ranks: str = "sequence"
-
-    def plan(self, layout: ParallelLayout) -> ShardPlan:
-        return shard_plan(self.component.spec, layout, self.split_axes, self.ranks)
-
-
 def parallel_variant(component: ExportableComponent, exporter: FamilyExport) -> OnRanks | None:
     """How the component runs on the ranks, or None: on one device (the encoders, run once a request; the
     denoiser's part run in the sampler's process; a part without attention). A denoiser part runs as
     FamilyExport.sequence_parallel exports it, its tokens split over the sequence ranks; a VAE decoder that
-    FamilyExport.split_by_rows gives a variant for, its rows of pixels over every rank."""
+    FamilyExport.decoder_split_by_rows gives a variant for, its rows of pixels over every rank."""
     spec = component.spec
     if (spec.per_step and not spec.in_sampler
             and any(type(sub).__module__ in exporter.sharded_attention_modules
                     for sub in component.module.modules())):
         variant = exporter.sequence_parallel(component)
         return OnRanks(variant, exporter.sequence_axes) if variant is not None else None
-    by_rows = exporter.split_by_rows(component)
-    return OnRanks(*by_rows, ranks="all") if by_rows is not None else None
+    return exporter.decoder_split_by_rows(component)
 
 
 def shard_plan(spec: ComponentSpec, layout: ParallelLayout, split_axes: tuple[str, ...],
-               ranks: str = "sequence") -> ShardPlan:
+               ranks: str = "sequence", min_rows: int = 1) -> ShardPlan:
     """How ``spec``'s tensors split: batched ones by rows, those with an axis named in ``split_axes`` along
-    it, over ``ranks`` (ShardPlan.ranks)."""
+    it, over ``ranks`` (ShardPlan.ranks; ``min_rows``: ShardPlan.min_rows)."""
     tensors = spec.inputs + spec.outputs
     sequence = {}
     for tensor in tensors:
@@ -77,7 +62,7 @@ def shard_plan(spec: ComponentSpec, layout: ParallelLayout, split_axes: tuple[st
             sequence[tensor.name] = axis
     marker = SEQUENCE_MARKER if any(t.name == SEQUENCE_MARKER for t in spec.inputs) else None
     batched = tuple(dict.fromkeys(t.name for t in tensors if t.batched)) if ranks == "sequence" else ()
-    return ShardPlan(layout, batched, sequence, marker, ranks)
+    return ShardPlan(layout, batched, sequence, marker, ranks, min_rows)
 
 
 def write_shard_plan(folder: Path, plan: ShardPlan) -> None:

@@ -145,6 +145,9 @@ class ShardPlan:
     # Which ranks split the ``sequence`` tensors: "sequence" (the sequence ranks, each cfg group its share of
     # the batched rows) or "all" (every rank, the batch whole: a VAE decoder's rows of pixels, parallel/rows.py).
     ranks: str = "sequence"
+    # The fewest rows of each split tensor's axis a rank may hold for a call to be split (else every rank runs
+    # it whole): a decoder whose convolutions pad by reflection mirrors the row next to the picture's edge.
+    min_rows: int = 1
 
     def __post_init__(self) -> None:
         if self.ranks not in ("sequence", "all"):
@@ -152,9 +155,9 @@ class ShardPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout.to_json(), "batched": list(self.batched), "sequence": dict(self.sequence),
-                "marker": self.marker, "ranks": self.ranks}
+                "marker": self.marker, "ranks": self.ranks, "min_rows": self.min_rows}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ShardPlan":
         return cls(ParallelLayout.from_json(data["layout"]), tuple(data["batched"]), dict(data["sequence"]),
-                   data.get("marker"), data.get("ranks", "sequence"))
+                   data.get("marker"), data.get("ranks", "sequence"), data.get("min_rows", 1))

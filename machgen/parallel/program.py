@@ -65,7 +65,7 @@ def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: 
 def run_split_by_rows(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any) -> tuple | None:
     """run_sharded for a plan over every rank (``ranks="all"``): each rank its band of every split tensor's
     axis (the batch whole), the leader gathering the outputs' bands. A call whose axes the world size does not
-    divide runs whole on every rank."""
+    divide, or whose bands would be narrower than the plan's ``min_rows``, runs whole on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -74,6 +74,7 @@ def run_split_by_rows(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, 
     ranks = plan.layout.world_size
     tensors = {name: torch.as_tensor(value) for name, value in inputs.items()}
     split = ranks > 1 and all(t.shape[plan.sequence[name]] % ranks == 0
+                              and t.shape[plan.sequence[name]] // ranks >= plan.min_rows
                               for name, t in tensors.items() if name in plan.sequence)
     if split:
         tensors = {name: t.chunk(ranks, dim=plan.sequence[name])[mesh.rank].contiguous()

@@ -32,32 +32,43 @@ def _split_mesh():
     return split_mesh(all_ranks=True)
 
 
-def _edge_rows(x: torch.Tensor, axis: int, count: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[axis] = count
-    return x.new_zeros(shape)
+# How a convolution pads at the picture's top and bottom: its padding_mode.
+EDGES = ("zeros", "reflect")
+
+
+def _edge_rows(x: torch.Tensor, axis: int, count: int, edge: str, top: bool) -> torch.Tensor:
+    """The ``count`` rows a convolution padded by ``edge`` reads beyond x's first (``top``) or last row."""
+    if edge == "zeros" or count == 0:
+        shape = list(x.shape)
+        shape[axis] = count
+        return x.new_zeros(shape)
+    start = 1 if top else x.shape[axis] - 1 - count
+    return x.narrow(axis, start, count).flip(axis)  # reflect: the rows next to the edge row, mirrored
 
 
 @torch.library.custom_op("machgen::halo_rows", mutates_args=())
-def halo_rows(x: torch.Tensor, axis: int, before: int, after: int) -> torch.Tensor:
+def halo_rows(x: torch.Tensor, axis: int, before: int, after: int, edge: str) -> torch.Tensor:
     """``x`` with ``before`` rows in front of its ``axis`` and ``after``
     behind it: the neighbouring ranks' rows where the call's rows are split
-    over the ranks, zeros at the picture's top and bottom."""
+    over the ranks, at the picture's top and bottom the padding ``edge``
+    makes ("zeros", or "reflect": the rows next to the edge, mirrored)."""
     mesh = _split_mesh()
     rank, ranks = (mesh.rank, mesh.layout.world_size) if mesh is not None else (0, 1)
-    above = _edge_rows(x, axis, before)
-    below = _edge_rows(x, axis, after)
+    if x.shape[axis] < max(before, after) + (edge == "reflect"):
+        raise RuntimeError(f"a band of {x.shape[axis]} rows cannot pad {max(before, after)} ({edge}): too many "
+                           "ranks for this picture's height")
+    above = _edge_rows(x, axis, before, edge, top=True)
+    below = _edge_rows(x, axis, after, edge, top=False)
     if ranks > 1 and (before or after):
         import torch.distributed as dist
 
-        if x.shape[axis] < max(before, after):
-            raise RuntimeError(f"a band of {x.shape[axis]} rows cannot lend its neighbours {max(before, after)}: "
-                               "too many ranks for this picture's height")
         operations = []
         if rank > 0:  # the rank above reads our first rows and lends us its last
+            above = torch.empty_like(above)
             operations += [dist.P2POp(dist.isend, x.narrow(axis, 0, after).contiguous(), rank - 1),
                            dist.P2POp(dist.irecv, above, rank - 1)]
         if rank < ranks - 1:
+            below = torch.empty_like(below)
             operations += [dist.P2POp(dist.isend, x.narrow(axis, x.shape[axis] - before, before).contiguous(),
                                       rank + 1),
                            dist.P2POp(dist.irecv, below, rank + 1)]
@@ -67,7 +78,7 @@ def halo_rows(x: torch.Tensor, axis: int, before: int, after: int) -> torch.Tens
 
 
 @halo_rows.register_fake
-def _(x, axis, before, after):
+def _(x, axis, before, after, edge):
     shape = list(x.shape)
     shape[axis] = shape[axis] + before + after
     return x.new_empty(shape)
@@ -94,17 +105,35 @@ def _(q, k, v):
     return torch.empty_like(q)
 
 
-def conv2d_by_rows(conv: torch.nn.Conv2d) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``conv``'s forward with its height padding read from the neighbouring ranks' rows."""
-    if conv.padding_mode != "zeros" or conv.stride[0] != 1 or isinstance(conv.padding, str):
-        raise ValueError(f"{conv}: only a zero-padded convolution of stride 1 along the rows is split by rows")
-    pad_rows, pad_columns = conv.padding
+def conv_by_rows(conv: torch.nn.Conv2d | torch.nn.Conv3d) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``conv``'s forward (2-D or 3-D, rows its last but one axis) with its row padding read from the
+    neighbouring ranks' rows; its other padding as its own."""
+    if conv.padding_mode not in EDGES or conv.stride[-2] != 1 or isinstance(conv.padding, str):
+        raise ValueError(f"{conv}: only a convolution of stride 1 along the rows, padded with "
+                         f"{' or '.join(EDGES)}, is split by rows")
+    rows = conv.padding[-2]
+    others = [0, 0, *(side for pad in reversed(conv.padding[:-2]) for side in (pad, pad))]  # F.pad: last axis first
+    others[:2] = [conv.padding[-1]] * 2
+    convolve = F.conv3d if isinstance(conv, torch.nn.Conv3d) else F.conv2d
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        x = F.pad(halo_rows(x, 2, pad_rows, pad_rows), (pad_columns, pad_columns))
-        return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+        x = halo_rows(x, x.dim() - 2, rows, rows, conv.padding_mode)
+        x = F.pad(x, [*others[:2], 0, 0, *others[2:]], mode="constant" if conv.padding_mode == "zeros" else
+                  conv.padding_mode)
+        return convolve(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 
     return forward
+
+
+def by_rows(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """The forward a decoder's ``module`` runs split by rows where it reads beyond its own rows (a
+    convolution padded along the rows), None where it does not; a normalisation over space is refused (it
+    would need every rank's partial sums). A family adds its own modules that mix rows (attention)."""
+    if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+        return conv_by_rows(module) if module.padding[-2] else None
+    if isinstance(module, (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm)):
+        raise ValueError(f"{type(module).__name__} normalises over space: a decoder with one is not split by rows")
+    return None
 
 
 @contextlib.contextmanager

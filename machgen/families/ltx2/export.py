@@ -9,9 +9,10 @@ import math
 from typing import Any
 
 import torch
+from diffusers.models.autoencoders.autoencoder_kl_ltx2 import LTX2VideoResnetBlock3d
 from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 
-from machgen.builder.family_export import ExportableComponent, FamilyExport
+from machgen.builder.family_export import ExportableComponent, FamilyExport, OnRanks
 from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults, TensorSpec
 # LTX-Video's: the same latent denormalisation and decode call (LTX2Pipeline's, at decode_timestep 0),
 # and the same frames to uint8.
@@ -24,6 +25,7 @@ from machgen.parallel.op import (
     sequence_keys_attention_swapped,
     sequence_shard,
 )
+from machgen.parallel.rows import by_rows, split_by_rows
 
 # The rotary position modules' settings the sampler rebuilds them from (they hold no weights).
 _ROPE_FIELDS = ("dim", "patch_size", "patch_size_t", "base_num_frames", "base_height", "base_width",
@@ -283,6 +285,24 @@ class VaeEncoder(torch.nn.Module):
         return (mode - self.vae.latents_mean.view(1, -1, 1, 1, 1)) / self.vae.latents_std.view(1, -1, 1, 1, 1)
 
 
+def decoder_by_rows(module: torch.nn.Module):
+    """What AutoencoderKLLTX2Video's decoder runs split by rows (parallel/rows.py): its convolutions that pad
+    the rows (reflected at the picture's edges, as LTX-2's decoder pads); its norms are per pixel, its
+    upsamplers move channels to space within each row's own rows, and it has no attention."""
+    if isinstance(module, LTX2VideoResnetBlock3d) and (module.per_channel_scale1 is not None
+                                                       or module.per_channel_scale2 is not None):
+        raise ValueError("a decoder that injects noise drawn for the whole picture is not split by rows")
+    return by_rows(module)
+
+
+class SplitVaeDecoder(VaeDecoder):
+    """VaeDecoder with its decoder split by rows over the ranks (decoder_by_rows)."""
+
+    def forward(self, latents):
+        with split_by_rows(self.vae.decoder, decoder_by_rows):
+            return super().forward(latents)
+
+
 class Ltx2Export(FamilyExport):
     sampler_assets = ("tokenizer", "scheduler")
     attention_modules = ("diffusers.models.transformers.transformer_ltx2",)
@@ -310,6 +330,13 @@ class Ltx2Export(FamilyExport):
         return ExportableComponent(dataclasses.replace(component.spec, inputs=component.spec.inputs + (marker,)),
                                    sharded(component.module.transformer).eval(),
                                    {**component.sample_inputs, SEQUENCE_MARKER: torch.zeros(2, dtype=torch.int64)})
+
+    def decoder_split_by_rows(self, component: ExportableComponent) -> OnRanks | None:
+        if component.spec.name != "vae_decoder":
+            return None
+        # Its convolutions pad by reflection: the picture's edge bands mirror their second row.
+        return OnRanks(dataclasses.replace(component, module=SplitVaeDecoder(component.module.vae).eval()),
+                       ("latent_height", "height"), ranks="all", min_rows=2)
 
     @contextlib.contextmanager
     def sequence_attention_swap(self, pipe):

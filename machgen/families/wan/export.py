@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d, WanResample
 
-from machgen.builder.family_export import ExportableComponent, FamilyExport
+from machgen.builder.family_export import ExportableComponent, FamilyExport, OnRanks
 from machgen.contract.api import MAX_REFERENCE_IMAGES
 from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults, TensorSpec
 from machgen.families.wan.spec import EXPERT_PREFIXES, chunk_specs, wan_specs
 from machgen.parallel.layout import SEQUENCE_MARKER, ParallelSupport
 from machgen.parallel.op import sequence_gather, sequence_shard
-from machgen.parallel.rows import conv2d_by_rows, halo_rows, rows_attention, split_by_rows
+from machgen.parallel.rows import by_rows, halo_rows, rows_attention, split_by_rows
 
 
 class TextEncoder(torch.nn.Module):
@@ -230,7 +230,7 @@ def causal_conv_by_rows(conv: WanCausalConv3d):
         if cache_x is not None and front > 0:
             x = torch.cat([cache_x.to(x.device), x], dim=2)
             front -= cache_x.shape[2]
-        x = F.pad(halo_rows(x, 3, top, bottom), (left, right, 0, 0, front, back))
+        x = F.pad(halo_rows(x, 3, top, bottom, "zeros"), (left, right, 0, 0, front, back))
         return torch.nn.Conv3d.forward(conv, x)
 
     return forward
@@ -253,15 +253,11 @@ def decoder_by_rows(module: torch.nn.Module):
     """What AutoencoderKLWan's decoder runs split by rows (parallel/rows.py): its convolutions that pad
     the rows (causal ones, and the upsamplers' 2-D ones) and its mid-block's attention; its norms are over
     channels, its upsampling (nearest, or channels to space) maps each row to its own rows."""
-    if isinstance(module, WanCausalConv3d):
+    if isinstance(module, WanCausalConv3d):  # pads itself, its own padding zero
         return causal_conv_by_rows(module) if module._padding[2] or module._padding[3] else None
-    if isinstance(module, torch.nn.Conv2d):
-        return conv2d_by_rows(module) if module.padding[0] else None
     if isinstance(module, WanAttentionBlock):
         return frame_attention_by_rows(module)
-    if isinstance(module, torch.nn.modules.batchnorm._NormBase | torch.nn.GroupNorm):
-        raise ValueError(f"{type(module).__name__} normalises over space: a decoder with one is not split by rows")
-    return None
+    return by_rows(module)
 
 
 class SplitVaeDecoderFirst(VaeDecoderFirst):
@@ -447,13 +443,13 @@ class WanExport(FamilyExport):
                                    self.sharded_tail(component.module.transformer).eval(),
                                    {**component.sample_inputs, SEQUENCE_MARKER: torch.zeros(2, dtype=torch.int64)})
 
-    def split_by_rows(self, component: ExportableComponent) -> tuple[ExportableComponent, tuple[str, ...]] | None:
+    def decoder_split_by_rows(self, component: ExportableComponent) -> OnRanks | None:
         variant = self.split_decoder_classes.get(component.spec.name)
         if variant is None or self.sharded_tail is None:
             return None
         chunk = component.module
-        return (dataclasses.replace(component, module=variant(chunk.vae, chunk.slots, chunk.layout).eval()),
-                ("latent_height", "height", "decoder_cache"))
+        return OnRanks(dataclasses.replace(component, module=variant(chunk.vae, chunk.slots, chunk.layout).eval()),
+                       ("latent_height", "height", "decoder_cache"), ranks="all")
 
     @staticmethod
     def experts(pipe) -> int:
