@@ -8,7 +8,10 @@ what the ring's overlap hides, and a step-time model for NVLink GPUs.
 2. control: a ``RankPool`` call that does no work (the parent sends a call's
    message to every rank and collects their answers): p50 and p99.
 3. overlap: ring attention with the next block in flight while the current
-   one is computed, against the same ring waiting for each block first.
+   one is computed, against the same ring waiting for each block first; and
+   Ulysses with its heads in two groups (the second group's exchange in
+   flight while the first is computed, the first's output leaving while the
+   second is), against one exchange each way.
 4. model: a step's time on 1, 2, 4 and 8 GPUs over NVLink at Flux 1024^2
    and Wan 720p, from the step's FLOPs (linear layers and attention) and
    the Ulysses bytes above, calibrated on a published one-GPU time. No
@@ -79,21 +82,21 @@ def layer_bytes(mesh, tokens: int, heads: int, dim: int) -> int:
     return sent[0]
 
 
-def ring_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict[str, float]:
-    """Median seconds of ring attention, overlapped and serialized, alternating."""
+def overlap_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict[str, float]:
+    """Median seconds of sequence-parallel attention, overlapped and serialized, alternating."""
     import torch
     import torch.distributed as dist
 
-    from machgen.parallel.ring import ring_attention
+    from machgen.parallel.usp import sequence_parallel_attention
 
-    local = tokens // mesh.layout.ring
+    local = tokens // mesh.layout.sequence_degree
     q, k, v = (torch.randn(1, local, heads, dim) for _ in range(3))
     times: dict[str, list[float]] = {"overlapped": [], "serialized": []}
     for _ in range(repeats):
         for mode in times:
             dist.barrier()
             start = time.perf_counter()
-            ring_attention(q, k, v, mesh.ring_group, overlap=mode == "overlapped")
+            sequence_parallel_attention(q, k, v, mesh, overlap=mode == "overlapped")
             dist.barrier()
             times[mode].append(time.perf_counter() - start)
     return {mode: statistics.median(values) for mode, values in times.items()}
@@ -189,13 +192,15 @@ def overlap_table(tokens: int, heads: int, dim: int, repeats: int) -> str:
     from machgen.parallel.layout import ParallelLayout
     from machgen.parallel.ranks import run_on_ranks
 
-    rows = ["| ranks | tokens | overlapped (s) | serialized (s) | serialized / overlapped |",
+    rows = ["| layout | tokens | overlapped (s) | serialized (s) | serialized / overlapped |",
             "| --- | --- | --- | --- | --- |"]
-    for degree in (2, 4):
-        results = run_on_ranks(ParallelLayout(ring=degree), "bench_parallel:ring_times", tokens, heads, dim, repeats)
+    for text in ("ring=2", "ring=4", "ulysses=2", "ulysses=4"):
+        layout = ParallelLayout.parse(text)
+        results = run_on_ranks(layout, "bench_parallel:overlap_times", tokens, heads, dim, repeats)
         overlapped = max(r["overlapped"] for r in results)
         serialized = max(r["serialized"] for r in results)
-        rows.append(f"| {degree} | {tokens} | {overlapped:.4f} | {serialized:.4f} | {serialized / overlapped:.2f}x |")
+        rows.append(f"| {layout} | {tokens} | {overlapped:.4f} | {serialized:.4f} | "
+                    f"{serialized / overlapped:.2f}x |")
     return "\n".join(rows)
 
 
@@ -354,7 +359,7 @@ def main() -> int:
                           + bytes_table(args.tokens, args.heads, args.head_dim)),
         "control": lambda: (f"{header} A call that does no work on the ranks, {args.calls} timed after 20 warm-up "
                             "(goal: at most 1 ms).\n\n" + control_table(args.calls)),
-        "overlap": lambda: (f"{header} Ring attention, {args.heads} heads x {args.head_dim}, median of "
+        "overlap": lambda: (f"{header} Ring and Ulysses attention, {args.heads} heads x {args.head_dim}, median of "
                             f"{args.repeats}, alternating.\n\n"
                             + overlap_table(args.ring_tokens, args.heads, args.head_dim, args.repeats)),
         "model": model_table,

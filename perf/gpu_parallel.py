@@ -1,6 +1,6 @@
 """The parallel layouts on CUDA with NCCL (perf/gpu_parallel.sh runs it where 2 or more GPUs are visible):
-sequence-parallel attention against whole-sequence SDPA on each layout that fits, and the ring with its
-transfers overlapped against the same ring serialized."""
+sequence-parallel attention against whole-sequence SDPA on each layout that fits, and the ring and
+Ulysses with their transfers overlapped against the same exchanges serialized."""
 
 from __future__ import annotations
 
@@ -30,23 +30,24 @@ def attention_error(mesh, tokens: int, heads: int, dim: int, dtype: str) -> floa
     return float((out.float() - chunk(whole).float()).abs().max())
 
 
-def ring_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict[str, float]:
+def overlap_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict[str, float]:
+    """Median seconds of sequence-parallel attention (bfloat16), overlapped and serialized, alternating."""
     import torch
     import torch.distributed as dist
 
-    from machgen.parallel.ring import ring_attention
+    from machgen.parallel.usp import sequence_parallel_attention
 
     device = torch.device("cuda", mesh.rank)
     torch.cuda.set_device(device)
-    q, k, v = (torch.randn(1, tokens // mesh.layout.ring, heads, dim, device=device, dtype=torch.bfloat16)
-               for _ in range(3))
+    q, k, v = (torch.randn(1, tokens // mesh.layout.sequence_degree, heads, dim, device=device,
+                           dtype=torch.bfloat16) for _ in range(3))
     times: dict[str, list[float]] = {"overlapped": [], "serialized": []}
     for _ in range(repeats + 2):
         for mode in times:
             dist.barrier()
             torch.cuda.synchronize()
             start = time.perf_counter()
-            ring_attention(q, k, v, mesh.ring_group, overlap=mode == "overlapped")
+            sequence_parallel_attention(q, k, v, mesh, overlap=mode == "overlapped")
             torch.cuda.synchronize()
             times[mode].append(time.perf_counter() - start)
     return {mode: statistics.median(values[2:]) for mode, values in times.items()}
@@ -68,16 +69,17 @@ def main() -> int:
             errors = run_on_ranks(ParallelLayout.parse(text), "gpu_parallel:attention_error", 8192, 24, 128, dtype,
                                   backend="nccl")
             print(f"| {text} | {dtype} | {max(errors):.2e} |")
-    print("\n| ranks | tokens | overlapped (ms) | serialized (ms) | serialized / overlapped |\n| --- | --- | --- | --- | --- |")
+    print("\n| layout | tokens | overlapped (ms) | serialized (ms) | serialized / overlapped |\n"
+          "| --- | --- | --- | --- | --- |")
     for degree in (2, 4, 8):
         if degree > gpus:
             break
-        for tokens in (32768, 75600 // degree * degree):
-            results = run_on_ranks(ParallelLayout(ring=degree), "gpu_parallel:ring_times", tokens, 24, 128, 5,
-                                   backend="nccl")
-            overlapped, serialized = (max(r[mode] for r in results) for mode in ("overlapped", "serialized"))
-            print(f"| {degree} | {tokens} | {overlapped * 1e3:.2f} | {serialized * 1e3:.2f} | "
-                  f"{serialized / overlapped:.2f}x |")
+        for layout in (ParallelLayout(ring=degree), ParallelLayout(ulysses=degree)):
+            for tokens in (32768, 75600 // degree * degree):
+                results = run_on_ranks(layout, "gpu_parallel:overlap_times", tokens, 24, 128, 5, backend="nccl")
+                overlapped, serialized = (max(r[mode] for r in results) for mode in ("overlapped", "serialized"))
+                print(f"| {layout} | {tokens} | {overlapped * 1e3:.2f} | {serialized * 1e3:.2f} | "
+                      f"{serialized / overlapped:.2f}x |")
     return 0
 
 

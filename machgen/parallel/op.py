@@ -144,6 +144,7 @@ def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ordered = [single_rank_order(t, degree, leading_tokens) for t in (whole_q, whole_k, whole_v)]
         return chunk_order(sparse_attention_op(*ordered, *attributes), degree, leading_tokens)
 
+    # Its block mask and FP8 scales are per head: heads exchanged in groups give the same.
     return ulysses_attention(q, k, v, _MESH.ulysses_group, whole_sequences).contiguous()
 
 

@@ -25,7 +25,7 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     def ring(whole_q, whole_k, whole_v):
         return ring_attention(whole_q, whole_k, whole_v, mesh.ring_group, scale, overlap)
 
-    return ulysses_attention(q, k, v, mesh.ulysses_group, ring)
+    return ulysses_attention(q, k, v, mesh.ulysses_group, ring, overlap)
 
 
 def shard_sequence(tensor: torch.Tensor, axis: int, mesh: RankMesh) -> torch.Tensor:
