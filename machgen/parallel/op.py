@@ -63,7 +63,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention on q, k, v in [B, N, H, D] (``scale`` <= 0: 1/sqrt(D))."""
     chosen = scale if scale > 0 else None
-    if _MESH is None or _MESH.layout.sequence_degree == 1 or not getattr(_context, "split", False):
+    if split_mesh() is None:
         return _sdpa(q, k, v, chosen).contiguous()
     from machgen.parallel.usp import sequence_parallel_attention
 
@@ -131,7 +131,7 @@ def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     attributes = (block_q, block_k, mask_method, topk_ratio, cdf_threshold, dense_prefix_tokens, dense_diagonal,
                   precision, softmax_scale)
-    if _MESH is None or _MESH.layout.sequence_degree == 1 or not getattr(_context, "split", False):
+    if split_mesh() is None:
         return sparse_attention_op(q, k, v, *attributes).contiguous()
     if _MESH.layout.ring > 1:  # a build refuses it (builder/parallel.py); another layout given at load too
         raise RuntimeError(f"sparse attention under {_MESH.layout}: its block mask needs whole sequences, which "
@@ -193,7 +193,7 @@ def sequence_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     every rank are merged by their log-sum-exp in rank order, the same on each
     rank (whose queries' stream goes on replicated)."""
     chosen = scale if scale > 0 else None
-    if _MESH is None or _MESH.layout.sequence_degree == 1 or not getattr(_context, "split", False):
+    if split_mesh() is None:
         return _sdpa(q, k, v, chosen).contiguous()
     import torch.distributed as dist
 
