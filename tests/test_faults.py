@@ -28,6 +28,9 @@ pytestmark = pytest.mark.integration
 STEPS = 80  # a second or two per request on two cores: long enough to be killed mid-way
 SEEDS = (0, 1, 2, 3)  # odd seeds stream their progress (NAME_stream), even ones are plain requests
 ANSWER_WITHIN_S = 30.0
+# A model loaded again serves within this (docs/faults.md: 1.5 s for a component, 7 s for the sampler on an idle
+# machine; a sampler's reload took over 30 s beside another worker's exports).
+SERVES_AGAIN_WITHIN_S = 60.0
 DRAIN_TIMEOUT_S = 10.0
 
 
@@ -155,7 +158,7 @@ def test_ready_with_the_api_beside_it(served):
 def test_a_killed_stub_is_brought_back_and_requests_in_flight_end_right(component, served, expected):
     """Every stub of a model SIGKILLed while requests run: each request in flight gets an answer within
     30 s (UNAVAILABLE, or its image: a component call is run again once the component is back), the
-    model serves the right image again within 30 s, and with the client's retries every request ends
+    model serves the right image again within 60 s, and with the client's retries every request ends
     with its right image."""
     model = PIPELINE_NAME if component == "public" else f"{PIPELINE_NAME}_{component}"
     # A dead NAME_stream never ends its streams: their clients hear no heartbeat and send them again.
@@ -172,7 +175,7 @@ def test_a_killed_stub_is_brought_back_and_requests_in_flight_end_right(componen
         except GenerationError:
             return False
 
-    wait_until(serves_right, timeout=ANSWER_WITHIN_S, what=f"{model} serving again")
+    wait_until(serves_right, timeout=SERVES_AGAIN_WITHIN_S, what=f"{model} serving again")
     requests.join()
     late = {seed: round(at - killed_at, 1) for seed, at in requests.first_answer.items()
             if at - killed_at > ANSWER_WITHIN_S}
