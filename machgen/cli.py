@@ -42,6 +42,9 @@ def serve(
     drain_timeout: float = typer.Option(60.0, "--drain-timeout", min=0.0,
                                         help="on a stop: seconds requests in flight get to finish before they are "
                                              "stopped at their next step (answering UNAVAILABLE)"),
+    load_timeout: float = typer.Option(180.0, "--load-timeout", min=1.0,
+                                       help="seconds a model whose stub died may take to load again; a load "
+                                            "that takes longer is wedged and the server is started again"),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0,
                                      help="times a server that died is started again within a minute; one more "
                                           "and machgen serve exits with code 1"),
@@ -68,7 +71,8 @@ def serve(
     def say(line: str) -> None:
         typer.echo(line, err="supervisor:" in line)
 
-    supervision = SupervisorSettings(max_restarts=max_restarts, drain_timeout_s=drain_timeout)
+    supervision = SupervisorSettings(max_restarts=max_restarts, drain_timeout_s=drain_timeout,
+                                     load_timeout_s=load_timeout)
     if replicas > 1:
         _serve_replicas(repository, Ports(http_port, grpc_port, metrics_port), host, replicas, supervision,
                         verbose, tritonserver, prometheus_port, supervisor_metrics_port, say)

@@ -28,9 +28,12 @@ pytestmark = pytest.mark.integration
 STEPS = 80  # a second or two per request on two cores: long enough to be killed mid-way
 SEEDS = (0, 1, 2, 3)  # odd seeds stream their progress (NAME_stream), even ones are plain requests
 ANSWER_WITHIN_S = 30.0
-# A model loaded again serves within this (docs/faults.md: 1.5 s for a component, 7 s for the sampler on an idle
-# machine; a sampler's reload took over 30 s beside another worker's exports).
-SERVES_AGAIN_WITHIN_S = 60.0
+# A model loaded again serves in seconds (docs/faults.md: 1.5 s for a component, 7 s for the sampler on an idle
+# machine). A load that Triton wedges (seen twice in full runs on two loaded cores: the sampler's, which never
+# returned) is cut short after --load-timeout and the server started again, so the model serves again within
+# that plus a server's start.
+LOAD_TIMEOUT_S = 30.0
+SERVES_AGAIN_WITHIN_S = LOAD_TIMEOUT_S + 60.0
 DRAIN_TIMEOUT_S = 10.0
 
 
@@ -87,8 +90,8 @@ def faults_repository(built_repository, tiny_flux_dir, tmp_path_factory) -> Path
 def served(faults_repository, tmp_path_factory):
     repository = faults_repository
     api = free_port()
-    served = Served(repository, "--drain-timeout", str(DRAIN_TIMEOUT_S), "--api-port", str(api),
-                    "--api-data-dir", str(tmp_path_factory.mktemp("api")))
+    served = Served(repository, "--drain-timeout", str(DRAIN_TIMEOUT_S), "--load-timeout", str(LOAD_TIMEOUT_S),
+                    "--api-port", str(api), "--api-data-dir", str(tmp_path_factory.mktemp("api")))
     served.api = api
     try:
         yield served
@@ -158,12 +161,14 @@ def test_ready_with_the_api_beside_it(served):
 def test_a_killed_stub_is_brought_back_and_requests_in_flight_end_right(component, served, expected):
     """Every stub of a model SIGKILLed while requests run: each request in flight gets an answer within
     30 s (UNAVAILABLE, or its image: a component call is run again once the component is back), the
-    model serves the right image again within 60 s, and with the client's retries every request ends
+    model is loaded again (or, where Triton wedges that load, the server is started again after
+    --load-timeout) and serves the right image again, and with the client's retries every request ends
     with its right image."""
     model = PIPELINE_NAME if component == "public" else f"{PIPELINE_NAME}_{component}"
     # A dead NAME_stream never ends its streams: their clients hear no heartbeat and send them again.
     streamed = (lambda progress: None) if component == "stream" else None
     recovered_before = served.metric(f'machgen_model_recoveries_total{{model="{model}"}}')
+    restarts_before = served.metric("machgen_server_restarts_total")
     requests = Requests(served.grpc_url)
     assert requests.progressed.wait(timeout=60), "no request got going"
     killed_at = time.monotonic()
@@ -175,7 +180,11 @@ def test_a_killed_stub_is_brought_back_and_requests_in_flight_end_right(componen
         except GenerationError:
             return False
 
-    wait_until(serves_right, timeout=SERVES_AGAIN_WITHIN_S, what=f"{model} serving again")
+    try:
+        wait_until(serves_right, timeout=SERVES_AGAIN_WITHIN_S, what=f"{model} serving again")
+    except AssertionError:
+        print(served.output()[-20000:])  # what the supervisor saw, shown with the failure
+        raise
     requests.join()
     late = {seed: round(at - killed_at, 1) for seed, at in requests.first_answer.items()
             if at - killed_at > ANSWER_WITHIN_S}
@@ -184,15 +193,20 @@ def test_a_killed_stub_is_brought_back_and_requests_in_flight_end_right(componen
              if not isinstance(result, np.ndarray) or not np.array_equal(result, expected[seed])}
     assert not wrong and len(requests.results) == len(SEEDS), wrong
     assert f"of model {model} died" in served.output()
-    assert served.metric(f'machgen_model_recoveries_total{{model="{model}"}}') == recovered_before + 1
+    if served.metric("machgen_server_restarts_total") == restarts_before:
+        assert served.metric(f'machgen_model_recoveries_total{{model="{model}"}}') == recovered_before + 1
+    else:  # its load wedged: the documented way out
+        assert f"loading model {model} again took over {LOAD_TIMEOUT_S:.0f} s" in served.output()
+        assert served.metric("machgen_server_restarts_total") == restarts_before + 1
 
 
 def test_a_dead_server_is_started_again(served, expected):
+    restarts_before = served.metric("machgen_server_restarts_total")
     served.tritonserver().kill()
     wait_for_serve(served, lambda: "tritonserver serves again" in served.output(), timeout=240,
                    what="the server restarted")
     assert np.array_equal(generate(served.grpc_url, SEEDS[1], retry=RetryPolicy()), expected[SEEDS[1]])
-    assert served.metric("machgen_server_restarts_total") == 1
+    assert served.metric("machgen_server_restarts_total") == restarts_before + 1
 
 
 def test_sigterm_drains_requests_in_flight(served):
