@@ -54,7 +54,9 @@ def halo_rows(x: torch.Tensor, axis: int, before: int, after: int, edge: str) ->
     makes ("zeros", or "reflect": the rows next to the edge, mirrored)."""
     mesh = _split_mesh()
     rank, ranks = (mesh.rank, mesh.layout.world_size) if mesh is not None else (0, 1)
-    if x.shape[axis] < max(before, after) + (edge == "reflect"):
+    # Neighbours lend as many rows as they read; a reflection mirrors the rows after the edge row.
+    needed = max(before, after) + 1 if edge == "reflect" else max(before, after) if ranks > 1 else 0
+    if x.shape[axis] < needed:
         raise RuntimeError(f"a band of {x.shape[axis]} rows cannot pad {max(before, after)} ({edge}): too many "
                            "ranks for this picture's height")
     above = _edge_rows(x, axis, before, edge, top=True)
