@@ -7,7 +7,7 @@ A convolution reads ``padding`` rows beyond its band: each neighbouring rank
 sends them (``machgen::halo_rows``), the picture's edges read zeros, which
 is the convolution's own zero padding. An attention over a frame's pixels
 (a decoder's mid-block) attends from the rank's rows over every rank's keys
-(``machgen::rows_attention``). A normalisation over channels needs nothing;
+(``machgen::rows_attention``, swapped in as plugins/ops swaps attention). A normalisation over channels needs nothing;
 one over space (group norm) would need partial sums: the families that
 decode by rows declare only decoders without one.
 
@@ -87,24 +87,36 @@ def _(x, axis, before, after, edge):
 
 
 @torch.library.custom_op("machgen::rows_attention", mutates_args=())
-def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA of q, k, v in [B, heads, pixels, D] (pixels row-major: a band
-    of rows is a run of pixels) from this rank's pixels over every rank's
-    keys and values, gathered in rank order (one all-gather)."""
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention on q, k, v in [B, pixels, heads, D] (dispatch_attention_fn's layout; pixels
+    row-major, so a band of rows is a run of pixels; ``scale`` <= 0: 1/sqrt(D)) from this rank's pixels over
+    every rank's keys and values, gathered in rank order (one all-gather)."""
     mesh = _split_mesh()
-    if mesh is not None and mesh.layout.world_size > 1:
+    if mesh is not None:
         import torch.distributed as dist
 
         keys_values = torch.stack([k, v]).contiguous()
         bands = [torch.empty_like(keys_values) for _ in range(mesh.layout.world_size)]
         dist.all_gather(bands, keys_values)
-        k, v = torch.cat(bands, dim=3).unbind(0)
-    return F.scaled_dot_product_attention(q, k, v).contiguous()
+        k, v = torch.cat(bands, dim=2).unbind(0)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         scale=scale if scale > 0 else None)
+    return out.transpose(1, 2).contiguous()
 
 
 @rows_attention.register_fake
-def _(q, k, v):
+def _(q, k, v, scale):
     return torch.empty_like(q)
+
+
+@contextlib.contextmanager
+def attention_by_rows(module_name: str, layers: list[torch.nn.Module]) -> Iterator[None]:
+    """Inside, the self-attention calls made inside ``layers`` (attention over a frame's pixels, in the
+    module ``module_name``) run machgen::rows_attention (plugins/ops.dispatch_swapped)."""
+    from machgen.plugins.ops import dispatch_swapped
+
+    with dispatch_swapped((module_name,), lambda q, k, v, scale: rows_attention(q, k, v, scale or 0.0), layers):
+        yield
 
 
 def conv_by_rows(conv: torch.nn.Conv2d | torch.nn.Conv3d) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -4,6 +4,7 @@ denoiser's parts, the chunked causal VAE, VACE's control branch) and the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -17,7 +18,7 @@ from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults, Ten
 from machgen.families.wan.spec import EXPERT_PREFIXES, chunk_specs, wan_specs
 from machgen.parallel.layout import SEQUENCE_MARKER, ParallelSupport
 from machgen.parallel.op import sequence_gather, sequence_shard
-from machgen.parallel.rows import by_rows, halo_rows, rows_attention, split_by_rows
+from machgen.parallel.rows import attention_by_rows, by_rows, halo_rows, split_by_rows
 
 
 class TextEncoder(torch.nn.Module):
@@ -236,35 +237,28 @@ def causal_conv_by_rows(conv: WanCausalConv3d):
     return forward
 
 
-def frame_attention_by_rows(block: WanAttentionBlock):
-    """WanAttentionBlock.forward (one head over each frame's pixels) from this rank's rows over every rank's."""
-    def forward(x):
-        batch, channels, frames, height, width = x.shape
-        frames_first = block.norm(x.permute(0, 2, 1, 3, 4).reshape(batch * frames, channels, height, width))
-        qkv = block.to_qkv(frames_first).reshape(batch * frames, 1, channels * 3, -1).permute(0, 1, 3, 2)
-        attended = rows_attention(*qkv.contiguous().chunk(3, dim=-1))
-        attended = attended.squeeze(1).permute(0, 2, 1).reshape(batch * frames, channels, height, width)
-        return block.proj(attended).view(batch, frames, channels, height, width).permute(0, 2, 1, 3, 4) + x
-
-    return forward
-
-
 def decoder_by_rows(module: torch.nn.Module):
-    """What AutoencoderKLWan's decoder runs split by rows (parallel/rows.py): its convolutions that pad
-    the rows (causal ones, and the upsamplers' 2-D ones) and its mid-block's attention; its norms are over
-    channels, its upsampling (nearest, or channels to space) maps each row to its own rows."""
+    """What AutoencoderKLWan's decoder runs split by rows (parallel/rows.py) besides its mid-block's
+    attention (split_decoder): its convolutions that pad the rows (causal ones, and the upsamplers' 2-D ones);
+    its norms are over channels, its upsampling (nearest, or channels to space) maps each row to its own rows."""
     if isinstance(module, WanCausalConv3d):  # pads itself, its own padding zero
         return causal_conv_by_rows(module) if module._padding[2] or module._padding[3] else None
-    if isinstance(module, WanAttentionBlock):
-        return frame_attention_by_rows(module)
     return by_rows(module)
 
 
+@contextlib.contextmanager
+def split_decoder(decoder: torch.nn.Module):
+    """Inside, ``decoder`` (AutoencoderKLWan's) runs split by rows over the ranks."""
+    blocks = [module for module in decoder.modules() if isinstance(module, WanAttentionBlock)]
+    with split_by_rows(decoder, decoder_by_rows), attention_by_rows(WanAttentionBlock.__module__, blocks):
+        yield
+
+
 class SplitVaeDecoderFirst(VaeDecoderFirst):
-    """VaeDecoderFirst with its decoder split by rows over the ranks (decoder_by_rows)."""
+    """VaeDecoderFirst with its decoder split by rows over the ranks (split_decoder)."""
 
     def forward(self, latents):
-        with split_by_rows(self.vae.decoder, decoder_by_rows):
+        with split_decoder(self.vae.decoder):
             return super().forward(latents)
 
 
@@ -272,7 +266,7 @@ class SplitVaeDecoderNext(VaeDecoderNext):
     """VaeDecoderNext with its decoder split by rows over the ranks; each rank's flat cache is its rows'."""
 
     def forward(self, latents, decoder_cache):
-        with split_by_rows(self.vae.decoder, decoder_by_rows):
+        with split_decoder(self.vae.decoder):
             return super().forward(latents, decoder_cache)
 
 
