@@ -24,7 +24,8 @@ what the ring's overlap hides, and a step-time model for NVLink GPUs.
    with a parallel layout, run in process under each layout it allows on
    held-out prompts with its served settings (calibrated cache reuse on):
    PSNR against one rank over every frame, mean and worst clip, and the
-   detector's accuracy (colour, shape, direction) per layout.
+   detector's accuracy (colour, shape, direction) per layout; the stale-keys
+   layouts (DistriFusion, not exact) with the share of calls on stale keys.
 
     python perf/bench_parallel.py --record perf/RESULTS.md
     python perf/bench_parallel.py --parts quality --count 8 --record perf/RESULTS.md
@@ -270,7 +271,10 @@ def model_table() -> str:
     return "\n".join(rows) + "\n\n" + note
 
 
-QUALITY_LAYOUTS = ("cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2")
+QUALITY_LAYOUTS = ("cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2",
+                   "ring=2,stale", "ulysses=2,ring=2,stale", "cfg=2,ring=2,stale")
+# The stale layout also run with every step computed (cache reuse off), against one rank so run.
+STALE_UNCACHED = "ring=2,stale"
 
 
 def quality_table(model_dir: Path, count: int) -> str:
@@ -293,38 +297,55 @@ def quality_table(model_dir: Path, count: int) -> str:
         build_repository(model_dir, "video", Path(scratch), target="torch", preview=False,
                          parallel=ParallelLayout.parse("cfg=2,ulysses=2"), log=lambda line: print(line, flush=True))
         with LocalPipeline(Path(scratch), "video", layout=ParallelLayout()) as pipeline:
-            def clips(label: str):
+            def clips(label: str, **options):
                 start = time.perf_counter()
-                made = [pipeline.generate(prompt, seed=seed)[0] for prompt, seed, _ in prompts]
+                made = [pipeline.generate(prompt, seed=seed, **options)[0] for prompt, seed, _ in prompts]
                 print(f"{label}: {len(made)} clips in {time.perf_counter() - start:.1f} s", flush=True)
                 return made
 
+            def stale_share() -> float:
+                counted = [runner for runner in pipeline.opened_runners().values()
+                           if hasattr(runner, "stale_calls")]
+                return sum(runner.stale_calls for runner in counted) / max(sum(runner.calls for runner in counted), 1)
+
+            # label -> (clips, the one-rank clips they are measured against, share of calls on stale keys)
             one_rank = clips("one rank")
-            results = {"one rank": one_rank}
+            results = {"one rank": (one_rank, one_rank, None)}
             for layout in QUALITY_LAYOUTS:
                 pipeline.use_layout(ParallelLayout.parse(layout))
-                results[layout] = clips(layout)
+                results[layout] = (clips(layout), one_rank, stale_share())
+            # Stale keys with every step computed: blocks one step old, not one computed step old.
             pipeline.use_layout(ParallelLayout())
-    for label, made in results.items():
+            one_rank_uncached = clips("one rank, cache reuse off", cache_policy="none")
+            results["one rank, cache reuse off"] = (one_rank_uncached, one_rank_uncached, None)
+            pipeline.use_layout(ParallelLayout.parse(STALE_UNCACHED))
+            results[f"{STALE_UNCACHED}, cache reuse off"] = (clips(STALE_UNCACHED, cache_policy="none"),
+                                                              one_rank_uncached, stale_share())
+            pipeline.use_layout(ParallelLayout())
+    for label, (made, one_rank, share) in results.items():
         accuracy = score_motion(made, motions)
         per_clip = [psnr(clip, reference) for clip, reference in zip(made, one_rank)]
         worst_frame = min(psnr(frame, reference_frame) for clip, reference in zip(made, one_rank)
                           for frame, reference_frame in zip(clip, reference))
         biggest = max(int(np.abs(clip.astype(int) - reference.astype(int)).max())
                       for clip, reference in zip(made, one_rank))
+        stale = "-" if share is None else f"{100 * share:.0f} %"
         rows.append(f"| {label} | {np.mean(per_clip):.1f} dB ({np.min(per_clip):.1f} dB) | {worst_frame:.1f} dB | "
                     f"{biggest} | {100 * accuracy.direction:.1f} % | {100 * accuracy.all_three:.1f} % | "
-                    f"{np.mean([moving_shapes.flicker(clip) for clip in made]):.2f} |")
+                    f"{np.mean([moving_shapes.flicker(clip) for clip in made]):.2f} | {stale} |")
         print(rows[-1], flush=True)
     return "\n".join([
         f"`{model_dir.name}` built for the torch target with --parallel cfg=2,ulysses=2 and run in process "
         f"under each layout on {count} held-out text-to-video prompts (perf/bench_video.py's, no calibration saw "
         "them) at its served settings, calibrated cache reuse on; PSNR against the one-rank clips (99 dB: "
-        "identical).",
+        "identical). Stale: the layouts with stale keys (parallel/stale.py, DistriFusion: a ring over the other "
+        "ranks' keys and values of the previous step; not exact), and the share of the ranks' denoiser calls "
+        "that attended over stale blocks (the others exact: each clip's first step, steps whose inputs moved "
+        "too far); the last two rows with cache reuse off, against one rank so run.",
         "",
         "| layout | PSNR vs one rank, mean (worst clip) | worst frame | max level difference | direction | "
-        "colour, shape and direction | flicker |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "colour, shape and direction | flicker | calls on stale keys |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ])
 

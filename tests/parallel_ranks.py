@@ -33,6 +33,25 @@ def attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
             sequence_parallel_attention(q, k, v, mesh, overlap=False))
 
 
+def stale_attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
+    """This rank's output chunks of a stale layout's sequence attention over four calls of seeded inputs
+    0 to 3 (call 1's token input 1 % off call 0's, call 2 of other shapes, call 3 its token input tripled),
+    and whether each reused the previous call's blocks."""
+    from machgen.parallel.op import sequence_attention, set_mesh, split_sequence
+    from machgen.parallel.stale import StaleKeys, attending
+
+    set_mesh(mesh)
+    stale, results = StaleKeys(), []
+    moving = torch.ones(4)
+    for seed, (fingerprint, change) in enumerate([("a", 1.0), ("a", 1.01), ("b", 1.01), ("b", 3.0)]):
+        q, k, v = (sequence_chunk(t, mesh) for t in full_inputs(batch, tokens, heads, dim, seed))
+        reused = stale.begin(fingerprint, {"latents": moving * change})
+        with split_sequence(True), attending(stale):
+            results.append((sequence_attention(q, k, v, 0.0).numpy(), reused))
+    stale.drop()
+    return results
+
+
 def gathered_rows(mesh, rows: int):
     """split_rows then gather_rows of a [rows, 3] batch: every rank's view of the whole batch again."""
     from machgen.parallel.cfg import gather_rows, split_rows

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 AXES = ("cfg", "ulysses", "ring")
 # The program input of a program that splits its tokens itself: its length is the call's sequence degree.
 SEQUENCE_MARKER = "sequence_marker"
+# The layout's word for the stale-keys ring.
+STALE = "stale"
 
 
 class LayoutError(ValueError):
@@ -28,12 +30,19 @@ class ParallelLayout:
     cfg: int = 1  # rank groups the guidance rows (conditional, unconditional) are split over
     ulysses: int = 1  # ranks exchanging heads for sequence by all-to-all (divides the head count)
     ring: int = 1  # ranks passing key/value blocks round a ring
+    # The ring's other blocks from the request's previous step, their exchange hidden under a whole step:
+    # not exact (DistriFusion's displaced patch parallelism; parallel/stale.py).
+    stale: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stale, bool):
+            raise LayoutError(f"parallel layout: stale is true or false, not {self.stale!r}")
         for axis in AXES:
             degree = getattr(self, axis)
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise LayoutError(f"parallel layout: {axis} must be a whole number of at least 1, not {degree!r}")
+        if self.stale and self.ring == 1:
+            raise LayoutError("parallel layout: stale keys are a ring's, give a ring degree (ring=2,stale)")
 
     @property
     def world_size(self) -> int:
@@ -49,16 +58,21 @@ class ParallelLayout:
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
-        """``"cfg=2,ulysses=2,ring=2"`` (any order, missing axes 1; ``""`` or ``"none"``: one rank)."""
+        """``"cfg=2,ulysses=2,ring=2"`` (any order, missing axes 1; ``""`` or ``"none"``: one rank), and
+        ``stale`` among them for the stale-keys ring."""
         text = text.strip()
         if text in ("", "none"):
             return cls()
-        degrees: dict[str, int] = {}
+        degrees: dict[str, Any] = {}
         for part in text.split(","):
+            if part.strip() == STALE:
+                degrees[STALE] = True
+                continue
             axis, separator, value = part.strip().partition("=")
             axis = axis.strip()
             if not separator or axis not in AXES:
-                raise LayoutError(f"parallel layout {text!r}: expected AXIS=DEGREE, AXIS one of {', '.join(AXES)}")
+                raise LayoutError(f"parallel layout {text!r}: expected AXIS=DEGREE, AXIS one of {', '.join(AXES)}"
+                                  f", or {STALE}")
             if axis in degrees:
                 raise LayoutError(f"parallel layout {text!r}: {axis} given twice")
             try:
@@ -70,9 +84,9 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         named = [f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) > 1]
-        return ",".join(named) or "none"
+        return ",".join(named + [STALE] * self.stale) or "none"
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod

@@ -28,17 +28,21 @@ from machgen.runtime.onnx_runner import run_grouped
 from machgen.runtime.tensors import as_numpy
 
 
-def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any) -> tuple | None:
+def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any,
+                stale: Any = None) -> tuple | None:
     """One call of ``program`` on this rank's share of ``inputs``; on the leader (None on the others) the
-    whole outputs and whether the sequence was split."""
+    whole outputs, whether the sequence was split and whether its ring attended over stale blocks
+    (``stale``: the program's StaleKeys, under a stale layout)."""
     import torch
 
     from machgen.contract.adapters import ROW_SCALES_INPUT, ROWS_INPUT
     from machgen.parallel.cfg import gather_rows, split_adapter_rows, split_rows
     from machgen.parallel.op import split_sequence
+    from machgen.parallel.stale import attending
     from machgen.parallel.usp import gather_sequence, shard_sequence
 
     tensors = {name: torch.as_tensor(value) for name, value in inputs.items()}
+    whole = tensors
     rows = next((tensors[name].shape[0] for name in plan.batched if name in tensors), 1)
     tensors = {name: split_rows(t, mesh.cfg_group) if name in plan.batched else t for name, t in tensors.items()}
     if ROWS_INPUT in tensors:  # per-request adapters: the rows that have them, numbered as this group's rows
@@ -52,14 +56,19 @@ def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: 
     elif split:
         tensors = {name: shard_sequence(t, plan.sequence[name], mesh) if name in plan.sequence else t
                    for name, t in tensors.items()}
-    with split_sequence(split):
+    reused = False
+    if stale is not None and not split:
+        stale.drop()
+    elif stale is not None:
+        reused = stale.begin(tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(whole.items())), whole)
+    with split_sequence(split), attending(stale if split else None):
         outputs = program.run(tensors)
     if split and plan.marker is None:
         outputs = {name: gather_sequence(t, plan.sequence[name], mesh) if name in plan.sequence else t
                    for name, t in outputs.items()}
     outputs = {name: gather_rows(t, rows, mesh.cfg_group) if name in plan.batched else t
                for name, t in outputs.items()}
-    return (outputs, split) if mesh.rank == 0 else None
+    return (outputs, split, reused) if mesh.rank == 0 else None
 
 
 def run_split_by_rows(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any) -> tuple | None:
@@ -87,7 +96,7 @@ def run_split_by_rows(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, 
             bands = [torch.empty_like(band) for _ in range(ranks)] if mesh.rank == 0 else None
             dist.gather(band, bands, dst=0)
             outputs[name] = torch.cat(bands, dim=plan.sequence[name]) if mesh.rank == 0 else None
-    return (outputs, split) if mesh.rank == 0 else None
+    return (outputs, split, False) if mesh.rank == 0 else None
 
 
 def sequence_marker(degree: int):
@@ -120,6 +129,7 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
     forget) calls it (inputs as KeptInputs packed them), ("unload", folder) lets it go, ("layout", layout)
     makes the process groups of another layout of as many ranks (the programs stay loaded)."""
     from machgen.parallel.op import set_mesh
+    from machgen.parallel.stale import StaleKeys
     from machgen.runtime.torch_runner import TorchProgram
 
     set_mesh(mesh)
@@ -127,6 +137,7 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
         device = f"cuda:{mesh.rank}"
     programs: dict[str, tuple[Any, ShardPlan]] = {}
     kept = RankStore()
+    stale: dict[str, StaleKeys] = {}  # a stale layout's blocks of each program's previous call
 
     def handle(message: tuple) -> Any:
         nonlocal mesh
@@ -136,15 +147,22 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
             programs[folder] = (TorchProgram.load(folder, device=device), ShardPlan.from_json(plan))
         elif kind == "unload":
             programs.pop(rest[0], None)
+            stale.pop(rest[0], StaleKeys()).drop()
         elif kind == "layout":
+            for blocks in stale.values():
+                blocks.drop()
+            stale.clear()
             mesh = _remesh(mesh, ParallelLayout.from_json(rest[0]))
             programs.update({folder: (program, dataclasses.replace(plan, layout=mesh.layout))
                              for folder, (program, plan) in programs.items()})
         else:
             folder, payload, forget = rest
             program, plan = programs[folder]
-            run = run_sharded if plan.ranks == "sequence" else run_split_by_rows
-            return run(program, kept.unpack(payload, forget), plan, mesh)
+            inputs = kept.unpack(payload, forget)
+            if plan.ranks == "all":
+                return run_split_by_rows(program, inputs, plan, mesh)
+            blocks = stale.setdefault(folder, StaleKeys()) if mesh.layout.stale else None
+            return run_sharded(program, inputs, plan, mesh, blocks)
         return None
 
     return handle
@@ -184,9 +202,9 @@ class ParallelProgram:
         self.input_names = [name for name in inputs if name != plan.marker]  # the ranks add the marker
         self.output_names = list(outputs)
         self.folder = str(Path(folder).resolve())
-        # Calls under this layout, and those whose sequence was split (the others ran it whole on every
-        # sequence rank).
-        self.calls = self.split_calls = 0
+        # Calls under this layout, those whose sequence was split (the others ran it whole on every
+        # sequence rank), and those whose ring attended over the previous call's blocks (a stale layout).
+        self.calls = self.split_calls = self.stale_calls = 0
         self._key = (self.layout, device, threads)
         with _POOLS_LOCK:
             if self._key not in _POOLS:
@@ -209,12 +227,13 @@ class ParallelProgram:
         with self.pool.calling:  # packing and sending in one order: what the ranks keep is what kept says
             payload, forget = self.kept.pack({name: as_numpy(inputs[name]) for name in self.input_names})
             try:
-                outputs, split = self.pool.call(("run", self.folder, payload, forget))[0]
+                outputs, split, stale = self.pool.call(("run", self.folder, payload, forget))[0]
             except (RankError, OSError):
                 self.kept.lost()
                 raise
         self.calls += 1
         self.split_calls += split
+        self.stale_calls += stale
         return outputs
 
     def run_batches(self, batches: Sequence[Mapping[str, Any]], max_rows: int | None = None) -> list[dict[str, Any]]:
@@ -273,7 +292,7 @@ def move_to_layout(programs: Sequence[Any], layout: ParallelLayout) -> bool:
             for program in group:
                 program.layout, program._key = layout, new_key
                 program.plan = dataclasses.replace(program.plan, layout=layout)
-                program.calls = program.split_calls = 0  # counted per layout
+                program.calls = program.split_calls = program.stale_calls = 0  # counted per layout
     return True
 
 

@@ -22,7 +22,13 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 scale: float | None = None, overlap: bool = True) -> torch.Tensor:
     """Softmax attention over the whole sequence of ``mesh``'s sequence group,
     each rank holding its chunk ([B, T/(u*r), H, D], chunks in sequence-rank order)."""
+    from machgen.parallel.stale import current
+
+    stale = current() if mesh.layout.stale and mesh.ring_group is not None else None
+
     def ring(whole_q, whole_k, whole_v):
+        if stale is not None:  # the layout's stale-keys ring (parallel/stale.py)
+            return stale.attend(whole_q, whole_k, whole_v, mesh.ring_group, scale)
         return ring_attention(whole_q, whole_k, whole_v, mesh.ring_group, scale, overlap)
 
     return ulysses_attention(q, k, v, mesh.ulysses_group, ring, overlap)

@@ -53,6 +53,11 @@ class LocalPipeline:
         component's: its ParallelProgram, with its counts of calls)."""
         return self._session(component)
 
+    def opened_runners(self) -> dict[str, Any]:
+        """The runners opened so far under the current layout, by component (runner's, none opened here)."""
+        with self._opening:
+            return dict(self._sessions)
+
     def _session(self, component: str) -> Any:
         # Opened on first use, one at a time: the text encoders are called at once (FamilyRuntime.run_components),
         # and torch.export.load keeps global state while it reads a program.
