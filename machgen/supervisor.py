@@ -105,8 +105,8 @@ class Supervisor:
                         continue
                     try:
                         self._check_stubs()
-                    except OSError:  # refused: the server died after the check above (a SIGKILL between them)
-                        if not self._exits_within(5.0):
+                    except (OSError, ServerError):  # refused: the server died after the check above (a SIGKILL
+                        if not self._exits_within(5.0):  # between them; its control API says so as ServerError)
                             raise
                         self._restart_server()
         except Exception as err:  # noqa: BLE001 - an orchestrator must see the supervisor gone

@@ -1,0 +1,69 @@
+"""The supervisor's decisions where a server dies at an awkward moment, on a stand-in for Triton whose process is
+a real child process that really dies (tests/test_faults.py kills a real server, at whatever moment it lands)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from machgen.server import ServerError
+from machgen.supervisor import Supervisor, SupervisorSettings
+
+
+class ServerDyingMidCheck:
+    """A server whose process is SIGKILLed while the supervisor asks for its models (between its look at the
+    process and its look at the stubs): the control API then refuses the connection, as Triton's does."""
+
+    def __init__(self, repository):
+        self.model_repository = repository
+        self.stop_file = repository / "stop"
+        self.starts = 0
+        self.process = self._process()
+
+    @staticmethod
+    def _process():
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def model_states(self) -> dict[str, str]:
+        if self.starts == 0:
+            self.process.kill()
+            raise ServerError("/v2/repository/index: <urlopen error [Errno 111] Connection refused>")
+        return {}
+
+    def stubs(self) -> list:
+        return []
+
+    def log_tail(self, lines: int = 10) -> str:
+        return ""
+
+    def kill_process(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    kill = kill_process
+
+    def start(self) -> None:
+        self.starts += 1
+        self.process = self._process()
+
+
+def test_a_server_that_dies_between_the_supervisors_looks_is_started_again(tmp_path):
+    """Seen in a full run: the SIGKILL landed after the supervisor saw the process alive and before it asked for
+    the models; the refused connection made it give up, and machgen serve exited with nothing serving."""
+    server = ServerDyingMidCheck(tmp_path)
+    lines: list[str] = []
+    supervisor = Supervisor(server, SupervisorSettings(poll_interval_s=0.05), log=lines.append).start()
+    try:
+        deadline = time.monotonic() + 30
+        while supervisor.server_restarts == 0 and supervisor.exit_code is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert supervisor.server_restarts == 1 and supervisor.exit_code is None, lines
+        assert server.starts == 1 and server.alive()
+        assert any("starting tritonserver again" in line for line in lines), lines
+    finally:
+        supervisor.drain(timeout_s=1)
+    assert supervisor.wait() == 0 and not server.alive()
