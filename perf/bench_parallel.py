@@ -272,7 +272,8 @@ def model_table() -> str:
 
 
 QUALITY_LAYOUTS = ("cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2",
-                   "ring=2,stale", "ulysses=2,ring=2,stale", "cfg=2,ring=2,stale")
+                   "ring=2,stale", "ulysses=2,ring=2,stale", "cfg=2,ring=2,stale", "ring=2,stale=1",
+                   "ring=2,stale=8")
 # The stale layout also run with every step computed (cache reuse off), against one rank so run.
 STALE_UNCACHED = "ring=2,stale"
 
@@ -340,8 +341,9 @@ def quality_table(model_dir: Path, count: int) -> str:
         "them) at its served settings, calibrated cache reuse on; PSNR against the one-rank clips (99 dB: "
         "identical). Stale: the layouts with stale keys (parallel/stale.py, DistriFusion: a ring over the other "
         "ranks' keys and values of the previous step; not exact), and the share of the ranks' denoiser calls "
-        "that attended over stale blocks (the others exact: each clip's first step, steps whose inputs moved "
-        "too far); the last two rows with cache reuse off, against one rank so run.",
+        "that attended over stale blocks (the others exact: each clip's first N steps with stale=N, 4 by "
+        "default, and steps whose inputs moved too far); the last two rows with cache reuse off, against one "
+        "rank so run.",
         "",
         "| layout | PSNR vs one rank, mean (worst clip) | worst frame | max level difference | direction | "
         "colour, shape and direction | flicker | calls on stale keys |",

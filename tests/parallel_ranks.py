@@ -33,17 +33,21 @@ def attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
             sequence_parallel_attention(q, k, v, mesh, overlap=False))
 
 
+# A stale layout's calls in stale_attention_chunks: (input shapes, the size of an input that moves).
+STALE_CALLS = [("a", 1.0), ("a", 1.01), ("b", 1.01), ("b", 3.0), ("b", 3.03), ("b", 3.06)]
+
+
 def stale_attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
-    """This rank's output chunks of a stale layout's sequence attention over four calls of seeded inputs
-    0 to 3 (call 1's token input 1 % off call 0's, call 2 of other shapes, call 3 its token input tripled),
-    and whether each reused the previous call's blocks."""
+    """This rank's output chunks of a stale layout's sequence attention over STALE_CALLS with seeded inputs
+    0, 1, ... (call 1's input 1 % off call 0's, call 2 of other shapes, call 3 its input tripled, then two
+    calls 1 % apart), and whether each reused the previous call's blocks."""
     from machgen.parallel.op import sequence_attention, set_mesh, split_sequence
     from machgen.parallel.stale import StaleKeys, attending
 
     set_mesh(mesh)
-    stale, results = StaleKeys(), []
+    stale, results = StaleKeys(mesh.layout.stale), []
     moving = torch.ones(4)
-    for seed, (fingerprint, change) in enumerate([("a", 1.0), ("a", 1.01), ("b", 1.01), ("b", 3.0)]):
+    for seed, (fingerprint, change) in enumerate(STALE_CALLS):
         q, k, v = (sequence_chunk(t, mesh) for t in full_inputs(batch, tokens, heads, dim, seed))
         reused = stale.begin(fingerprint, {"latents": moving * change})
         with split_sequence(True), attending(stale):

@@ -121,9 +121,9 @@ def build(
                                       "cfg=2,ulysses=2,ring=2: cfg splits the guidance rows, ulysses (which "
                                       "must divide the head count) and ring the token sequence; their product "
                                       "is the GPUs per replica. A layout the model does not allow is refused. "
-                                      "Add 'stale' (ring=2,stale) for a ring over the other ranks' keys of the "
-                                      "previous step (DistriFusion: its exchange hidden under a whole step; "
-                                      "not exact)"),
+                                      "Add 'stale' (ring=2,stale; stale=N: after N exact steps, 4 by default) "
+                                      "for a ring over the other ranks' keys of the previous step (DistriFusion: "
+                                      "its exchange hidden under a whole step; not exact)"),
     discard_changes: bool = typer.Option(False, "--discard-changes",
                                          help="rebuilding: replace or delete what was changed or added in the "
                                               "pipeline's models since the last build (a calibration, edited or "

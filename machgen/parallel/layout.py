@@ -15,8 +15,11 @@ from typing import Any, Mapping
 AXES = ("cfg", "ulysses", "ring")
 # The program input of a program that splits its tokens itself: its length is the call's sequence degree.
 SEQUENCE_MARKER = "sequence_marker"
-# The layout's word for the stale-keys ring.
+# The layout's word for the stale-keys ring, and the exact steps a request takes first where it gives none
+# (DistriFusion's default; on the trained video default 1, 4 and 8 steps give 28, 34 and 46 dB against one rank:
+# perf/RESULTS.md).
 STALE = "stale"
+STALE_WARMUP = 4
 
 
 class LayoutError(ValueError):
@@ -30,13 +33,14 @@ class ParallelLayout:
     cfg: int = 1  # rank groups the guidance rows (conditional, unconditional) are split over
     ulysses: int = 1  # ranks exchanging heads for sequence by all-to-all (divides the head count)
     ring: int = 1  # ranks passing key/value blocks round a ring
-    # The ring's other blocks from the request's previous step, their exchange hidden under a whole step:
-    # not exact (DistriFusion's displaced patch parallelism; parallel/stale.py).
-    stale: bool = False
+    # The ring's other blocks from the request's previous step, their exchange hidden under a whole step: not
+    # exact (DistriFusion's displaced patch parallelism; parallel/stale.py). The exact steps (warm-up) a request
+    # takes before its ring goes stale; 0: the exact ring.
+    stale: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stale, bool):
-            raise LayoutError(f"parallel layout: stale is true or false, not {self.stale!r}")
+        if not isinstance(self.stale, int) or isinstance(self.stale, bool) or self.stale < 0:
+            raise LayoutError(f"parallel layout: stale must be a whole number of warm-up steps, not {self.stale!r}")
         for axis in AXES:
             degree = getattr(self, axis)
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
@@ -59,20 +63,19 @@ class ParallelLayout:
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
         """``"cfg=2,ulysses=2,ring=2"`` (any order, missing axes 1; ``""`` or ``"none"``: one rank), and
-        ``stale`` among them for the stale-keys ring."""
+        ``stale`` or ``stale=N`` (N exact warm-up steps; 0: off) among them for the stale-keys ring."""
         text = text.strip()
         if text in ("", "none"):
             return cls()
         degrees: dict[str, Any] = {}
         for part in text.split(","):
-            if part.strip() == STALE:
-                degrees[STALE] = True
-                continue
             axis, separator, value = part.strip().partition("=")
             axis = axis.strip()
-            if not separator or axis not in AXES:
+            if axis == STALE and not separator:
+                value, separator = str(STALE_WARMUP), "="
+            if not separator or axis not in (*AXES, STALE):
                 raise LayoutError(f"parallel layout {text!r}: expected AXIS=DEGREE, AXIS one of {', '.join(AXES)}"
-                                  f", or {STALE}")
+                                  f", or {STALE}[=WARMUP]")
             if axis in degrees:
                 raise LayoutError(f"parallel layout {text!r}: {axis} given twice")
             try:
@@ -84,7 +87,8 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         named = [f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) > 1]
-        return ",".join(named + [STALE] * self.stale) or "none"
+        stale = [] if not self.stale else [STALE if self.stale == STALE_WARMUP else f"{STALE}={self.stale}"]
+        return ",".join(named + stale) or "none"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

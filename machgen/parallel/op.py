@@ -32,23 +32,33 @@ def set_mesh(mesh: RankMesh | None) -> None:
 
 
 @contextlib.contextmanager
-def split_sequence(split: bool) -> Iterator[None]:
-    """Calls inside run on the rank's chunk of the sequence (``split``) or on
-    the whole of it (a sequence the degree does not divide: every rank of the
-    sequence group then computes the same, unsplit)."""
-    previous = getattr(_context, "split", False)
-    _context.split = split
+def call_setting(name: str, value: object) -> Iterator[None]:
+    """``value`` as this thread's ``name`` (call_value) inside: how a rank tells the operators of the program
+    it runs how to run this call."""
+    previous = getattr(_context, name, None)
+    setattr(_context, name, value)
     try:
         yield
     finally:
-        _context.split = previous
+        setattr(_context, name, previous)
+
+
+def call_value(name: str) -> object:
+    return getattr(_context, name, None)
+
+
+def split_sequence(split: bool):
+    """Calls inside run on the rank's chunk of the sequence (``split``) or on
+    the whole of it (a sequence the degree does not divide: every rank of the
+    sequence group then computes the same, unsplit)."""
+    return call_setting("split", split)
 
 
 def split_mesh(all_ranks: bool = False) -> RankMesh | None:
     """The rank mesh where the call running now is split over several ranks
     (its sequence over the sequence ranks; ``all_ranks``: its rows over every
     rank, parallel/rows.py), else None: it runs whole."""
-    if _MESH is None or not getattr(_context, "split", False):
+    if _MESH is None or not call_value("split"):
         return None
     degree = _MESH.layout.world_size if all_ranks else _MESH.layout.sequence_degree
     return _MESH if degree > 1 else None

@@ -147,7 +147,8 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
             programs[folder] = (TorchProgram.load(folder, device=device), ShardPlan.from_json(plan))
         elif kind == "unload":
             programs.pop(rest[0], None)
-            stale.pop(rest[0], StaleKeys()).drop()
+            if rest[0] in stale:
+                stale.pop(rest[0]).drop()
         elif kind == "layout":
             for blocks in stale.values():
                 blocks.drop()
@@ -161,7 +162,7 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
             inputs = kept.unpack(payload, forget)
             if plan.ranks == "all":
                 return run_split_by_rows(program, inputs, plan, mesh)
-            blocks = stale.setdefault(folder, StaleKeys()) if mesh.layout.stale else None
+            blocks = stale.setdefault(folder, StaleKeys(mesh.layout.stale)) if mesh.layout.stale else None
             return run_sharded(program, inputs, plan, mesh, blocks)
         return None
 

@@ -11,32 +11,31 @@ DistriFusion, CVPR 2024); what it costs in quality is measured
 (perf/bench_parallel.py --parts quality).
 
 A call attends over stale blocks only where they stand in for its own: the
-previous call had the same input shapes, and none of its inputs (latents,
-timesteps, text) moved by more than ``STALE_MAX_CHANGE`` since. Any other
-call is exact, its blocks gathered before it attends: a request's first
-step (its timestep, and its noise, far from whatever the last call
-denoised: DistriFusion's warm-up), a batch that gained or lost a request,
-late steps whose timesteps halve. Every rank decides alike: from the whole
-inputs, which every rank of a pool receives.
+calls before it had the same input shapes, none of its inputs (latents,
+timesteps, text) moved by more than ``STALE_MAX_CHANGE`` from one to the
+next, and there were as many of them as the layout's warm-up
+(``stale=N``: N). Any other call is exact, its blocks gathered before it
+attends: a request's first N steps (its first one's timestep and noise are
+far from whatever the last call denoised), a batch that gained or lost a
+request, late steps whose timesteps halve. Every rank decides alike: from
+the whole inputs, which every rank of a pool receives.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from machgen.parallel.op import call_setting, call_value
 
 # The largest mean relative change of any input of a call since the previous call for its stale blocks to stand
 # in (neighbouring steps of a 20-50-step schedule change their latents and timesteps by a few per cent; a fresh
 # request starts at the schedule's first timestep, several times the last one's, from noise that differs from
 # another latent by 100 % or more).
 STALE_MAX_CHANGE = 0.5
-
-_context = threading.local()
 
 
 def relative_change(now: torch.Tensor, before: torch.Tensor) -> float:
@@ -50,7 +49,9 @@ class StaleKeys:
     """One program's key/value blocks of its previous call on a rank, one slot per ring attention it made (every
     layer's, every head group's), in call order."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup  # exact calls in a row before one attends over stale blocks
+        self._close = 0  # calls in a row that each moved little from the one before
         self._fingerprint: Any = None
         self._moving: dict[str, torch.Tensor] = {}
         # Per slot: the all-gather still in flight (None: done), and every ring rank's block [2, B, T, H, D].
@@ -61,10 +62,11 @@ class StaleKeys:
     def begin(self, fingerprint: Any, moving: Mapping[str, torch.Tensor]) -> bool:
         """Start a call of inputs ``fingerprint`` (their shapes) and values ``moving``; whether it attends over
         the previous call's blocks."""
-        self.reusing = (fingerprint == self._fingerprint and bool(self._slots)
-                        and moving.keys() == self._moving.keys()
-                        and all(relative_change(value, self._moving[name]) <= STALE_MAX_CHANGE
-                                for name, value in moving.items()))
+        close = (fingerprint == self._fingerprint and moving.keys() == self._moving.keys()
+                 and all(relative_change(value, self._moving[name]) <= STALE_MAX_CHANGE
+                         for name, value in moving.items()))
+        self._close = self._close + 1 if close else 0
+        self.reusing = self._close >= self.warmup and bool(self._slots)
         if not self.reusing:
             self.drop()
         self._fingerprint, self._moving, self._next = fingerprint, dict(moving), 0
@@ -102,16 +104,10 @@ class StaleKeys:
         return out
 
 
-@contextlib.contextmanager
-def attending(stale: StaleKeys | None) -> Iterator[None]:
+def attending(stale: StaleKeys | None):
     """Ring attention inside runs over ``stale``'s blocks (None: the exact ring)."""
-    previous = getattr(_context, "stale", None)
-    _context.stale = stale
-    try:
-        yield
-    finally:
-        _context.stale = previous
+    return call_setting("stale", stale)
 
 
 def current() -> StaleKeys | None:
-    return getattr(_context, "stale", None)
+    return call_value("stale")
