@@ -190,6 +190,8 @@ def control_table(calls: int) -> str:
 
 
 def overlap_table(tokens: int, heads: int, dim: int, repeats: int) -> str:
+    from gpu_parallel import stale_rows
+
     from machgen.parallel.layout import ParallelLayout
     from machgen.parallel.ranks import run_on_ranks
 
@@ -202,6 +204,9 @@ def overlap_table(tokens: int, heads: int, dim: int, repeats: int) -> str:
         serialized = max(r["serialized"] for r in results)
         rows.append(f"| {layout} | {tokens} | {overlapped:.4f} | {serialized:.4f} | "
                     f"{serialized / overlapped:.2f}x |")
+    # Stale keys (not exact): the exchange left in flight for the rest of a step, against the exact ring.
+    rows += [""] + stale_rows((2, 4), lambda degree: (tokens,), lambda layout, count: run_on_ranks(
+        layout, "gpu_parallel:stale_times", count, heads, dim, repeats, 8, "cpu"))
     return "\n".join(rows)
 
 

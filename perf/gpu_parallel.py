@@ -1,6 +1,7 @@
 """The parallel layouts on CUDA with NCCL (perf/gpu_parallel.sh runs it where 2 or more GPUs are visible):
-sequence-parallel attention against whole-sequence SDPA on each layout that fits, and the ring and
-Ulysses with their transfers overlapped against the same exchanges serialized."""
+sequence-parallel attention against whole-sequence SDPA on each layout that fits, the ring and Ulysses
+with their transfers overlapped against the same exchanges serialized, and a step of ring attentions
+over stale keys (parallel/stale.py) against the exact ring."""
 
 from __future__ import annotations
 
@@ -53,6 +54,61 @@ def overlap_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict
     return {mode: statistics.median(values[2:]) for mode, values in times.items()}
 
 
+def stale_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: int = 8,
+                device: str = "cuda") -> dict[str, float]:
+    """Median seconds of a step of ``layers`` ring attentions (a stale layout's mesh): exact, and over stale
+    blocks (parallel/stale.py, warmed up: each layer's all-gather has the other layers to arrive), alternating."""
+    import torch
+    import torch.distributed as dist
+
+    from machgen.parallel.stale import StaleKeys, attending
+    from machgen.parallel.usp import sequence_parallel_attention
+
+    if device == "cuda":
+        torch.cuda.set_device(torch.device("cuda", mesh.rank))
+        device = f"cuda:{mesh.rank}"
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    q, k, v = (torch.randn(1, tokens // mesh.layout.sequence_degree, heads, dim, device=device, dtype=dtype)
+               for _ in range(3))
+    stale = StaleKeys(warmup=1)
+
+    def synchronize() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    times: dict[str, list[float]] = {"exact": [], "stale": []}
+    for _ in range(repeats + 2):
+        for mode in times:
+            dist.barrier()
+            synchronize()
+            start = time.perf_counter()
+            if mode == "stale":
+                stale.begin("step", {})
+            with attending(stale if mode == "stale" else None):
+                for _ in range(layers):
+                    sequence_parallel_attention(q, k, v, mesh)
+            synchronize()
+            times[mode].append(time.perf_counter() - start)
+    stale.drop()
+    return {mode: statistics.median(values[2:]) for mode, values in times.items()}
+
+
+def stale_rows(degrees, tokens_for, run) -> list[str]:
+    """The stale-keys table's rows: a step of 8 ring attentions, exact and stale (``run(layout, tokens)``:
+    every rank's stale_times)."""
+    from machgen.parallel.layout import ParallelLayout
+
+    rows = ["| layout | tokens | exact ring, 8 layers (ms) | stale keys, 8 layers (ms) | exact / stale |",
+            "| --- | --- | --- | --- | --- |"]
+    for degree in degrees:
+        layout = ParallelLayout(ring=degree, stale=1)
+        for tokens in tokens_for(degree):
+            results = run(layout, tokens)
+            exact, stale = (max(r[mode] for r in results) for mode in ("exact", "stale"))
+            rows.append(f"| {layout} | {tokens} | {exact * 1e3:.2f} | {stale * 1e3:.2f} | {exact / stale:.2f}x |")
+    return rows
+
+
 def main() -> int:
     import torch
 
@@ -80,6 +136,10 @@ def main() -> int:
                 overlapped, serialized = (max(r[mode] for r in results) for mode in ("overlapped", "serialized"))
                 print(f"| {layout} | {tokens} | {overlapped * 1e3:.2f} | {serialized * 1e3:.2f} | "
                       f"{serialized / overlapped:.2f}x |")
+    print("\n" + "\n".join(stale_rows(
+        [degree for degree in (2, 4, 8) if degree <= gpus], lambda degree: (32768, 75600 // degree * degree),
+        lambda layout, tokens: run_on_ranks(layout, "gpu_parallel:stale_times", tokens, 24, 128, 5,
+                                            backend="nccl"))))
     return 0
 
 

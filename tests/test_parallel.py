@@ -389,7 +389,7 @@ def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(la
 
 
 @pytest.mark.export
-def test_a_stale_ring_computes_its_first_step_exactly_then_attends_over_the_previous_steps_keys(
+def test_a_stale_ring_computes_its_warm_up_exactly_then_attends_over_the_previous_steps_keys(
         local_parallel, single_rank):
     """ring=2,stale: a request's first steps exact (the warm-up), most later ones over the other rank's keys of
     the step before, near one rank's image (that they are not exact: the attention test above); a request after
