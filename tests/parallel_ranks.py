@@ -34,24 +34,24 @@ def attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
 
 
 # A stale layout's calls in stale_attention_chunks: (input shapes, the size of an input that moves).
-STALE_CALLS = [("a", 1.0), ("a", 1.01), ("b", 1.01), ("b", 3.0), ("b", 3.03), ("b", 3.06)]
+STALE_CALLS = [("a", 1.0), ("a", 1.01), ("b", 1.01), ("b", 3.0), ("b", 3.03), ("a", 1.02), ("b", 3.06)]
 
 
 def stale_attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
     """This rank's output chunks of a stale layout's sequence attention over STALE_CALLS with seeded inputs
-    0, 1, ... (call 1's input 1 % off call 0's, call 2 of other shapes, call 3 its input tripled, then two
-    calls 1 % apart), and whether each reused the previous call's blocks."""
+    0, 1, ... (call 1's input 1 % off call 0's, call 2 of other shapes, call 3 its input tripled, then calls of
+    the batches of calls 1 and 3 alternating, each 1 % on), and whether each reused earlier blocks."""
     from machgen.parallel.op import sequence_attention, set_mesh, split_sequence
-    from machgen.parallel.stale import StaleKeys, attending
+    from machgen.parallel.stale import StaleBatches, attending
 
     set_mesh(mesh)
-    stale, results = StaleKeys(mesh.layout.stale), []
+    stale, results = StaleBatches(mesh.layout.stale), []
     moving = torch.ones(4)
     for seed, (fingerprint, change) in enumerate(STALE_CALLS):
         q, k, v = (sequence_chunk(t, mesh) for t in full_inputs(batch, tokens, heads, dim, seed))
-        reused = stale.begin(fingerprint, {"latents": moving * change})
-        with split_sequence(True), attending(stale):
-            results.append((sequence_attention(q, k, v, 0.0).numpy(), reused))
+        blocks = stale.begin(fingerprint, {"latents": moving * change})
+        with split_sequence(True), attending(blocks):
+            results.append((sequence_attention(q, k, v, 0.0).numpy(), blocks.reusing))
     stale.drop()
     return results
 

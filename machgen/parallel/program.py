@@ -32,7 +32,7 @@ def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: 
                 stale: Any = None) -> tuple | None:
     """One call of ``program`` on this rank's share of ``inputs``; on the leader (None on the others) the
     whole outputs, whether the sequence was split and whether its ring attended over stale blocks
-    (``stale``: the program's StaleKeys, under a stale layout)."""
+    (``stale``: the program's StaleBatches, under a stale layout)."""
     import torch
 
     from machgen.contract.adapters import ROW_SCALES_INPUT, ROWS_INPUT
@@ -56,19 +56,19 @@ def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: 
     elif split:
         tensors = {name: shard_sequence(t, plan.sequence[name], mesh) if name in plan.sequence else t
                    for name, t in tensors.items()}
-    reused = False
+    blocks = None
     if stale is not None and not split:
         stale.drop()
     elif stale is not None:
-        reused = stale.begin(tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(whole.items())), whole)
-    with split_sequence(split), attending(stale if split else None):
+        blocks = stale.begin(tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(whole.items())), whole)
+    with split_sequence(split), attending(blocks):
         outputs = program.run(tensors)
     if split and plan.marker is None:
         outputs = {name: gather_sequence(t, plan.sequence[name], mesh) if name in plan.sequence else t
                    for name, t in outputs.items()}
     outputs = {name: gather_rows(t, rows, mesh.cfg_group) if name in plan.batched else t
                for name, t in outputs.items()}
-    return (outputs, split, reused) if mesh.rank == 0 else None
+    return (outputs, split, blocks is not None and blocks.reusing) if mesh.rank == 0 else None
 
 
 def run_split_by_rows(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any) -> tuple | None:
@@ -129,7 +129,7 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
     forget) calls it (inputs as KeptInputs packed them), ("unload", folder) lets it go, ("layout", layout)
     makes the process groups of another layout of as many ranks (the programs stay loaded)."""
     from machgen.parallel.op import set_mesh
-    from machgen.parallel.stale import StaleKeys
+    from machgen.parallel.stale import StaleBatches
     from machgen.runtime.torch_runner import TorchProgram
 
     set_mesh(mesh)
@@ -137,7 +137,7 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
         device = f"cuda:{mesh.rank}"
     programs: dict[str, tuple[Any, ShardPlan]] = {}
     kept = RankStore()
-    stale: dict[str, StaleKeys] = {}  # a stale layout's blocks of each program's previous call
+    stale: dict[str, StaleBatches] = {}  # a stale layout's blocks of each program's previous calls
 
     def handle(message: tuple) -> Any:
         nonlocal mesh
@@ -162,8 +162,8 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
             inputs = kept.unpack(payload, forget)
             if plan.ranks == "all":
                 return run_split_by_rows(program, inputs, plan, mesh)
-            blocks = stale.setdefault(folder, StaleKeys(mesh.layout.stale)) if mesh.layout.stale else None
-            return run_sharded(program, inputs, plan, mesh, blocks)
+            batches = stale.setdefault(folder, StaleBatches(mesh.layout.stale)) if mesh.layout.stale else None
+            return run_sharded(program, inputs, plan, mesh, batches)
         return None
 
     return handle

@@ -16,9 +16,12 @@ timesteps, text) moved by more than ``STALE_MAX_CHANGE`` from one to the
 next, and there were as many of them as the layout's warm-up
 (``stale=N``: N). Any other call is exact, its blocks gathered before it
 attends: a request's first N steps (its first one's timestep and noise are
-far from whatever the last call denoised), a batch that gained or lost a
-request, late steps whose timesteps halve. Every rank decides alike: from
-the whole inputs, which every rank of a pool receives.
+far from whatever denoised before), a batch that gained or lost a request,
+late steps whose timesteps halve. Calls of several batches may alternate
+(requests whose steps are not batched together): each call continues the
+batch whose last call it is close to, up to ``MAX_BATCHES`` of them. Every
+rank decides alike: from the whole inputs, which every rank of a pool
+receives.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from machgen.parallel.op import call_setting, call_value
 # request starts at the schedule's first timestep, several times the last one's, from noise that differs from
 # another latent by 100 % or more).
 STALE_MAX_CHANGE = 0.5
+# Batches whose blocks a program keeps at once (each holds every ring layer's keys and values).
+MAX_BATCHES = 4
 
 
 def relative_change(now: torch.Tensor, before: torch.Tensor) -> float:
@@ -59,13 +64,16 @@ class StaleKeys:
         self._next = 0
         self.reusing = False
 
+    def continues(self, fingerprint: Any, moving: Mapping[str, torch.Tensor]) -> bool:
+        """Whether a call of inputs ``fingerprint`` (their shapes) and values ``moving`` is close to the last."""
+        return (fingerprint == self._fingerprint and moving.keys() == self._moving.keys()
+                and all(relative_change(value, self._moving[name]) <= STALE_MAX_CHANGE
+                        for name, value in moving.items()))
+
     def begin(self, fingerprint: Any, moving: Mapping[str, torch.Tensor]) -> bool:
-        """Start a call of inputs ``fingerprint`` (their shapes) and values ``moving``; whether it attends over
-        the previous call's blocks."""
-        close = (fingerprint == self._fingerprint and moving.keys() == self._moving.keys()
-                 and all(relative_change(value, self._moving[name]) <= STALE_MAX_CHANGE
-                         for name, value in moving.items()))
-        self._close = self._close + 1 if close else 0
+        """Start a call of inputs ``fingerprint`` and values ``moving``; whether it attends over the previous
+        call's blocks."""
+        self._close = self._close + 1 if self.continues(fingerprint, moving) else 0
         self.reusing = self._close >= self.warmup and bool(self._slots)
         if not self.reusing:
             self.drop()
@@ -102,6 +110,33 @@ class StaleKeys:
         else:
             self._slots.append((None, blocks))
         return out
+
+
+class StaleBatches:
+    """A program's StaleKeys, one per batch of requests whose calls it runs (most recently used last)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self._batches: list[StaleKeys] = []
+
+    def begin(self, fingerprint: Any, moving: Mapping[str, torch.Tensor]) -> StaleKeys:
+        """The batch a call of inputs ``fingerprint`` and values ``moving`` continues (a new one where it
+        continues none, the least recently used dropped beyond MAX_BATCHES), its call begun."""
+        batch = next((batch for batch in reversed(self._batches) if batch.continues(fingerprint, moving)), None)
+        if batch is None:
+            batch = StaleKeys(self.warmup)
+            if len(self._batches) >= MAX_BATCHES:
+                self._batches.pop(0).drop()
+        else:
+            self._batches.remove(batch)
+        self._batches.append(batch)
+        batch.begin(fingerprint, moving)
+        return batch
+
+    def drop(self) -> None:
+        for batch in self._batches:
+            batch.drop()
+        self._batches = []
 
 
 def attending(stale: StaleKeys | None):
