@@ -83,7 +83,7 @@ def stale_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: i
             synchronize()
             start = time.perf_counter()
             if mode == "stale":
-                stale.begin("step", {})
+                stale.begin("step", {}, continued=True)
             with attending(stale if mode == "stale" else None):
                 for _ in range(layers):
                     sequence_parallel_attention(q, k, v, mesh)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from machgen.parallel.op import call_setting, call_value
+from machgen.runtime.cache import relative_l1
 
 # The largest mean relative change of any input of a call since the previous call for its stale blocks to stand
 # in (neighbouring steps of a 20-50-step schedule change their latents and timesteps by a few per cent; a fresh
@@ -46,8 +47,7 @@ MAX_BATCHES = 4
 def relative_change(now: torch.Tensor, before: torch.Tensor) -> float:
     if torch.equal(now, before):  # conditioning, positions, an empty tensor
         return 0.0
-    now, before = now.float(), before.float()
-    return float((now - before).abs().mean() / before.abs().mean().clamp_min(1e-12))
+    return relative_l1(now.float(), before.float())
 
 
 class StaleKeys:
@@ -70,15 +70,14 @@ class StaleKeys:
                 and all(relative_change(value, self._moving[name]) <= STALE_MAX_CHANGE
                         for name, value in moving.items()))
 
-    def begin(self, fingerprint: Any, moving: Mapping[str, torch.Tensor]) -> bool:
-        """Start a call of inputs ``fingerprint`` and values ``moving``; whether it attends over the previous
-        call's blocks."""
-        self._close = self._close + 1 if self.continues(fingerprint, moving) else 0
+    def begin(self, fingerprint: Any, moving: Mapping[str, torch.Tensor], continued: bool) -> None:
+        """Start a call of inputs ``fingerprint`` and values ``moving``, ``continued`` if close to the last
+        (``continues``); ``reusing`` then says whether it attends over the previous call's blocks."""
+        self._close = self._close + 1 if continued else 0
         self.reusing = self._close >= self.warmup and bool(self._slots)
         if not self.reusing:
             self.drop()
         self._fingerprint, self._moving, self._next = fingerprint, dict(moving), 0
-        return self.reusing
 
     def drop(self) -> None:
         """Forget the blocks held (waiting for the exchanges in flight: every rank has them under way)."""
@@ -123,6 +122,7 @@ class StaleBatches:
         """The batch a call of inputs ``fingerprint`` and values ``moving`` continues (a new one where it
         continues none, the least recently used dropped beyond MAX_BATCHES), its call begun."""
         batch = next((batch for batch in reversed(self._batches) if batch.continues(fingerprint, moving)), None)
+        continued = batch is not None
         if batch is None:
             batch = StaleKeys(self.warmup)
             if len(self._batches) >= MAX_BATCHES:
@@ -130,7 +130,7 @@ class StaleBatches:
         else:
             self._batches.remove(batch)
         self._batches.append(batch)
-        batch.begin(fingerprint, moving)
+        batch.begin(fingerprint, moving, continued)
         return batch
 
     def drop(self) -> None:
