@@ -20,8 +20,9 @@ from machgen.parallel.layout import (
     refusals,
 )
 from machgen.parallel.mesh import axis_groups, coordinates
+from machgen.parallel.program import STALE_IDLE_S
 
-from conftest import build_tiny_repository, single_rank_pipeline, under_layout
+from conftest import build_tiny_repository, single_rank_pipeline, under_layout, wait_until
 from parallel_ranks import full_inputs, reference_attention
 
 # Exact modes in float32: the merge by log-sum-exp and the exchanges reorder sums only.
@@ -394,7 +395,8 @@ def test_a_stale_ring_computes_its_warm_up_exactly_then_attends_over_the_previou
         local_parallel, single_rank):
     """ring=2,stale: a request's first steps exact (the warm-up), most later ones over the other rank's keys of
     the step before, near one rank's image (that they are not exact: the attention test above); a request after
-    another of the same prompt and seed warms up all the same, its first timestep far from the last call's."""
+    another of the same prompt and seed warms up all the same, its first timestep far from the last call's. The
+    ranks hold the blocks for the next call until the program has been idle for its stale_idle_s."""
     from machgen.builder.evaluate import psnr
 
     steps = 16  # the tiny model's 4 steps (8: the tail's time embedding) move too far for stale blocks
@@ -409,6 +411,18 @@ def test_a_stale_ring_computes_its_warm_up_exactly_then_attends_over_the_previou
         cached, stats = pipeline.generate(**GUIDED, **CACHED)
         assert head.calls == steps + CACHED["num_inference_steps"]
         assert 0 < head.stale_calls - first <= CACHED["num_inference_steps"] - STALE_WARMUP
+        assert head.stale_batches_held() >= 1 and tail.stale_batches_held() >= 1  # 30 s idle by default
+        programs = [getattr(runner, "runner", runner) for runner in (head, tail)]  # inside their adapters
+        for program in programs:
+            program.stale_idle_s = 0.5
+        wait_until(lambda: head.stale_batches_held() == tail.stale_batches_held() == 0, timeout=30,
+                   what="the idle program's stale blocks let go")
+        for program in programs:
+            program.stale_idle_s = STALE_IDLE_S
+        before = head.stale_calls
+        pipeline.generate(**GUIDED, **CACHED)  # warms up again, then goes stale
+        assert 0 < head.stale_calls - before <= CACHED["num_inference_steps"] - STALE_WARMUP
+        assert head.stale_batches_held() >= 1
     exact, _ = local_parallel.generate(**GUIDED, cache_policy="none", num_inference_steps=steps)
     for image, reference in ((uncached, exact), (cached, single_rank["cached"][0])):
         difference = np.abs(image.astype(int) - reference.astype(int)).max()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -26,6 +27,10 @@ from machgen.parallel.layout import ParallelLayout, ShardPlan
 from machgen.parallel.ranks import RankError, RankPool
 from machgen.runtime.onnx_runner import run_grouped
 from machgen.runtime.tensors import as_numpy
+
+# Under a stale layout the ranks hold, for each batch a program ran last, every ring layer's keys and values for
+# its next call; a program that has not been called for this long lets them go (an idle model holds no blocks).
+STALE_IDLE_S = 30.0
 
 
 def run_sharded(program: Any, inputs: Mapping[str, Any], plan: ShardPlan, mesh: Any,
@@ -127,7 +132,8 @@ class WholeSequence:
 def serve_programs(mesh: Any, device: str | None) -> Any:
     """A rank's handler: ("load", folder, plan) loads a component's program, ("run", folder, inputs,
     forget) calls it (inputs as KeptInputs packed them), ("unload", folder) lets it go, ("layout", layout)
-    makes the process groups of another layout of as many ranks (the programs stay loaded)."""
+    makes the process groups of another layout of as many ranks (the programs stay loaded), ("drop stale",
+    folder) lets go of the program's stale blocks and ("stale held", folder) counts the batches it holds."""
     from machgen.parallel.op import set_mesh
     from machgen.parallel.stale import StaleBatches
     from machgen.runtime.torch_runner import TorchProgram
@@ -149,6 +155,11 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
             programs.pop(rest[0], None)
             if rest[0] in stale:
                 stale.pop(rest[0]).drop()
+        elif kind == "drop stale":
+            if rest[0] in stale:
+                stale.pop(rest[0]).drop()
+        elif kind == "stale held":
+            return stale[rest[0]].held if rest[0] in stale else 0
         elif kind == "layout":
             for blocks in stale.values():
                 blocks.drop()
@@ -207,6 +218,10 @@ class ParallelProgram:
         # sequence rank), and those whose ring attended over the previous call's blocks (a stale layout).
         self.calls = self.split_calls = self.stale_calls = 0
         self._key = (self.layout, device, threads)
+        self.stale_idle_s = STALE_IDLE_S
+        self._last_call = 0.0  # time.monotonic() of the latest call
+        self._called = threading.Event()  # set by a call, cleared once an idle program's stale blocks are gone
+        self._closed = threading.Event()
         with _POOLS_LOCK:
             if self._key not in _POOLS:
                 backend = "nccl" if device == "cuda" else "gloo"
@@ -232,10 +247,33 @@ class ParallelProgram:
             except (RankError, OSError):
                 self.kept.lost()
                 raise
+            self._last_call = time.monotonic()
+            if self.layout.stale and not self._called.is_set():
+                self._called.set()
+                threading.Thread(target=self._drop_stale_when_idle, name="drop-stale-blocks", daemon=True).start()
         self.calls += 1
         self.split_calls += split
         self.stale_calls += stale
         return outputs
+
+    def _drop_stale_when_idle(self) -> None:
+        """Once no call came for ``stale_idle_s``, every rank lets go of this program's stale blocks (one
+        message in call order: every rank drops them at the same point)."""
+        while not self._closed.wait(min(max(self._last_call + self.stale_idle_s - time.monotonic(), 0.0), 1.0)):
+            with self.pool.calling:
+                if time.monotonic() - self._last_call < self.stale_idle_s:
+                    continue  # called meanwhile
+                if self.pool.alive() and self.layout.stale:
+                    try:
+                        self.pool.call(("drop stale", self.folder))
+                    except RankError:
+                        pass  # the ranks are gone, and their blocks with them
+                self._called.clear()
+                return
+
+    def stale_batches_held(self) -> int:
+        """How many batches' stale blocks the ranks hold for this program's next calls (0 off a stale layout)."""
+        return max(self.pool.call(("stale held", self.folder)))
 
     def run_batches(self, batches: Sequence[Mapping[str, Any]], max_rows: int | None = None) -> list[dict[str, Any]]:
         return run_grouped(self.run, self.input_names, batches, max_rows)
@@ -248,6 +286,7 @@ class ParallelProgram:
         return f"{self.layout.world_size} ranks ({self.layout}), pids {self.pool.pids}"
 
     def close(self) -> None:
+        self._closed.set()
         with _POOLS_LOCK:
             entry = _POOLS.get(self._key)
             if entry is None or entry[0] is not self.pool:

@@ -79,6 +79,10 @@ class StaleKeys:
             self.drop()
         self._fingerprint, self._moving, self._next = fingerprint, dict(moving), 0
 
+    @property
+    def holds(self) -> bool:
+        return bool(self._slots)
+
     def drop(self) -> None:
         """Forget the blocks held (waiting for the exchanges in flight: every rank has them under way)."""
         for work, _ in self._slots:
@@ -132,6 +136,11 @@ class StaleBatches:
         self._batches.append(batch)
         batch.begin(fingerprint, moving, continued)
         return batch
+
+    @property
+    def held(self) -> int:
+        """Batches whose blocks are held for their next call."""
+        return sum(1 for batch in self._batches if batch.holds)
 
     def drop(self) -> None:
         for batch in self._batches:
