@@ -194,9 +194,10 @@ class TritonServer:
             if size != logged:
                 logged, progressed = size, time.monotonic()
             elif stall_timeout is not None and time.monotonic() - progressed > stall_timeout:
+                stalled = self._stalled_load(self._log_since(log_start))
                 self.kill_process()
                 raise ServerError(f"tritonserver made no progress for {stall_timeout:.0f} s (its log unchanged, "
-                                  f"not ready):\n{self.log_tail()}")
+                                  f"not ready): {stalled}\n{self.log_tail()}")
             # The metrics service starts last: a server whose metrics port is taken reports ready, then exits.
             if self.ready() and self._answers(f"http://{self.host}:{self.ports.metrics}/metrics"):
                 return self
@@ -207,6 +208,29 @@ class TritonServer:
             time.sleep(0.25)
         self.kill_process()
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _stalled_load(self, log: bytes) -> str:
+        """What a start that hangs waits for: the models whose load began and did not end, and the state of each
+        stub process (its model, whether it runs or sleeps, its CPU seconds so far)."""
+        import re
+
+        import psutil
+
+        text = log.decode(errors="replace")
+        begun = dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', text))
+        ended = set(re.findall(r"(?:successfully loaded|failed to load) '([^']+)'", text))
+        stubs = []
+        for stub in self.stubs():
+            try:
+                process = psutil.Process(stub.pid)
+                times = process.cpu_times()
+                stubs.append(f"{stub.instance} (pid {stub.pid}) {process.status()}, "
+                             f"{times.user + times.system:.1f} s CPU")
+            except psutil.NoSuchProcess:
+                continue
+        waiting = [name for name in begun if name not in ended]
+        return (f"models not loaded: {', '.join(waiting) or 'none'}; "
+                f"stub processes: {'; '.join(stubs) or 'none'}")
 
     def _log_since(self, offset: int) -> bytes:
         try:

@@ -316,6 +316,9 @@ def serving(repository: Path, **options):
             server.stop()
             if not any(sign in str(error) for sign in RESTARTED_STARTS) or attempt == 2:
                 raise
+            with contextlib.suppress(OSError):  # kept beside the log the next start writes anew, for the record
+                server.log_file.with_name(f"failed-start-{attempt}.txt").write_text(
+                    f"{error}\n\n--- its log ---\n{server.log_file.read_text(errors='replace')}")
     _SERVING.append(server)
     try:
         yield server

@@ -397,3 +397,43 @@ def test_logging_and_trace_settings_answer_only_the_key_machgen_serve_holds(trit
         http.update_trace_settings(settings={"trace_rate": trace["trace_rate"]}, headers=key["http"])
         http.close()
         grpc.close()
+
+
+HANGING_MODEL = '''
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(120)  # a load that hangs, silent
+
+    def execute(self, requests):
+        return []
+'''
+
+
+def test_a_start_that_hangs_says_which_models_it_waits_for(tmp_path):
+    """A start whose log stays silent is given up after stall_timeout, naming the models whose load began and
+    did not end and the state of each stub (seen in full runs: a start that hung for minutes, its log silent)."""
+    from machgen.server import Ports, ServerError, TritonServer
+
+    from conftest import free_port
+
+    repository = tmp_path / "repository"
+    (repository / "hangs" / "1").mkdir(parents=True)
+    (repository / "hangs" / "1" / "model.py").write_text(HANGING_MODEL)
+    (repository / "hangs" / "config.pbtxt").write_text(
+        'name: "hangs"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n'
+        'instance_group [{ kind: KIND_CPU, count: 1 }]\n')
+    server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), log_file=tmp_path / "log")
+    try:
+        with pytest.raises(ServerError) as stalled:
+            server.start(timeout=90, stall_timeout=5)
+    finally:
+        server.stop()
+    message = str(stalled.value)
+    assert "made no progress for 5 s" in message and "models not loaded: hangs;" in message, message
+    assert "stub processes: hangs_0_0 (pid" in message and "sleeping" in message, message
+    assert not server.alive()
