@@ -211,7 +211,7 @@ class TritonServer:
 
     def _stalled_load(self, log: bytes) -> str:
         """What a start that hangs waits for: the models whose load began and did not end, and the state of each
-        stub process (its model, whether it runs or sleeps, its CPU seconds so far)."""
+        stub process (its instance, whether it runs or sleeps, its CPU seconds so far)."""
         import re
 
         import psutil
