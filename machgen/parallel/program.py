@@ -220,7 +220,7 @@ class ParallelProgram:
         self._key = (self.layout, device, threads)
         self.stale_idle_s = STALE_IDLE_S
         self._last_call = 0.0  # time.monotonic() of the latest call
-        self._called = threading.Event()  # set by a call, cleared once an idle program's stale blocks are gone
+        self._watching_idle = False  # a thread waits to drop the stale blocks once idle (under pool.calling)
         self._closed = threading.Event()
         with _POOLS_LOCK:
             if self._key not in _POOLS:
@@ -248,8 +248,8 @@ class ParallelProgram:
                 self.kept.lost()
                 raise
             self._last_call = time.monotonic()
-            if self.layout.stale and not self._called.is_set():
-                self._called.set()
+            if self.layout.stale and not self._watching_idle:
+                self._watching_idle = True
                 threading.Thread(target=self._drop_stale_when_idle, name="drop-stale-blocks", daemon=True).start()
         self.calls += 1
         self.split_calls += split
@@ -268,7 +268,7 @@ class ParallelProgram:
                         self.pool.call(("drop stale", self.folder))
                     except RankError:
                         pass  # the ranks are gone, and their blocks with them
-                self._called.clear()
+                self._watching_idle = False
                 return
 
     def stale_batches_held(self) -> int:
