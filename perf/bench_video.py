@@ -1,7 +1,7 @@
 """Video speed and quality against diffusers, in one run: the trained video
 default (models/shapes-wan) served through Triton at its calibrated cache
 setting, against diffusers' WanPipeline run eagerly and uncached on the same
-prompt/seed pairs.
+prompt/seed pairs, in rounds of a few pairs that each setting runs in turn.
 
     python perf/bench_video.py                          # 32 held-out text-to-video pairs
     python perf/bench_video.py --task image-to-video    # first frames of held-out clips
@@ -36,6 +36,7 @@ from common import free_port, public_instances, record  # noqa: E402
 SECTION = "bench_video"
 BENCH_HOLDOUT_SEED = 9001  # no calibration uses it (builder/calibrate.py FIT_PROMPTS_SEED, HOLDOUT_PROMPTS_SEED)
 PAIRS = 32
+ROUND_PAIRS = 4  # pairs each setting runs before the next setting's turn
 # What the served default must show against diffusers eager (issue 35).
 PROMISE = {"psnr_mean": 33.0, "psnr_worst": 26.0, "direction_points": 2.0, "speedup": 2.5}
 
@@ -79,60 +80,72 @@ def summarise(setting: str, clips, reference, seconds, passes, motions, expected
     return row
 
 
-def served_rows(repository: Path, name: str, prompts, pictures, label: str = "machgen") -> list[dict]:
+def interleaved_rows(model_dir: Path, repository: Path, name: str, prompts, pictures, round_pairs: int = ROUND_PAIRS,
+                     label: str = "machgen") -> tuple[dict, list[dict]]:
+    """diffusers' row and the served rows (cache_policy none, then the served default), in rounds of
+    ``round_pairs`` pairs that every setting runs in turn: a drift of the machine's speed over the run (seen
+    here: the same eager run 0.9 or 1.2 s a clip some minutes apart) then weighs on every setting alike."""
     import numpy as np
 
+    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+    from machgen.builder.evaluate import sample_videos
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer
 
+    family = detect_family(model_dir)
+    pipe = load_pipeline(model_dir, family)
+    defaults = served_defaults(model_dir, family, pipe)
     motions = [motion for _, _, motion in prompts]
-    rows = []
+    policies = ("none", None)
+    clips = {policy: [] for policy in ("diffusers", *policies)}
+    seconds = {policy: [] for policy in clips}
+    passes = {policy: [] for policy in policies}
+    expected, stats = [], {}
     with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server:
         with MachgenClient(server.grpc_url) as client:
-            def run(index, policy):
+            def served(index, policy):
                 prompt, seed, _ = prompts[index]
                 options = {"cache_policy": policy} if policy else {}
                 if pictures is not None:
                     options["image"] = pictures[index]
                 return client.generate_with_stats(name, prompt, seed=seed, **options)
 
+            def eager(index):
+                picture = None if pictures is None else np.stack(pictures[index:index + 1])
+                return sample_videos(pipe, defaults, prompts[index:index + 1], picture, seconds["diffusers"])[0]
+
             for _ in range(2 * public_instances(repository, name)):  # warm-up: every instance, both policies
-                for policy in ("none", None):
-                    run(0, policy)
-            for policy in ("none", None):
-                clips, seconds, passes, expected = [], [], [], []
-                for index in range(len(prompts)):
-                    start = time.perf_counter()
-                    frames, stats = run(index, policy)
-                    seconds.append(time.perf_counter() - start)
-                    clips.append(frames)
-                    passes.append(stats["denoiser_tail_passes"])
-                    expected.append((stats.get("expected_psnr"), stats.get("expected_psnr_worst")))
-                threshold = stats["cache_threshold"]
-                setting = f"{label} none" if policy else \
-                    f"{label} default ({stats['cache_policy']}{'' if threshold is None else f' {threshold:g}'})"
-                rows.append(summarise(setting, np.stack(clips), None, seconds, passes, motions,
-                                      expected[0] if expected[0][0] is not None else None))
-                print({k: v for k, v in rows[-1].items() if k != "clips"}, flush=True)
-    return rows
-
-
-def diffusers_row(model_dir: Path, prompts, pictures) -> dict:
-    import numpy as np
-
-    from machgen.builder.evaluate import generate_videos_with_diffusers
-
-    pictures = None if pictures is None else np.stack(pictures)
-    generate_videos_with_diffusers(model_dir, prompts[:1], pictures=None if pictures is None else pictures[:1])
-    seconds = []
-    clips = generate_videos_with_diffusers(model_dir, prompts, pictures=pictures, seconds=seconds)
+                for policy in policies:
+                    served(0, policy)
+            eager(0)
+            seconds["diffusers"].clear()
+            for first in range(0, len(prompts), round_pairs):
+                pairs = range(first, min(first + round_pairs, len(prompts)))
+                clips["diffusers"] += [eager(index) for index in pairs]
+                for policy in policies:
+                    for index in pairs:
+                        start = time.perf_counter()
+                        frames, stats[policy] = served(index, policy)
+                        seconds[policy].append(time.perf_counter() - start)
+                        clips[policy].append(frames)
+                        passes[policy].append(stats[policy]["denoiser_tail_passes"])
+                        if policy is None:
+                            expected.append((stats[policy].get("expected_psnr"),
+                                             stats[policy].get("expected_psnr_worst")))
     # WanPipeline runs the transformer once per step, twice under guidance (the two rows one after the other).
-    serving = json.loads((model_dir / "machgen.json").read_text())["serving"]
-    passes = serving["num_inference_steps"] * (2 if serving["guidance_scale"] > 1.0 else 1)
-    row = summarise("diffusers none (eager)", clips, None, seconds, [passes] * len(clips),
-                    [motion for _, _, motion in prompts])
-    print({k: v for k, v in row.items() if k != "clips"}, flush=True)
-    return row
+    eager_passes = defaults.num_inference_steps * (2 if defaults.guidance_scale > 1.0 else 1)
+    reference = summarise("diffusers none (eager)", np.stack(clips["diffusers"]), None, seconds["diffusers"],
+                          [eager_passes] * len(prompts), motions)
+    rows = []
+    for policy in policies:
+        threshold = stats[policy]["cache_threshold"]
+        setting = f"{label} none" if policy else \
+            f"{label} default ({stats[policy]['cache_policy']}{'' if threshold is None else f' {threshold:g}'})"
+        rows.append(summarise(setting, np.stack(clips[policy]), reference["clips"], seconds[policy], passes[policy],
+                              motions, expected[0] if policy is None and expected[0][0] is not None else None))
+    for row in (reference, *rows):
+        print({k: v for k, v in row.items() if k != "clips"}, flush=True)
+    return reference, rows
 
 
 def main() -> int:
@@ -141,6 +154,7 @@ def main() -> int:
     parser.add_argument("--repository", type=Path, help="model repository built from it (default: build one)")
     parser.add_argument("--name", default="shapes-video", help="served model name")
     parser.add_argument("--count", type=int, default=PAIRS, help="held-out prompt/seed pairs")
+    parser.add_argument("--round", type=int, default=ROUND_PAIRS, help="pairs a setting runs before the next's turn")
     parser.add_argument("--task", choices=("text-to-video", "image-to-video"), default="text-to-video")
     parser.add_argument("--attention", default="dense",
                         help="the build's attention (machgen-build build --attention): sparse-fp8 serves the "
@@ -156,12 +170,8 @@ def main() -> int:
         if repository is None:
             repository = Path(scratch) / "repository"
             build_repository(args.model_dir, args.name, repository, attention=AttentionOptions(args.attention))
-        served = served_rows(repository, args.name, prompts, pictures,
-                             "machgen" if args.attention == "dense" else f"machgen {args.attention}")
-    eager = diffusers_row(args.model_dir, prompts, pictures)
-    motions = [motion for _, _, motion in prompts]
-    rows = [summarise(row["setting"], row["clips"], eager["clips"], [row["seconds"]], [row["tail_passes"]], motions,
-                      row.get("expected")) for row in served]
+        eager, rows = interleaved_rows(args.model_dir, repository, args.name, prompts, pictures, args.round,
+                                       "machgen" if args.attention == "dense" else f"machgen {args.attention}")
     lines = [f"| {eager['setting']} | {eager['tail_passes']:.0f} | {eager['seconds']:.3f} | 1.00x | - | - | "
              f"{100 * eager['direction']:.1f} % | {100 * eager['all_three']:.1f} % | {eager['flicker']:.2f} | - | - |"]
     for row in rows:
@@ -179,6 +189,7 @@ def main() -> int:
         f"Model `{args.model_dir.name}` ({args.task}, {args.attention} attention) at its served defaults, "
         f"{len(prompts)} prompt/seed pairs from generator seed {BENCH_HOLDOUT_SEED}, which no calibration uses, "
         f"{os.cpu_count()} CPU cores ({platform.machine()}), measured {time.strftime('%Y-%m-%d %H:%M')}. "
+        f"In rounds of {args.round} pairs, diffusers first, then each served setting. "
         "Seconds per clip end to end; PSNR of each clip's frames against diffusers' own clip for the same pair "
         "(mean and worst clip; worst single frame); direction: the detector's direction accuracy (points against "
         "diffusers); all three: colour, shape and direction right; flicker: mean frame-to-frame change off the "

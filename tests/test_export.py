@@ -102,3 +102,41 @@ def test_a_squeeze_of_an_axis_that_is_not_one_exports_as_torch_means_it(tmp_path
     unseen = torch.randn(4, 7, 5)
     (got,) = OnnxSession(tmp_path / "gate.onnx").run({"x": unseen.numpy()}).values()
     assert np.allclose(got, (unseen * 3).numpy(), atol=1e-6)
+
+
+@pytest.mark.export
+def test_interleaved_writes_of_the_last_axis_export_as_pairs_with_the_same_values(tmp_path):
+    """Wan's rotary embedding writes ``out[..., 0::2]`` then ``out[..., 1::2]`` of an empty tensor: the file
+    joins the two writes as pairs (no ScatterND, whose translation transposes the tensor back and forth), and
+    equals torch (exactly where only values move: a lone odd write over real values), on sizes the trace
+    never saw."""
+    import onnx
+
+    from machgen.builder.export import export_onnx
+    from machgen.builder.family_export import ExportableComponent
+    from machgen.contract.specs import ComponentSpec, TensorSpec
+
+    class Rotate(torch.nn.Module):
+        def forward(self, x, angle):
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            out = torch.empty_like(x)
+            out[..., 0::2] = x1 * angle.cos() - x2 * angle.sin()
+            out[..., 1::2] = x1 * angle.sin() + x2 * angle.cos()
+            odd_only = x.clone()
+            odd_only[..., 1::2] = x1 * 3
+            return out, odd_only
+
+    spec = ComponentSpec("rotate", inputs=(TensorSpec("x", "float32", ("batch", "tokens", 4, 8)),
+                                           TensorSpec("angle", "float32", ("batch", "tokens", 4, 4))),
+                         outputs=(TensorSpec("rotated", "float32", ("batch", "tokens", 4, 8)),
+                                  TensorSpec("odd_written", "float32", ("batch", "tokens", 4, 8))), tolerance=0)
+    module = Rotate().eval()
+    export_onnx(ExportableComponent(spec, module, {"x": torch.randn(2, 3, 4, 8), "angle": torch.randn(2, 3, 4, 4)}),
+                tmp_path / "rotate.onnx")
+    assert "ScatterND" not in {node.op_type for node in onnx.load(tmp_path / "rotate.onnx").graph.node}
+    x, angle = torch.randn(3, 5, 4, 8), torch.randn(3, 5, 4, 4)
+    got = OnnxSession(tmp_path / "rotate.onnx").run({"x": x.numpy(), "angle": angle.numpy()})
+    with torch.no_grad():
+        rotated, odd_written = module(x, angle)
+    assert np.allclose(got["rotated"], rotated.numpy(), rtol=0, atol=1e-6)  # cos, sin and products: rounding
+    assert np.array_equal(got["odd_written"], odd_written.numpy())

@@ -96,6 +96,21 @@ def test_stats_report_the_calibrations_expected_psnr(video_server):
     assert (stats["expected_psnr"], stats["expected_psnr_worst"]) == (held_out["psnr_mean"], held_out["psnr_worst"])
 
 
+def test_a_lone_guided_request_runs_a_row_on_each_idle_instance(video_server):
+    """The default build's two component instances: alone, a request's two guidance rows a step run side by
+    side, a row each (runtime/spread.py), rather than as one forward on one core while the other idles."""
+    from machgen.client import MachgenClient
+
+    prompt, seed, _ = TEXT_PAIRS[0]
+    with MachgenClient(video_server.grpc_url) as client:
+        before = client.rows_and_forwards(f"{NAME}_denoiser_tail")
+        client.generate_with_stats(NAME, prompt, seed=seed, cache_policy="none", num_inference_steps=10)
+        rows, forwards = (now - then for now, then in zip(client.rows_and_forwards(f"{NAME}_denoiser_tail"), before))
+    assert rows == 20
+    # Where Triton's batcher found both parts queued at once it ran them as one forward: rare; whole, it is 10.
+    assert forwards >= 18, f"{rows} rows in {forwards} forwards"
+
+
 def test_machgen_build_eval_scores_the_served_model_uncached_as_diffusers(diffusers_clips, video_server):
     """machgen-build eval --url ... --cache-policy none: the card's served figures, read as diffusers' are."""
     from typer.testing import CliRunner

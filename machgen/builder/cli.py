@@ -67,6 +67,8 @@ def build(
                                        help="requests waiting for an instance; beyond it: UNAVAILABLE"),
     component_instances: int = typer.Option(_SERVING.component_instances, "--component-instances", min=1,
                                             help="forwards each component runs at once"),
+    spread_rows: bool = typer.Option(_SERVING.spread_rows, "--spread-rows/--no-spread-rows",
+                                     help="cut a lone request's denoiser call over the idle instances (CPU)"),
     batching: bool = typer.Option(_SERVING.batching, "--batching/--no-batching",
                                   help="batch the calls of concurrent requests in each component"),
     max_batch_size: int = typer.Option(_SERVING.max_batch_size, "--max-batch-size", min=1,
@@ -146,7 +148,7 @@ def build(
     except LayoutError as err:
         raise typer.BadParameter(str(err), param_hint="--parallel") from None
     options = ServingOptions(in_flight=in_flight, max_queue_size=max_queue_size,
-                             component_instances=component_instances, batching=batching,
+                             component_instances=component_instances, spread_rows=spread_rows, batching=batching,
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
                              stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads,
                              max_lora_rank=max_lora_rank, max_loras=max_loras)

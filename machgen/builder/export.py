@@ -116,7 +116,7 @@ def export_onnx(component: ExportableComponent, path: Path,
             output_names=[t.name for t in spec.outputs],
             dynamo=True,
             verbose=False,
-            custom_translation_table={**_squeeze_translations(),
+            custom_translation_table={**_squeeze_translations(), **_slice_scatter_translations(),
                                       **(ops.onnx_translation() if attention is not None else {})},
         )
     size = sum(t.numel() * t.element_size() for t in component.module.state_dict().values())
@@ -162,6 +162,43 @@ def _squeeze_translations() -> dict:
         return op.Squeeze(self, op.Constant(value_ints=[dim]))
 
     return {torch.ops.aten.squeeze.dim: squeeze_dim}
+
+
+def _slice_scatter_translations() -> dict:
+    """aten.slice_scatter into every other element of the last axis (Wan's
+    rotary embedding writes ``out[..., 0::2]`` and then ``out[..., 1::2]``)
+    as the axis cut into pairs, one of each pair replaced, joined back: the
+    same values. Where the odd write follows an even one, the pairs are the
+    two writes' values (the even write's nodes are then unused and dropped).
+    onnxscript 0.7.2 writes any slice_scatter as a ScatterND with the axis
+    transposed to the front and back, three transposes of [batch, tokens,
+    heads, head_dim] per write: a quarter of Wan's tail forward on the CPU.
+    Other slice_scatters keep onnxscript's translation."""
+    import torch
+    from onnxscript import opset18 as op
+    from onnxscript.function_libs.torch_lib.ops.core import aten_slice_scatter
+
+    evens_written: dict[int, tuple] = {}  # id of an even write's output -> (that output, the values written)
+
+    def slice_scatter(self, src, dim: int = 0, start=None, end=None, step=1):
+        rank = None if self.shape is None else len(self.shape)
+        last = self.shape[rank - 1] if rank else None
+        if (not rank or dim not in (-1, rank - 1) or step != 2 or start not in (0, 1) or not isinstance(last, int)
+                or last % 2 or (end is not None and not (isinstance(end, int) and end >= last))):
+            return aten_slice_scatter(self, src, dim, start, end, step)
+        written = op.Unsqueeze(src, op.Constant(value_ints=[-1]))
+        if start == 1 and id(self) in evens_written:
+            pair = (op.Unsqueeze(evens_written[id(self)][1], op.Constant(value_ints=[-1])), written)
+        else:
+            pairs = op.Reshape(self, op.Constant(value_ints=[0] * (rank - 1) + [-1, 2]))
+            kept = op.Split(pairs, axis=-1, num_outputs=2)[1 - start]
+            pair = (written, kept) if start == 0 else (kept, written)
+        result = op.Reshape(op.Concat(*pair, axis=-1), op.Constant(value_ints=[0] * (rank - 1) + [-1]))
+        if start == 0:
+            evens_written[id(result)] = (result, src)
+        return result
+
+    return {torch.ops.aten.slice_scatter.default: slice_scatter}
 
 
 def _name_axes(model, spec: ComponentSpec) -> None:

@@ -87,6 +87,10 @@ class ServingOptions:
     # bottleneck (1.66 of 2 cores busy at concurrency 8, 11.6 requests/s);
     # with two, 1.97 cores and 13.9 requests/s (perf/RESULTS.md).
     component_instances: int = 2
+    # A denoiser call of several rows (a video's two guidance rows) while
+    # instances idle is cut over them, so a request alone uses every core
+    # (runtime/spread.py; CPU targets only). Busy servers send calls whole.
+    spread_rows: bool = True
     # False: components run each call alone (no dynamic batcher): the
     # baseline the batching benchmark compares against.
     batching: bool = True
@@ -255,7 +259,8 @@ def _single_decoupled_instance(name: str) -> str:
             "model_transaction_policy {\n  decoupled: true\n}\n")
 
 
-def render_sampler_config(pipeline: str, family: Family, options: ServingOptions) -> str:
+def render_sampler_config(pipeline: str, family: Family, options: ServingOptions,
+                          serving: TargetServing = TargetServing()) -> str:
     """The sampler: decoupled (a progress response per step, then the
     result), one instance whose threads carry every request in flight; its
     step gate lets ``in_flight`` requests' denoiser calls run at once."""
@@ -269,8 +274,18 @@ def render_sampler_config(pipeline: str, family: Family, options: ServingOptions
         + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio) + relay_outputs,
                                           optional=False))
         + "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
-        + _parameters({"step_slots": str(options.in_flight), "batch_min_share": f"{options.batch_min_share:g}"})
+        + _parameters({"step_slots": str(options.in_flight), "batch_min_share": f"{options.batch_min_share:g}",
+                       "spread_instances": str(spread_instances(options, serving))})
     )
+
+
+def spread_instances(options: ServingOptions, serving: TargetServing) -> int:
+    """Instances a denoiser call's rows may be spread over (runtime/spread.py): the CPU's one-thread sessions;
+    not a GPU's (one forward fills it) nor a parallel layout's (one instance, its ranks share the work), nor
+    where per-step calls wait for each other (a queue delay would gather the parts back into one forward)."""
+    if not options.spread_rows or serving.on_gpu or serving.parallel_components or options.step_queue_delay_us:
+        return 1
+    return options.component_instances
 
 
 def model_card(family: Family, defaults: ServedDefaults, family_settings: dict[str, Any],
@@ -414,7 +429,7 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
         f"{pipeline}/1/model.py": _SHIM.format(cls="PublicModel"),
         f"{model_name(pipeline, STREAM)}/config.pbtxt": render_stream_config(pipeline, family, options, card),
         f"{model_name(pipeline, STREAM)}/1/model.py": _SHIM.format(cls="StreamModel"),
-        f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family, options),
+        f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family, options, serving),
         f"{sampler}/1/model.py": _SHIM.format(cls="SamplerModel"),
         f"{sampler}/1/{MANIFEST_FILE}": manifest.render(),
     }

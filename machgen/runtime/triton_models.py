@@ -28,7 +28,9 @@ error responses of a decoupled model).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -72,6 +74,7 @@ from machgen.contract.manifest import (
 from machgen.runtime.processes import instances_of, sibling_stubs
 from machgen.runtime.sampler import GenerationCancelled
 from machgen.runtime.scheduling import GateClosed, SchedulingPolicy, StepGate
+from machgen.runtime.spread import RowSpread
 from machgen.runtime.tensors import is_torch
 
 
@@ -609,17 +612,19 @@ class SamplerModel:
         self.gate = StepGate(SchedulingPolicy(slots=int(_parameter(config, "step_slots", "8")),
                                               batch_min_share=float(_parameter(config, "batch_min_share", "0.1"))))
         self._turn = threading.local()  # the request this thread runs: who it is for, its priority
+        self.spread = RowSpread(int(_parameter(config, "spread_instances", "1")))
         # Requests running, by the key their relay gave them.
         self._running: dict[str, _RunningRequest] = {}
         self._lock = threading.Lock()
 
     def _run_component(self, name: str, inputs: dict):
+        if not name.startswith("denoiser"):
+            return self._component_call(name, inputs)
         turn = getattr(self._turn, "request", None)
-        if turn is not None and name.startswith("denoiser"):
-            owner, priority, is_cancelled, times, order = turn
-            with self.gate.turn(owner, priority, is_cancelled, times, order):
+        with contextlib.nullcontext() if turn is None else self.gate.turn(*turn):
+            if name in self.in_sampler:
                 return self._component_call(name, inputs)
-        return self._component_call(name, inputs)
+            return self.spread.call(functools.partial(self._component_call, name), inputs)
 
     def _component_call(self, name: str, inputs: dict):
         if name in self.in_sampler:
@@ -801,6 +806,7 @@ class SamplerModel:
             request.stop.set()
         for request in running:
             request.thread.join(timeout=30)
+        self.spread.close()
         # Tearing down an interpreter with torch and diffusers loaded spends
         # about a second in garbage collection; frozen objects are skipped
         # (exit of such a process measured 1.37 s, 0.39 s frozen).
