@@ -114,6 +114,11 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     assert (stats.expected_psnr, stats.expected_psnr_worst) == (default["psnr_mean"], default["psnr_worst"])
     _, stats = local.generate("a red cat", seed=0, cache_policy=cache["default_policy"], cache_threshold=9.5)
     assert stats.expected_psnr is None and stats.expected_psnr_worst is None
+    # nor for requests of a kind it did not measure: from a picture, or part of the schedule
+    picture = np.full((64, 64, 3), 128, dtype=np.uint8)
+    for kind in ({"image": picture, "strength": 0.6, "height": 64, "width": 64}, {"stop_step": steps // 2}):
+        _, stats = local.generate("a red cat", seed=0, **kind)
+        assert stats.cache_policy == cache["default_policy"] and stats.expected_psnr is None, kind
     images, stats = local.generate("a red cat", seed=0, cache_policy="magcache", cache_threshold=0.0)
     reference, _ = local.generate("a red cat", seed=0, cache_policy="none")
     np.testing.assert_array_equal(images, reference)  # threshold 0 never skips

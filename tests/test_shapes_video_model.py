@@ -94,6 +94,12 @@ def test_stats_report_the_calibrations_expected_psnr(video_server):
     held_out = cache["calibration"]["held_out"][cache["default_policy"]]
     assert held_out["meets_targets"] and cache["calibration"]["holdout_prompts"] >= 32
     assert (stats["expected_psnr"], stats["expected_psnr_worst"]) == (held_out["psnr_mean"], held_out["psnr_worst"])
+    # Calibrated on text-to-video: an image-to-video request (pinned by its first frame, far above those
+    # figures) reports none rather than the text's.
+    prompt, seed, picture, _ = PICTURE_CASES[0]
+    with MachgenClient(video_server.grpc_url) as client:
+        _, stats = client.generate_with_stats(NAME, prompt, seed=seed, image=picture)
+    assert stats["cache_policy"] == cache["default_policy"] and stats["expected_psnr"] is None
 
 
 def test_a_lone_guided_request_runs_a_row_on_each_idle_instance(video_server):
