@@ -20,7 +20,6 @@ change off the shape's path, in 0-255 levels) next to diffusers'.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
