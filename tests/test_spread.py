@@ -37,8 +37,10 @@ def test_row_slices_cover_every_row_once_in_order_sizes_within_one(rows, parts):
 class Instances:
     """A component of ``count`` instances: each call holds one for ``seconds`` and answers per row."""
 
-    def __init__(self, seconds: float = 0.05):
+    def __init__(self, seconds: float = 0.05, together: int = 1):
         self.seconds = seconds
+        # With together > 1, each call waits (5 s at most) until that many run at once: it fails unless they do.
+        self.together = threading.Barrier(together, timeout=5) if together > 1 else None
         self.lock = threading.Lock()
         self.running = 0
         self.most_running = 0
@@ -49,6 +51,8 @@ class Instances:
             self.running += 1
             self.most_running = max(self.most_running, self.running)
             self.calls.append(len(inputs["x"]))
+        if self.together is not None:
+            self.together.wait()
         time.sleep(self.seconds)
         with self.lock:
             self.running -= 1
@@ -63,10 +67,11 @@ def rows_of(count: int, start: float = 0.0) -> dict:
 
 
 def test_a_lone_call_runs_its_parts_at_once_and_answers_the_whole_calls_outputs():
-    component, spread = Instances(), RowSpread(2)
+    component, spread = Instances(together=2), RowSpread(2)
     inputs = rows_of(2)
     outputs = spread.call(component.run, inputs)
     assert component.calls == [1, 1] and component.most_running == 2
+    component.together = None
     whole = component.run(inputs)
     for name in whole:
         np.testing.assert_array_equal(outputs[name], whole[name])
@@ -77,7 +82,9 @@ def test_calls_that_find_the_instances_busy_go_whole():
     component, spread = Instances(seconds=0.2), RowSpread(2)
     first = threading.Thread(target=spread.call, args=(component.run, rows_of(2)))
     first.start()
-    time.sleep(0.05)  # the first call's two parts hold both instances
+    deadline = time.monotonic() + 5
+    while component.running < 2 and time.monotonic() < deadline:  # the first call's two parts hold both instances
+        time.sleep(0.005)
     outputs = spread.call(component.run, rows_of(4, start=10))
     first.join()
     assert sorted(component.calls) == [1, 1, 4]
@@ -114,7 +121,8 @@ def test_the_build_spreads_over_cpu_instances_only_where_calls_go_straight_to_th
     from machgen.builder.repository import ServingOptions, TargetServing, spread_instances
 
     assert spread_instances(ServingOptions(), TargetServing()) == 2
-    assert spread_instances(ServingOptions(component_instances=3), TargetServing(target="torch")) == 3
+    assert spread_instances(ServingOptions(component_instances=3), TargetServing()) == 3
+    assert spread_instances(ServingOptions(component_instances=3), TargetServing(target="torch")) == 1  # all cores each
     assert spread_instances(ServingOptions(spread_rows=False), TargetServing()) == 1
     # A queue delay gathers the parts back into one forward.
     assert spread_instances(ServingOptions(step_queue_delay_us=500), TargetServing()) == 1

@@ -89,7 +89,7 @@ class ServingOptions:
     component_instances: int = 2
     # A denoiser call of several rows (a video's two guidance rows) while
     # instances idle is cut over them, so a request alone uses every core
-    # (runtime/spread.py; CPU targets only). Busy servers send calls whole.
+    # (runtime/spread.py; the onnxruntime target only). Busy servers send calls whole.
     spread_rows: bool = True
     # False: components run each call alone (no dynamic batcher): the
     # baseline the batching benchmark compares against.
@@ -280,10 +280,12 @@ def render_sampler_config(pipeline: str, family: Family, options: ServingOptions
 
 
 def spread_instances(options: ServingOptions, serving: TargetServing) -> int:
-    """Instances a denoiser call's rows may be spread over (runtime/spread.py): the CPU's one-thread sessions;
-    not a GPU's (one forward fills it) nor a parallel layout's (one instance, its ranks share the work), nor
+    """Instances a denoiser call's rows may be spread over (runtime/spread.py): ONNX Runtime's sessions on the
+    CPU, where it was measured; not a GPU's (one forward fills it), nor the torch target's on the CPU (each
+    process already takes every core), nor a parallel layout's (one instance, its ranks share the work), nor
     where per-step calls wait for each other (a queue delay would gather the parts back into one forward)."""
-    if not options.spread_rows or serving.on_gpu or serving.parallel_components or options.step_queue_delay_us:
+    if (not options.spread_rows or serving.target != "onnxruntime" or serving.parallel_components
+            or options.step_queue_delay_us):
         return 1
     return options.component_instances
 

@@ -49,6 +49,8 @@ class RowSpread:
         self._parts = ThreadPoolExecutor(max_workers=max(1, instances - 1), thread_name_prefix="spread-part")
 
     def call(self, run: Callable[[Mapping[str, Any]], Outputs], inputs: Mapping[str, Any]) -> Outputs:
+        if self.instances == 1:
+            return run(inputs)
         row_counts = {len(value) for value in inputs.values()}
         rows = row_counts.pop() if len(row_counts) == 1 else 0
         with self._lock:
