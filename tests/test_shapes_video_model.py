@@ -113,8 +113,9 @@ def test_a_lone_guided_request_runs_a_row_on_each_idle_instance(video_server):
         client.generate_with_stats(NAME, prompt, seed=seed, cache_policy="none", num_inference_steps=10)
         rows, forwards = (now - then for now, then in zip(client.rows_and_forwards(f"{NAME}_denoiser_tail"), before))
     assert rows == 20
-    # Where Triton's batcher found both parts queued at once it ran them as one forward: rare; whole, it is 10.
-    assert forwards >= 18, f"{rows} rows in {forwards} forwards"
+    # Whole, it is 10. Where Triton's batcher found both parts queued at once it ran them as one forward: 0-1
+    # steps of 10 on an idle machine, 3 seen beside a second test worker (its scheduler thread woke late).
+    assert forwards >= 15, f"{rows} rows in {forwards} forwards"
 
 
 def test_machgen_build_eval_scores_the_served_model_uncached_as_diffusers(diffusers_clips, video_server):
