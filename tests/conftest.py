@@ -14,6 +14,7 @@ import contextlib
 import os
 import socket
 import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,53 @@ def free_port() -> int:
         _HANDED_OUT.add(port)
         return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+class ScorerHandler(BaseHTTPRequestHandler):
+    """An agent's scorer of explore jobs: answers the check at once and each scoring with ``scores`` after
+    ``delay`` seconds; ``asked`` keeps each request's headers and body."""
+
+    scores: list[float] = []
+    delay = 0.0
+    asked: list = []
+    url = ""
+
+    def do_POST(self):
+        import json
+        import time
+
+        body = self.rfile.read(int(self.headers["content-length"]))
+        payload = json.loads(body)
+        type(self).asked.append((dict(self.headers), body))
+        if payload["type"] == "explore.score":
+            time.sleep(type(self).delay)
+        answer = json.dumps({"scores": type(self).scores} if payload["type"] == "explore.score" else {}).encode()
+        try:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+        except OSError:  # the API gave up waiting
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def agent_scorer():
+    """A scorer on a free local port: its handler class, whose ``scores`` and ``delay`` a test sets, at ``url``."""
+    import threading
+
+    handler = type("Scorer", (ScorerHandler,), {"scores": [], "delay": 0.0, "asked": []})
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    handler.url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield handler
+    finally:
+        server.shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)

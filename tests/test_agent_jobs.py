@@ -7,16 +7,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import PIPELINE_NAME, free_port
+from conftest import PIPELINE_NAME, agent_scorer
 
 pytestmark = [pytest.mark.integration]
 
@@ -115,39 +112,10 @@ def test_a_parent_is_only_its_owners_and_must_have_kept_latents(api_server, api_
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
 
 
-class _Scorer(BaseHTTPRequestHandler):
-    """The agent's scorer: answers the check at once and each scoring with ``scores`` after ``delay`` seconds."""
-
-    scores: list[float] = []
-    delay = 0.0
-    asked: list = []
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers["content-length"]))
-        payload = json.loads(body)
-        type(self).asked.append((dict(self.headers), body))
-        if payload["type"] == "explore.score":
-            time.sleep(type(self).delay)
-        answer = json.dumps({"scores": type(self).scores} if payload["type"] == "explore.score" else {}).encode()
-        try:
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-        except OSError:  # the API gave up waiting
-            pass
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def scorer():
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Scorer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/score"
-    server.shutdown()
+    with agent_scorer() as handler:
+        yield handler
 
 
 def full_runs(triton_server, seeds) -> dict[int, np.ndarray]:
@@ -162,8 +130,8 @@ def test_an_explore_scored_by_the_agent_continues_only_the_best_as_their_full_ru
                                                                                    triton_server):
     from standardwebhooks import Webhook
 
-    _Scorer.scores, _Scorer.delay, _Scorer.asked = [0.1, 0.9, 0.5, 0.2], 0.0, []
-    answer = generate(api_server, n=4, seed=20, explore={"keep": 2, "at_step": 1, "scorer": scorer})
+    scorer.scores, scorer.delay, scorer.asked = [0.1, 0.9, 0.5, 0.2], 0.0, []
+    answer = generate(api_server, n=4, seed=20, explore={"keep": 2, "at_step": 1, "scorer": scorer.url})
     assert answer.status_code == 200, answer.text
     explored = job(api_server, answer.json()["machgen"]["job_id"])["explored"]
     ranked = [(v["index"], v["status"], v["steps"]) for v in explored["variants"]]
@@ -174,7 +142,7 @@ def test_an_explore_scored_by_the_agent_continues_only_the_best_as_their_full_ru
     images = pictures(answer.json())
     assert difference(images[0], expected[21]) <= 1 and difference(images[1], expected[22]) <= 1
     # The scorer saw each variant's early image, signed as webhooks are.
-    headers, body = next((h, b) for h, b in _Scorer.asked if json.loads(b)["type"] == "explore.score")
+    headers, body = next((h, b) for h, b in scorer.asked if json.loads(b)["type"] == "explore.score")
     Webhook(api_server.webhook_secret).verify(body, {k.lower(): v for k, v in headers.items()})
     sent = json.loads(body)["data"]
     assert sent["step"] == 1 and [v["seed"] for v in sent["variants"]] == [20, 21, 22, 23]
@@ -184,8 +152,8 @@ def test_an_explore_scored_by_the_agent_continues_only_the_best_as_their_full_ru
 
 
 def test_a_scorer_that_does_not_answer_in_time_prunes_nothing(api_server, scorer):
-    _Scorer.scores, _Scorer.delay = [1.0, 0.0, 0.5], 3.0
-    answer = generate(api_server, n=3, seed=30, explore={"keep": 1, "at_step": 2, "scorer": scorer,
+    scorer.scores, scorer.delay = [1.0, 0.0, 0.5], 3.0
+    answer = generate(api_server, n=3, seed=30, explore={"keep": 1, "at_step": 2, "scorer": scorer.url,
                                                          "timeout_s": 0.5})
     assert answer.status_code == 200, answer.text
     explored = job(api_server, answer.json()["machgen"]["job_id"])["explored"]

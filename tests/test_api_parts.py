@@ -316,3 +316,25 @@ def test_a_webhook_goes_to_the_address_its_name_resolved_to_when_checked(tmp_pat
         _deliver_once(store, allow_private=False)  # now resolves to loopback, which is refused
         assert len(receiver.received) == 1 and store.claim_webhook(lease_s=30) is None
     assert store.db.execute("SELECT gave_up, problem FROM webhooks WHERE body LIKE '%img_2%'")[0][0] == 1
+
+
+def test_the_built_in_scorer_reads_what_the_prompt_names_in_a_picture_and_in_a_clip():
+    """explore's "shapes" scorer: the share of the prompt's colour, shape and place (a picture) or direction (a
+    clip, by the moving-shapes detector) read back."""
+    import dataclasses
+
+    import numpy as np
+
+    from machgen.api.explore import shapes_score
+    from machgen.builder import moving_shapes, shapes
+
+    sample = next(s for s in shapes.batch(20, seed=99) if shapes.detect(s.image) == s.label)
+    assert shapes_score(sample.image, shapes.caption(sample.label)) == 1.0
+    assert shapes_score(np.full((64, 64, 3), 20, np.uint8), shapes.caption(sample.label)) == 0.0
+    clip = next(c for c in moving_shapes.batch(20, seed=7) if moving_shapes.detect(c.frames) == c.motion)
+    assert shapes_score(clip.frames, clip.caption) == 1.0
+    other = next(d for d in moving_shapes.DIRECTION_PHRASES if d != clip.motion.direction)
+    assert shapes_score(clip.frames, moving_shapes.caption(dataclasses.replace(clip.motion, direction=other))) == \
+        pytest.approx(2 / 3)
+    assert shapes_score(clip.frames, f"a {clip.motion.colour} shape") == 1.0  # only what the prompt names
+    assert shapes_score(np.repeat(clip.frames[:1], len(clip.frames), axis=0), clip.caption) == 0.0  # no motion

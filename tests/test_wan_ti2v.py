@@ -357,3 +357,72 @@ def test_a_video_refine_goes_on_from_its_parents_latents(ti2v_server, ti2v_api, 
                           ({"num_inference_steps": 6}, "num_inference_steps")]:
         refused = create(parent=parent["id"], **{"step": 2, **fields})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (fields, refused.text)
+
+
+@pytest.mark.integration
+def test_a_video_explore_continues_only_the_best_clips(ti2v_server, ti2v_api, tmp_path):
+    """POST /v1/videos with n variants and an explore: every clip runs to the scoring step, the agent's scorer
+    gets each early clip (an MP4), the best explore.keep continue (near their seeds' full runs: Wan's UniPC
+    restarts its history at the step), the others stop there; the video object lists them ranked."""
+    import base64
+    import json
+    import time
+
+    import httpx
+
+    from conftest import agent_scorer
+    from machgen.builder.evaluate import psnr
+    from machgen.client import MachgenClient
+    from machgen.client.video import write_mp4
+
+    headers = {"Authorization": f"Bearer {ti2v_api.key}"}
+    body = {"model": NAME, "prompt": PROMPT, "seed": 50, "num_inference_steps": 4, "cache_policy": "none",
+            "size": "64x64"}
+
+    def create(**fields) -> httpx.Response:
+        return httpx.post(f"{ti2v_api.url}/v1/videos", headers=headers, timeout=60, json={**body, **fields})
+
+    def content(video_id: str, **params) -> httpx.Response:
+        return httpx.get(f"{ti2v_api.url}/v1/videos/{video_id}/content", headers=headers, params=params, timeout=30)
+
+    with agent_scorer() as scorer:
+        scorer.scores = [0.2, 0.9, 0.5]
+        answer = create(n=3, explore={"keep": 2, "at_step": 1, "scorer": scorer.url})
+        assert answer.status_code == 200, answer.text
+        video, deadline = answer.json(), time.monotonic() + 120
+        while video["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+            time.sleep(0.1)
+            video = httpx.get(f"{ti2v_api.url}/v1/videos/{video['id']}", headers=headers, timeout=30).json()
+        assert video["status"] == "completed", video
+        sent = next(json.loads(b)["data"] for _, b in scorer.asked if json.loads(b)["type"] == "explore.score")
+    ranked = [(v["index"], v["status"], v["steps"]) for v in video["explored"]["variants"]]
+    assert ranked == [(1, "continued", 4), (2, "continued", 4), (0, "pruned", 1)]
+    assert video["n"] == 2 and video["seed"] == 51 and len(video["stats"]) == 2
+    assert [v["seed"] for v in sent["variants"]] == [50, 51, 52]
+    early_clip = base64.b64decode(sent["variants"][0]["video"].split(",", 1)[1])
+    assert sent["variants"][0]["video"].startswith("data:video/mp4;base64,") and early_clip[4:8] == b"ftyp"
+    early = content(video["id"], early=0)
+    assert early.status_code == 200 and early.headers["content-type"] == "video/mp4" and early.content == early_clip
+    # The continued clips, best first, near their seeds' full runs.
+    with MachgenClient(ti2v_server.grpc_url) as client:
+        for index, seed in enumerate((51, 52)):
+            frames, stats = client.generate_with_stats(NAME, PROMPT, seed=seed, num_inference_steps=4,
+                                                       cache_policy="none", width=64, height=64)
+            write_mp4(frames, tmp_path / "expected.mp4", fps=stats["fps"])
+            served = _video_bytes_frames(content(video["id"], index=index).content, tmp_path)
+            full = _video_bytes_frames((tmp_path / "expected.mp4").read_bytes(), tmp_path)
+            assert psnr(served, full) >= SAME_PROMPT_PSNR, (seed, psnr(served, full))
+    assert content(video["id"], index=2).json()["error"]["param"] == "index"
+    # The built-in scorer reads each early clip with the moving-shapes detector (none on random weights: 0).
+    detected = create(n=2, explore={"keep": 1, "scorer": "shapes"})
+    assert detected.status_code == 200, detected.text
+    while detected.json()["status"] not in ("completed", "failed"):
+        time.sleep(0.1)
+        detected = httpx.get(f"{ti2v_api.url}/v1/videos/{detected.json()['id']}", headers=headers, timeout=30)
+    explored = detected.json()["explored"]
+    assert detected.json()["status"] == "completed" and explored["problem"] is None, detected.json()
+    assert all(0.0 <= v["score"] <= 1.0 for v in explored["variants"])
+    for fields, param in [({"n": 2}, "n"), ({"prompts": ["a blue square"]}, "prompts"),
+                          ({"n": 2, "explore": {"keep": 2, "scorer": "shapes"}}, "explore.keep")]:
+        refused = create(**fields)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (fields, refused.text)

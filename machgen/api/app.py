@@ -21,6 +21,7 @@ from machgen.api.explore import (
     AGENT_FIELDS,
     EARLY_FILE,
     LATENTS_FILE,
+    ExploreSettings,
     check_scorer,
     explore_settings,
     kept_latents,
@@ -29,7 +30,7 @@ from machgen.api.explore import (
     read_latents,
     refine_step,
 )
-from machgen.api.jobs import JobManager, JobMetrics, new_job_id
+from machgen.api.jobs import JobManager, JobMetrics, new_job_id, result_stem
 from machgen.api.destinations import DestinationPolicy
 from machgen.api.keys import KeyRing, StoredKeyRing, UrlSigner, read_keys
 from machgen.api.schemas import (
@@ -653,6 +654,38 @@ def create_app(settings: ApiSettings) -> FastAPI:
         seed = parent.request["seeds"][listed[index].get("variant", index)] if parent.request.get("seeds") else 0
         return {"parent": parent_id, "parent_index": index, "step": step, "seed": seed}
 
+    async def explore_of(state: _State, fields: dict[str, Any], n: int, steps: int,
+                         refined: dict[str, Any] | None) -> ExploreSettings | None:
+        """The request's explore plan (a scorer URL checked: allowed, and answering), or None; 400 naming the
+        field."""
+        if fields.get("explore") is None:
+            return None
+        if refined is not None:
+            raise invalid("explore", "a refine continues one trajectory: it does not explore")
+        explore = explore_settings(fields["explore"], n, steps)
+        if explore.by_callback:
+            await check_scorer(explore.scorer, state.webhooks.destinations,
+                               state.webhooks.policy.secret if state.webhooks.policy else None, explore.timeout_s)
+        return explore
+
+    def early_file(state: _State, job: Job, index: int) -> Response:
+        """An explore job's variant ``index``: its early picture or clip, at the step it was scored."""
+        variants = len(job.request.get("seeds") or ())
+        if not job.request.get("explore") or not 0 <= index < variants:
+            raise invalid("early", f"'early' is an explored variant's index, in [0, {variants - 1}], of an "
+                                   f"explore job")
+        extension = "mp4" if job.kind == "video" else "png"
+        data = state.store.read_result(job.id, EARLY_FILE.format(index=index, extension=extension))
+        if data is None:
+            raise ApiError(404 if job.finished else 409, f"job {job.id} has no early {job.kind} {index}"
+                           + ("" if job.finished else " yet"), code="not_ready")
+        return Response(data, media_type=MEDIA_TYPES[extension])
+
+    def result_index(job: Job, index: int) -> int:
+        if not 0 <= index < max(job.request.get("n", 1), 1):
+            raise invalid("index", f"'index' must be in [0, {job.request.get('n', 1) - 1}]")
+        return index
+
     # ---- images
     async def image_job(request: Request, edit: bool):
         state = state_of(request)
@@ -704,15 +737,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
             inputs["trajectory_steps"] = kept
         _check_request(model, {**inputs, "seed": seed})
         prompts = prompt_variants(fields.get("prompts"), prompt, n)
-        explore = None
-        if fields.get("explore") is not None:
-            if refined is not None:
-                raise invalid("explore", "a refine continues one trajectory: it does not explore")
-            explore = explore_settings(fields["explore"], n, steps)
-            if explore.by_callback:
-                await check_scorer(explore.scorer, state.webhooks.destinations,
-                                   state.webhooks.policy.secret if state.webhooks.policy else None, explore.timeout_s)
-        elif fields.get("prompts") is not None and n < 2:
+        explore = await explore_of(state, fields, n, steps, refined)
+        if explore is None and fields.get("prompts") is not None and n < 2:
             raise invalid("prompts", "prompt variants need 'n' of 2 or more")
         variants = [{**inputs, "prompt": prompts[index], "seed": seed + index} for index in range(n)]
         recorded = {name: value for name, value in inputs.items() if name not in ("image", "start_latents")}
@@ -865,14 +891,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
             raise invalid(field, f"a refine keeps its parent's {inputs['num_frames']} frames at {inputs['fps']} fps")
         inputs["num_frames"], inputs["fps"] = frames, fps
         seed = _seed(fields)
+        n = bounded("n", fields["n"], 1, MAX_VARIANTS) if fields.get("n") is not None else 1
         used = {"model", "prompt", "size", "seconds", "num_frames", "fps", "input_reference", "reference_images",
-                "seed", "callback_url", "keep_latents", "parent", "parent_index", "step"}
+                "seed", "callback_url", "n", *AGENT_FIELDS}
         if refined is not None:
             seed = refined.pop("seed")
             used.add("strength")
-        for name in ("explore", "prompts"):
-            if fields.get(name) is not None:
-                raise invalid(name, f"'{name}' is for images: a video job makes one video", code="unsupported_value")
         inputs.update(_model_inputs(fields, model, used))
         _scheduling(state, request, model, inputs)
         with_preview_default(inputs)
@@ -882,12 +906,21 @@ def create_app(settings: ApiSettings) -> FastAPI:
         if kept:
             inputs["trajectory_steps"] = kept
         _check_request(model, {**inputs, "seed": seed})
+        # A video job makes one video, unless it explores: n variants, the best explore.keep continued.
+        explore = await explore_of(state, fields, n, steps, refined)
+        if explore is None and n > 1:
+            raise invalid("n", "a video job makes one video: 'n' variants are an explore's (give 'explore')")
+        if explore is None and fields.get("prompts") is not None:
+            raise invalid("prompts", "prompt variants are an explore's: give 'explore' and 'n'")
+        prompts = prompt_variants(fields.get("prompts"), prompt, n)
         recorded = {name: value for name, value in inputs.items() if name not in ("image", "reference_images",
                                                                                   "start_latents")}
-        recorded.update(n=1, seeds=[seed], image_to_video="image" in inputs, callback_url=callback_url, steps=steps,
-                        pictured=pictured, **(refined or {}))
-        job = await submit(request, state, "video", model, [{**inputs, "seed": seed}], recorded,
-                              waits_in_queue=True)
+        recorded.update(n=explore.keep if explore else 1, seeds=[seed + index for index in range(n)],
+                        image_to_video="image" in inputs, callback_url=callback_url, steps=steps,
+                        pictured=pictured, **(refined or {}),
+                        **({"explore": explore.to_json(), "prompts": prompts} if explore else {}))
+        variants = [{**inputs, "prompt": prompts[index], "seed": seed + index} for index in range(n)]
+        job = await submit(request, state, "video", model, variants, recorded, waits_in_queue=True)
         return video_object(job)
 
     @app.get("/v1/videos")
@@ -918,8 +951,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @app.get("/v1/videos/{video_id}/content")
     async def video_content(video_id: str, request: Request):
         state = state_of(request)
-        variant = openai_video_variant(_query(request, {"variant": str}).get("variant", "video"))
-        return result_file(state, job_for(state, request, video_id, "video"), variant)
+        query = _query(request, {"variant": str, "index": int, "early": int})
+        variant = openai_video_variant(query.get("variant", "video"))
+        job = job_for(state, request, video_id, "video")
+        if "early" in query:
+            return early_file(state, job, query["early"])
+        return result_file(state, job, result_stem(variant, result_index(job, query.get("index", 0))))
 
     def openai_video_variant(variant: str) -> str:
         if variant not in ("video", "thumbnail", "spritesheet"):
@@ -992,21 +1029,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 raise ApiError(404, f"no job with id '{job_id}'", param="id", code="not_found")
         else:
             job = job_for(state, request, job_id)
-        if job.kind == "video":
-            return result_file(state, job, "video")
-        if "early" in query:  # an explored variant's early image, at the step it was scored
-            variants = len(job.request.get("seeds") or ())
-            if not job.request.get("explore") or not 0 <= query["early"] < variants:
-                raise invalid("early", f"'early' is an explored variant's index, in [0, {variants - 1}], of an "
-                                       f"explore job")
-            data = state.store.read_result(job.id, EARLY_FILE.format(index=query["early"]))
-            if data is None:
-                raise ApiError(404 if job.finished else 409, f"job {job.id} has no early image {query['early']}"
-                               + ("" if job.finished else " yet"), code="not_ready")
-            return Response(data, media_type="image/png")
-        if not 0 <= index < max(job.request.get("n", 1), 1):
-            raise invalid("index", f"'index' must be in [0, {job.request.get('n', 1) - 1}]")
-        return result_file(state, job, f"image-{index}")
+        if "early" in query:  # an explored variant's early image or clip, at the step it was scored
+            return early_file(state, job, query["early"])
+        index = result_index(job, index)
+        return result_file(state, job, result_stem("video", index) if job.kind == "video" else f"image-{index}")
 
     @app.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: str, request: Request):

@@ -29,7 +29,7 @@ from machgen.api.schemas import ApiError, invalid, typed
 DEFAULT_SCORER_TIMEOUT_S = 10.0
 MAX_SCORER_TIMEOUT_S = 120.0
 LATENTS_FILE = "latents-{index}.npz"
-EARLY_FILE = "early-{index}.png"
+EARLY_FILE = "early-{index}.{extension}"  # png (an image job) or mp4 (a video job)
 
 
 # The image request's fields for agents (docs/http-api.md): besides OpenAI's.
@@ -104,24 +104,34 @@ def explore_settings(value: Any, n: int, steps: int) -> ExploreSettings:
     return ExploreSettings(keep, at_step, scorer, timeout)
 
 
-def shapes_score(image: np.ndarray, prompt: str) -> float:
-    """The share of what the prompt says (colour, shape, place; those it names) that the shapes detector
-    reads in ``image``: 0 where it finds no shape."""
-    from machgen.builder.shapes import PALETTE, POSITIONS, SHAPES, detect
+def shapes_score(media: np.ndarray, prompt: str) -> float:
+    """The share of what the prompt says that the trained default models' detectors read in ``media``: of a
+    picture [H, W, 3] its colour, shape and place (builder/shapes.py), of a clip [F, H, W, 3] its colour, shape
+    and direction (builder/moving_shapes.py); of those the prompt names, 0 where no shape is found."""
+    from machgen.builder import moving_shapes, shapes
 
-    text = f" {prompt.lower()} "
-    wanted = {"colour": next((c for c in PALETTE if f" {c} " in text), None),
-              "shape": next((s for s in SHAPES if f" {s} " in text or f" {s}." in text), None),
-              "position": next((p for p in sorted(POSITIONS, key=len, reverse=True) if p in text), None)}
+    text = f" {prompt.lower().rstrip('.')} "
+    media = np.asarray(media)[..., :3]
+    wanted = {"colour": next((c for c in shapes.PALETTE if f" {c} " in text), None),
+              "shape": next((s for s in shapes.SHAPES if f" {s} " in text or f" {s}." in text), None)}
+    if media.ndim == 4:
+        wanted["direction"] = next((direction for direction, phrase in moving_shapes.DIRECTION_PHRASES.items()
+                                    if f" {phrase} " in text), None)
+        found = moving_shapes.detect(media)
+        read = None if found is None else {"colour": found.colour, "shape": found.shape,
+                                           "direction": found.direction}
+    else:
+        wanted["position"] = next((p for p in sorted(shapes.POSITIONS, key=len, reverse=True) if p in text), None)
+        found = shapes.detect(media)
+        read = None if found is None else {"colour": found.colour, "shape": found.shape,
+                                           "position": found.position}
     named = {name: value for name, value in wanted.items() if value is not None}
-    found = detect(np.asarray(image)[..., :3])
-    if found is None or not named:
+    if read is None or not named:
         return 0.0
-    read = {"colour": found.colour, "shape": found.shape, "position": found.position}
     return sum(read[name] == value for name, value in named.items()) / len(named)
 
 
-# The scorers built in: name -> score(image uint8 [H, W, 3], prompt) in [0, 1].
+# The scorers built in: name -> score(picture uint8 [H, W, 3] or clip [F, H, W, 3], prompt) in [0, 1].
 BUILTIN: dict[str, Callable[[np.ndarray, str], float]] = {"shapes": shapes_score}
 
 
@@ -170,26 +180,30 @@ async def post_signed(url: str, payload: dict[str, Any], destinations, secret: s
         raise ScorerFailed(f"its answer is not JSON: {err}") from None
 
 
-async def score(settings: ExploreSettings, job_id: str, images: list[np.ndarray], prompts: list[str],
-                seeds: list[int], destinations, secret: str | None) -> tuple[list[float] | None, str | None]:
-    """Each variant's score (higher: better), or None and why when the scorer gave none."""
+async def score(settings: ExploreSettings, job_id: str, media: list[np.ndarray], files: list[bytes],
+                prompts: list[str], seeds: list[int], destinations,
+                secret: str | None) -> tuple[list[float] | None, str | None]:
+    """Each variant's score (higher: better), or None and why when the scorer gave none. ``media``: each
+    variant's early picture [H, W, 3] or clip [F, H, W, 3]; ``files``: the same as a PNG or an MP4, which a
+    scorer URL gets as a data URL (``image`` or ``video``)."""
     if not settings.by_callback:
         scorer = BUILTIN[settings.scorer]
-        return await asyncio.to_thread(lambda: [float(scorer(image, prompt)) for image, prompt in
-                                                zip(images, prompts)]), None
-    from machgen.api.jobs import data_url, png_bytes
+        return await asyncio.to_thread(lambda: [float(scorer(early, prompt)) for early, prompt in
+                                                zip(media, prompts)]), None
+    from machgen.api.jobs import data_url
 
-    variants = [{"index": index, "prompt": prompt, "seed": seed, "image": data_url(png_bytes(image))}
-                for index, (image, prompt, seed) in enumerate(zip(images, prompts, seeds))]
+    field = "video" if media and np.asarray(media[0]).ndim == 4 else "image"
+    variants = [{"index": index, "prompt": prompt, "seed": seed, field: data_url(file)}
+                for index, (file, prompt, seed) in enumerate(zip(files, prompts, seeds))]
     payload = {"type": "explore.score", "data": {"job_id": job_id, "step": settings.at_step, "variants": variants}}
     try:
         answer = await post_signed(settings.scorer, payload, destinations, secret or "", settings.timeout_s)
     except Exception as err:  # noqa: BLE001 - refused, timed out, not JSON: nothing is pruned
         return None, f"{type(err).__name__}: {err}"
     scores = answer.get("scores") if isinstance(answer, dict) else None
-    if (not isinstance(scores, list) or len(scores) != len(images)
+    if (not isinstance(scores, list) or len(scores) != len(media)
             or not all(isinstance(s, (int, float)) and np.isfinite(s) for s in scores)):
-        return None, f"the scorer's answer has no 'scores' list of {len(images)} finite numbers"
+        return None, f"the scorer's answer has no 'scores' list of {len(media)} finite numbers"
     return [float(s) for s in scores], None
 
 

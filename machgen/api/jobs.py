@@ -47,8 +47,28 @@ def picture_bytes(picture: np.ndarray, output_format: str, compression: int | No
     return buffer.getvalue()
 
 
-def data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
+def data_url(file: bytes) -> str:
+    """A PNG or an MP4 as a data URL."""
+    media_type = "video/mp4" if file[4:8] == b"ftyp" else "image/png"
+    return f"data:{media_type};base64," + base64.b64encode(file).decode()
+
+
+def mp4_bytes(frames: np.ndarray, fps: int, audio: np.ndarray | None = None, sample_rate: int | None = None) -> bytes:
+    import tempfile
+    from pathlib import Path
+
+    from machgen.client.video import write_mp4
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "video.mp4"
+        write_mp4(frames, path, fps=fps, audio=audio, sample_rate=sample_rate)
+        return path.read_bytes()
+
+
+def result_stem(name: str, index: int) -> str:
+    """The file name (without extension) of a video job's ``index``-th video or thumbnail: ``name`` for the
+    first (OpenAI's one video), ``name-INDEX`` for an explore's others."""
+    return name if index == 0 else f"{name}-{index}"
 
 
 def preview_picture(preview: np.ndarray) -> np.ndarray:
@@ -383,13 +403,16 @@ class JobManager:
             index: {**inputs, "stop_step": at, "trajectory_steps": sorted({*(s for s in kept_steps[index] if s <= at),
                                                                            at})}
             for index, inputs in enumerate(variants)}, wait_when_queue_full)
-        pictures = [result["images"][0] for result in early]
+        # A video's early clip is scored whole: the detector reads motion, an agent's scorer gets the MP4.
+        media = [result["images"] if job.kind == "video" else result["images"][0] for result in early]
+        files = await asyncio.gather(*(asyncio.to_thread(self._media_file, job, result) for result in early))
         secret = self.webhooks.policy.secret if self.webhooks.policy is not None else None
-        scores, problem = await score(plan, job.id, pictures, [v["prompt"] for v in variants],
+        scores, problem = await score(plan, job.id, media, files, [v["prompt"] for v in variants],
                                       [v["seed"] for v in variants], self.webhooks.destinations, secret)
         order, continued = ranking(scores, plan.keep, len(variants))
+        extension = "mp4" if job.kind == "video" else "png"
         await asyncio.to_thread(self.store.write_results, job.id, {
-            EARLY_FILE.format(index=index): png_bytes(picture) for index, picture in enumerate(pictures)})
+            EARLY_FILE.format(index=index, extension=extension): file for index, file in enumerate(files)})
         await self._emit(running, "scored", {"job_id": job.id, "step": at, "scores": scores, "problem": problem,
                                              "continued": sorted(continued)})
         later = await self._variants(running, model, {
@@ -463,23 +486,22 @@ class JobManager:
                 retries += 1
                 running.steps[index] = (0, 1)
 
+    @staticmethod
+    def _media_file(job: Job, result: dict[str, Any]) -> bytes:
+        """A video job's result as an MP4 (with its sound, if it has one), an image job's first image as a PNG."""
+        if job.kind != "video":
+            return png_bytes(result["images"][0])
+        fps = int(result["stats"].get("fps") or job.request.get("fps") or 16)
+        return mp4_bytes(result["images"], fps, audio=result.get("audio"),
+                         sample_rate=result["stats"].get("sample_rate"))
+
     def _write_results(self, job: Job, results: list[dict[str, Any]]) -> list[str]:
         files = {}
-        if job.kind == "video":
-            import tempfile
-            from pathlib import Path
-
-            from machgen.client.video import write_mp4
-
-            (result,) = results
-            fps = int(result["stats"].get("fps") or job.request.get("fps") or 16)
-            with tempfile.TemporaryDirectory() as folder:
-                path = Path(folder) / "video.mp4"
-                write_mp4(result["images"], path, fps=fps, audio=result.get("audio"),
-                          sample_rate=result["stats"].get("sample_rate"))
-                files["video.mp4"] = path.read_bytes()
-            # OpenAI's thumbnail is WebP; lossless, so it is the first frame exactly.
-            files["thumbnail.webp"] = picture_bytes(result["images"][0], "webp")
+        if job.kind == "video":  # an explore's continued videos, best first: video.mp4, video-1.mp4, ...
+            for index, result in enumerate(results):
+                files[f"{result_stem('video', index)}.mp4"] = self._media_file(job, result)
+                # OpenAI's thumbnail is WebP; lossless, so it is the first frame exactly.
+                files[f"{result_stem('thumbnail', index)}.webp"] = picture_bytes(result["images"][0], "webp")
         else:
             output_format = job.request.get("output_format", "png")
             for index, result in enumerate(results):

@@ -153,7 +153,7 @@ def job_object(job: Job) -> dict[str, Any]:
         "seeds": request.get("seeds"), "created_at": job.created_at, "completed_at": job.completed_at,
         "expires_at": job.expires_at, "error": job.error, "priority": request.get("priority", "interactive"),
         "outputs": [content_url(job, i) for i in range(len(job.outputs) if job.kind == "image" else
-                                                       min(len(job.outputs), 1))],
+                                                       sum(name.startswith("video") for name in job.outputs))],
         "stats": job.stats,
         # Agents' fields: the latents kept for refines ([{index, variant, steps, bytes}]), the job refined
         # ({parent, parent_index, step}) and an explore's every variant ranked.
@@ -171,8 +171,12 @@ def video_object(job: Job) -> dict[str, Any]:
     """OpenAI's video object, with machgen's job fields besides (num_frames, fps, seed, stats, and the
     latents kept and the refined job as job_object's). OpenAI's statuses are queued, in_progress, completed
     and failed: a video cancelled through /v1/jobs is failed, its error's code ``cancelled``. A refine names
-    its parent as OpenAI's remix does (remixed_from_video_id)."""
+    its parent as OpenAI's remix does (remixed_from_video_id). An explore's object lists its variants ranked
+    (``explored``); its ``seed`` is then the best one's, whose video is the content (``n`` videos, best first,
+    ``?index=``)."""
     request = job.request
+    explored = request.get("explored")
+    seed = explored["variants"][0]["seed"] if explored else (request.get("seeds") or [None])[0]
     seconds = request["num_frames"] / request["fps"] if request.get("fps") else 0
     status, error = job.status, job.error
     if status == "cancelled":
@@ -182,9 +186,10 @@ def video_object(job: Job) -> dict[str, Any]:
         "created_at": job.created_at, "completed_at": job.completed_at, "expires_at": job.expires_at,
         "prompt": request.get("prompt"), "size": f"{request.get('width')}x{request.get('height')}",
         "seconds": f"{seconds:g}", "num_frames": request.get("num_frames"),
-        "fps": request.get("fps"), "seed": (request.get("seeds") or [None])[0],
+        "fps": request.get("fps"), "seed": seed,
         "remixed_from_video_id": request.get("parent"), "error": error, "stats": job.stats,
         "latents": request.get("latents"), "refines": _refines(request),
+        **({"n": request.get("n", 1), "explored": explored} if request.get("explore") else {}),
     }
 
 

@@ -21,7 +21,7 @@ FRAMES = 17
 SIZE = shapes.SIZE
 # Unit steps in image coordinates (x right, y down), and how a caption says each.
 DIRECTIONS: dict[str, tuple[int, int]] = {"right": (1, 0), "left": (-1, 0), "up": (0, -1), "down": (0, 1)}
-_PHRASES = {"right": "to the right", "left": "to the left", "up": "up", "down": "down"}
+DIRECTION_PHRASES = {"right": "to the right", "left": "to the left", "up": "up", "down": "down"}
 _SIZES = (14, 22)  # px across, inclusive
 _TRAVEL = (24, 32)  # px over the whole clip, inclusive
 _ACROSS_JITTER = 10  # px off the centre line, across the motion
@@ -44,7 +44,7 @@ class Clip:
 
 
 def caption(motion: Motion) -> str:
-    return f"a {motion.colour} {motion.shape} moves {_PHRASES[motion.direction]}"
+    return f"a {motion.colour} {motion.shape} moves {DIRECTION_PHRASES[motion.direction]}"
 
 
 def all_motions(colours=tuple(shapes.PALETTE), shapes_=shapes.SHAPES) -> list[Motion]:
