@@ -25,8 +25,13 @@ a time (held-out prompts of the shapes set):
 - refine: a kept job continued from half its steps with a new prompt,
   against a fresh job of that prompt: wall time as a ratio.
 
+With the video default (``--model-dir models/shapes-wan``) the loops run
+through /v1/videos, scored by the moving-shapes detector; a video job makes
+one clip, so the full runs are ``--variants`` jobs sent at once.
+
     python perf/bench_agents.py
     python perf/bench_agents.py --record perf/RESULTS.md
+    python perf/bench_agents.py --model-dir models/shapes-wan --name shapes-video --parts loops --record perf/RESULTS.md
 """
 
 from __future__ import annotations
@@ -94,27 +99,65 @@ def scenario(url: str, name: str, burst: int, fair: bool) -> dict:
             "burst_s": burst_s, "throughput": (burst + len(latencies)) / wall}
 
 
-def api_job(api: str, name: str, **fields) -> dict:
-    import httpx
+class Jobs:
+    """Jobs of one served model through ``machgen api``: images by /v1/images/generations (answered when
+    done), videos by /v1/videos (polled until done); each job's results as pictures [H, W, 3] or clips
+    [F, H, W, 3]."""
 
-    answer = httpx.post(f"{api}/v1/images/generations", timeout=600, json={"model": name, **fields})
-    answer.raise_for_status()
-    job = httpx.get(f"{api}/v1/jobs/{answer.json()['machgen']['job_id']}", timeout=30).json()
-    return {**job, "images": answer.json()["data"]}
+    def __init__(self, api: str, name: str, video: bool):
+        self.api, self.name, self.video = api, name, video
+
+    def run(self, **fields) -> dict:
+        import httpx
+
+        route = "/v1/videos" if self.video else "/v1/images/generations"
+        answer = httpx.post(f"{self.api}{route}", timeout=600, json={"model": self.name, **fields})
+        answer.raise_for_status()
+        job_id = answer.json()["id"] if self.video else answer.json()["machgen"]["job_id"]
+        job = httpx.get(f"{self.api}/v1/jobs/{job_id}", timeout=30).json()
+        while job["status"] not in ("completed", "failed", "cancelled"):
+            time.sleep(0.02)
+            job = httpx.get(f"{self.api}/v1/jobs/{job_id}", timeout=30).json()
+        if job["status"] != "completed":
+            raise RuntimeError(f"job {job_id}: {job['error']}")
+        return job
+
+    def runs(self, fields: list[dict]) -> list[dict]:
+        """Jobs sent at once (each its own request), answered in order."""
+        with ThreadPoolExecutor(len(fields)) as pool:
+            return list(pool.map(lambda one: self.run(**one), fields))
+
+    def results(self, job: dict) -> list:
+        import io
+
+        import httpx
+        import numpy as np
+        from PIL import Image
+
+        media = []
+        for index in range(job["n"]):
+            data = httpx.get(f"{self.api}/v1/jobs/{job['id']}/content", params={"index": index}, timeout=60).content
+            if self.video:
+                from machgen.client.video import read_mp4
+
+                with tempfile.TemporaryDirectory() as folder:
+                    (Path(folder) / "clip.mp4").write_bytes(data)
+                    media.append(read_mp4(Path(folder) / "clip.mp4")[0])
+            else:
+                media.append(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+        return media
 
 
-def picture(entry: dict):
-    import base64
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(entry["b64_json"]))).convert("RGB"))
+def other_colour(prompt: str) -> str:
+    """The prompt with its colour changed: "a red circle ..." -> "a green circle ...", the same shape and place
+    (or motion)."""
+    colour = prompt.split()[1]
+    return prompt.replace(colour, "green" if colour != "green" else "red", 1)
 
 
-def agent_loops(api: str, name: str, prompts: list[tuple[str, int]], variants: int, keep: int, steps: int) -> dict:
-    """Explore against full runs, and refine against fresh jobs, one job at a time."""
+def agent_loops(jobs: Jobs, prompts: list[tuple[str, int]], variants: int, keep: int, steps: int) -> dict:
+    """Explore against full runs, and refine against fresh jobs, one loop at a time. The full runs: the same
+    seeds as one job of ``variants`` images, or (a video job makes one clip) as ``variants`` jobs at once."""
     from machgen.api.explore import shapes_score
 
     explore_s = full_s = explore_denoiser = full_denoiser = refine_s = fresh_s = 0.0
@@ -122,26 +165,27 @@ def agent_loops(api: str, name: str, prompts: list[tuple[str, int]], variants: i
     at = max(steps // 4, 1)
     for prompt, seed in prompts:
         started = time.monotonic()
-        explored = api_job(api, name, prompt=prompt, seed=seed, n=variants,
-                           explore={"keep": keep, "at_step": at, "scorer": "shapes"})
+        explored = jobs.run(prompt=prompt, seed=seed, n=variants,
+                            explore={"keep": keep, "at_step": at, "scorer": "shapes"})
         explore_s += time.monotonic() - started
         explore_denoiser += sum(v["denoiser_seconds"] for v in explored["explored"]["variants"])
         started = time.monotonic()
-        full = api_job(api, name, prompt=prompt, seed=seed, n=variants)
+        if jobs.video:
+            full = jobs.runs([{"prompt": prompt, "seed": seed + index} for index in range(variants)])
+        else:
+            full = [jobs.run(prompt=prompt, seed=seed, n=variants)]
         full_s += time.monotonic() - started
-        full_denoiser += sum(stats["denoiser_seconds"] for stats in full["stats"])
-        scores = [shapes_score(picture(entry), prompt) for entry in full["images"]]
+        full_denoiser += sum(stats["denoiser_seconds"] for job in full for stats in job["stats"])
+        scores = [shapes_score(media, prompt) for job in full for media in jobs.results(job)]
         winner = explored["explored"]["variants"][0]["index"]
         agreed += scores[winner] >= max(scores)
 
-        kept = api_job(api, name, prompt=prompt, seed=seed, keep_latents=[steps // 2])
-        colour = prompt.split()[1]  # "a red circle at the top left": the same shape and place in another colour
-        other = prompt.replace(colour, "green" if colour != "green" else "red", 1)
+        kept = jobs.run(prompt=prompt, seed=seed, keep_latents=[steps // 2])
         started = time.monotonic()
-        api_job(api, name, prompt=other, parent=kept["id"], step=steps // 2)
+        jobs.run(prompt=other_colour(prompt), parent=kept["id"], step=steps // 2)
         refine_s += time.monotonic() - started
         started = time.monotonic()
-        api_job(api, name, prompt=other, seed=seed)
+        jobs.run(prompt=other_colour(prompt), seed=seed)
         fresh_s += time.monotonic() - started
     return {"at": at, "denoiser_ratio": explore_denoiser / full_denoiser, "wall_ratio": explore_s / full_s,
             "agreed": agreed, "count": len(prompts), "refine_ratio": refine_s / fresh_s,
@@ -169,9 +213,13 @@ def start_api(triton_url: str, folder: Path):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", type=Path, default=Path("models/shapes-flux"))
+    parser.add_argument("--model-dir", type=Path, default=Path("models/shapes-flux"),
+                        help="the image default, or the video default (models/shapes-wan: its loops through "
+                             "/v1/videos)")
     parser.add_argument("--repository", type=Path, help="model repository built from it (default: build one)")
     parser.add_argument("--name", default="shapes", help="served model name")
+    parser.add_argument("--parts", default="burst,loops",
+                        help="burst (a person's latency under an agent's burst), loops (explore and refine), or both")
     parser.add_argument("--burst", type=int, default=48, help="the agent's requests, sent at once")
     parser.add_argument("--idle-requests", type=int, default=20, help="the person's requests alone")
     parser.add_argument("--variants", type=int, default=8, help="an explore job's variants")
@@ -179,8 +227,12 @@ def main() -> int:
     parser.add_argument("--loop-prompts", type=int, default=8, help="held-out prompts the loops run")
     parser.add_argument("--record", type=Path, help="write the table into this markdown file")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"burst", "loops"}:
+        parser.error("--parts: burst, loops or both")
 
     from machgen.builder.build import build_repository
+    from machgen.contract.manifest import PipelineManifest, pipeline_dir
     from machgen.server import Ports, TritonServer
 
     with tempfile.TemporaryDirectory(prefix="machgen-bench-agents-") as scratch:
@@ -188,32 +240,58 @@ def main() -> int:
         if repository is None:
             repository = Path(scratch) / "repository"
             build_repository(args.model_dir, args.name, repository)
+        defaults = PipelineManifest.read(pipeline_dir(repository, args.name)).defaults
+        video, steps = defaults.num_frames > 1, int(defaults.num_inference_steps)
         with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server:
             url = server.grpc_url
             for seed in range(2 * public_instances(repository, args.name)):  # warm-up
                 one_request(url, args.name, "a green triangle", seed)
-            idle = [one_request(url, args.name, "a red circle at the top left", 20_000 + seed)
-                    for seed in range(args.idle_requests)]
-            results = {"fair": scenario(url, args.name, args.burst, fair=True),
-                       "first come": scenario(url, args.name, args.burst, fair=False)}
-            from machgen.builder.shapes import evaluation_prompts
-            from machgen.contract.manifest import PipelineManifest, pipeline_dir
+            if "burst" in parts:
+                idle = [one_request(url, args.name, "a red circle at the top left", 20_000 + seed)
+                        for seed in range(args.idle_requests)]
+                results = {"fair": scenario(url, args.name, args.burst, fair=True),
+                           "first come": scenario(url, args.name, args.burst, fair=False)}
+            if "loops" in parts:
+                api, api_url = start_api(url, Path(scratch) / "api")
+                try:
+                    loops = agent_loops(Jobs(api_url, args.name, video), held_out_prompts(video, args.loop_prompts),
+                                        args.variants, args.keep, steps)
+                finally:
+                    api.terminate()
+                    api.wait()
+    tables = []
+    if "burst" in parts:
+        tables.append((f"{SECTION}:{args.model_dir.name}", burst_table(args, idle, results),
+                       "A person's latency under an agent's burst (perf/bench_agents.py)"))
+    if "loops" in parts:
+        tables.append((f"{SECTION}-loops:{args.model_dir.name}", loops_table(args, loops, steps, video),
+                       "An agent's explore and refine loops against plain jobs (perf/bench_agents.py)"))
+    for section, table, title in tables:
+        print(table, end="\n\n")
+        if args.record:
+            record(args.record, section, table, title)
+    if args.record:
+        print(f"recorded in {args.record}")
+    return 0
 
-            steps = int(PipelineManifest.read(pipeline_dir(repository, args.name)).defaults.num_inference_steps)
-            api, api_url = start_api(url, Path(scratch) / "api")
-            try:
-                held_out = [(prompt, seed) for prompt, seed, _ in evaluation_prompts(70)[-args.loop_prompts:]]
-                loops = agent_loops(api_url, args.name, held_out, args.variants, args.keep, steps)
-            finally:
-                api.terminate()
-                api.wait()
+
+def held_out_prompts(video: bool, count: int) -> list[tuple[str, int]]:
+    """The last ``count`` pairs of the trained default's held-out evaluation set."""
+    if video:
+        from machgen.builder.moving_shapes import evaluation_prompts
+    else:
+        from machgen.builder.shapes import evaluation_prompts
+    return [(prompt, seed) for prompt, seed, *_ in evaluation_prompts()[-count:]]
+
+
+def burst_table(args, idle: list[float], results: dict) -> str:
     idle_p50, idle_p99 = percentile(idle, 0.5), percentile(idle, 0.99)
     loss = 1 - results["fair"]["throughput"] / results["first come"]["throughput"]
     lines = [f"| idle (the person alone) | {len(idle)} | {idle_p50:.3f} | {idle_p99:.3f} | 1.00x | - | - |"]
     for label, row in results.items():
         lines.append(f"| {label} | {row['count']} | {row['p50']:.3f} | {row['p99']:.3f} | "
                      f"**{row['p99'] / idle_p50:.2f}x** | {row['burst_s']:.1f} | {row['throughput']:.2f} |")
-    table = "\n".join([
+    return "\n".join([
         f"Model `{args.model_dir.name}` through its streaming twin, {os.cpu_count()} CPU cores ({platform.machine()}), "
         f"measured {time.strftime('%Y-%m-%d %H:%M')}. An agent sends {args.burst} requests at once; a person sends "
         "one request at a time until they are done. Fair: the agent's are batch (owner agent), the person's "
@@ -226,13 +304,20 @@ def main() -> int:
         "| --- | --- | --- | --- | --- | --- | --- |",
         *lines,
     ])
-    loops_table = "\n".join([
-        f"The same model through `machgen api`, one job at a time, {loops['count']} held-out prompts of the shapes "
-        f"set, {steps} steps. Explore: {args.variants} seeds scored by the built-in detector (`shapes`) after step "
-        f"{loops['at']} (a quarter), the best {args.keep} continued from their latents there; against the same "
-        f"{args.variants} seeds as one plain job. Winner: the explore's first scores as well as the best of the "
-        f"full runs (the detector on their final images). Refine: a job's latents after step {steps // 2} "
-        f"continued with a new prompt (parent, step), against a fresh job of that prompt.",
+
+
+def loops_table(args, loops: dict, steps: int, video: bool) -> str:
+    what = "clips (/v1/videos)" if video else "images"
+    plain = f"{args.variants} plain jobs sent at once" if video else "one plain job"
+    detector = "moving-shapes detector: colour, shape, direction" if video else "detector"
+    return "\n".join([
+        f"The same model through `machgen api`, {what}, one loop at a time, {loops['count']} held-out prompts of "
+        f"its evaluation set, {steps} steps, measured {time.strftime('%Y-%m-%d %H:%M')}. Explore: "
+        f"{args.variants} seeds scored by the built-in scorer (`shapes`, the {detector}) after step {loops['at']} "
+        f"(a quarter), the best {args.keep} continued from their latents there; against the same {args.variants} "
+        f"seeds as {plain}. Winner: the explore's first scores as well as the best of the full runs (the "
+        f"detector on their final results). Refine: a job's latents after step {steps // 2} continued with a new "
+        f"prompt (parent, step), against a fresh job of that prompt.",
         "",
         "| loop | ours s | plain s | time ratio | denoiser-time ratio | winner kept |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -242,16 +327,6 @@ def main() -> int:
         f"| refine from step {steps // 2} of {steps} | {loops['refine_s']:.2f} | {loops['fresh_s']:.2f} | "
         f"**{loops['refine_s'] / loops['fresh_s']:.2f}** | - | - |",
     ])
-    print(table)
-    print()
-    print(loops_table)
-    if args.record:
-        record(args.record, f"{SECTION}:{args.model_dir.name}", table,
-               "A person's latency under an agent's burst (perf/bench_agents.py)")
-        record(args.record, f"{SECTION}-loops:{args.model_dir.name}", loops_table,
-               "An agent's explore and refine loops against plain jobs (perf/bench_agents.py)")
-        print(f"recorded in {args.record}")
-    return 0
 
 
 if __name__ == "__main__":
