@@ -56,10 +56,10 @@ def test_a_layout_the_model_does_not_allow_is_refused_with_every_reason():
     assert "cannot split its sequence" in refusals(ParallelLayout(ring=2), ParallelSupport(8, True, False))[0]
     with pytest.raises(LayoutError, match="tiny cannot run the parallel layout cfg=2,ulysses=4: "):
         check_layout(ParallelLayout(cfg=2, ulysses=4), embedded_guidance, "tiny")
-    # sparse attention: whole sequences after a Ulysses exchange, never on a ring, nor in another order
+    # sparse attention: on a Ulysses exchange's whole sequences or a ring's chunks, in one rank's order only
     joint = ParallelSupport(8, True, sparse_sequence_reason="its image tokens lead")
     assert refusals(ParallelLayout(cfg=2, ulysses=2), ParallelSupport(8, True), sparse=True) == []
-    assert "a ring never gathers" in refusals(ParallelLayout(ulysses=2, ring=2), ParallelSupport(8, True), True)[0]
+    assert refusals(ParallelLayout(ulysses=2, ring=2), ParallelSupport(8, True), sparse=True) == []
     assert refusals(ParallelLayout(cfg=2), joint, sparse=True) == []
     assert "with sparse attention: its image tokens lead" in refusals(ParallelLayout(ulysses=2), joint, True)[0]
 
@@ -147,15 +147,20 @@ def test_stale_keys_are_a_ring_layouts_and_asked_for_by_name():
         ParallelLayout.parse("ulysses=2,stale")
     with pytest.raises(LayoutError, match="'many' is not a whole number"):
         ParallelLayout.parse("ring=2,stale=many")
-    assert "a ring never gathers" in refusals(ParallelLayout(ring=2, stale=1), ParallelSupport(8, True), True)[0]
+    assert refusals(ParallelLayout(ring=2, stale=1), ParallelSupport(8, True), sparse=True) == []
 
 
-@pytest.mark.parametrize("layout", ["ulysses=2", "cfg=2,ulysses=2"])
-@pytest.mark.parametrize("leading", [0, 8])
-def test_sparse_attention_on_split_sequences_equals_one_rank_on_whole_ones(layout, leading):
-    """The block mask and the FP8 rounding of a sharded sparse attention are one rank's: the Ulysses exchange
+# Ulysses: whole sequences. A ring: each ring rank's chunk of whole blocks (ring=2 with the 8 leading tokens
+# too: 4 of them a chunk), or gathered where the chunks are not (ulysses=2,ring=2 with them: 2 a chunk); fp32
+# products take the one-round path (no probabilities rounded against the row's maximum).
+@pytest.mark.parametrize("layout, leading, precision", [
+    (layout, leading, "fp8_e4m3") for layout in ("ulysses=2", "cfg=2,ulysses=2", "ring=2", "ulysses=2,ring=2")
+    for leading in (0, 8)] + [("ring=2", 0, "fp32"), ("cfg=2,ring=2", 8, "bf16")])
+def test_sparse_attention_on_split_sequences_equals_one_rank_on_whole_ones(layout, leading, precision):
+    """The block mask and the rounding of a sharded sparse attention are one rank's: the Ulysses exchange
     gives each rank whole sequences, put back in one rank's order where a joint attention's leading stream
-    (text) is split beside the rest."""
+    (text) is split beside the rest; a ring computes each chunk's mask rows from every rank's mean keys and
+    rounds the probabilities against the maxima of a first round."""
     import torch
 
     from machgen.parallel.ranks import run_on_ranks
@@ -164,7 +169,8 @@ def test_sparse_attention_on_split_sequences_equals_one_rank_on_whole_ones(layou
 
     layout = ParallelLayout.parse(layout)
     batch, tokens, heads, dim = 4, 32, 4, 8
-    config = SparseAttentionConfig(block_q=4, block_k=4, topk_ratio=0.5, dense_prefix_tokens=leading)
+    config = SparseAttentionConfig(block_q=4, block_k=4, topk_ratio=0.5, dense_prefix_tokens=leading,
+                                   precision=precision)
     chunks = run_on_ranks(layout, "parallel_ranks:sparse_attention_chunks", batch, tokens, heads, dim, leading,
                           config.onnx_attributes())
     assert not multiprocessing.active_children()
@@ -468,7 +474,7 @@ def sparse_parallel_repository(tiny_flux_dir, tmp_path_factory):
 def test_sparse_attention_under_every_layout_gives_the_single_rank_image(sparse_parallel_repository,
                                                                          single_rank):
     """FP8 sparse attention inside the sharded attention (the mask computed on whole sequences after the Ulysses
-    exchange) gives what the same build gives on one rank, with cache reuse on and off."""
+    exchange, or per ring chunk) gives what the same build gives on one rank, with cache reuse on and off."""
     import json
 
     tail = json.loads((sparse_parallel_repository / "flux_denoiser_tail" / "1" / "component.json").read_text())
@@ -478,7 +484,7 @@ def test_sparse_attention_under_every_layout_gives_the_single_rank_image(sparse_
                     "cached": pipeline.generate(**GUIDED, **CACHED)[0]}
         # sparse: not the dense build's image
         assert np.abs(one_rank["uncached"].astype(int) - single_rank["uncached"][0].astype(int)).max() > SAME_PIXELS
-        for layout in ("ulysses=2", "cfg=2,ulysses=2"):
+        for layout in ("ulysses=2", "cfg=2,ulysses=2", "ring=2"):
             with under_layout(pipeline, ParallelLayout.parse(layout)):
                 uncached, _ = pipeline.generate(**GUIDED, cache_policy="none")
                 cached, _ = pipeline.generate(**GUIDED, **CACHED)
@@ -492,7 +498,6 @@ def test_sparse_attention_under_every_layout_gives_the_single_rank_image(sparse_
     ("onnxruntime", "ulysses=2", "parallel layouts run on the torch target"),
     ("torch", "ulysses=4", "ulysses=4 does not divide the model's 2 attention heads"),
     ("torch", "cfg=4", "at most cfg=2"),
-    ("torch", "ulysses=2,ring=2 sparse", "ring=2 with sparse attention"),
 ])
 def test_a_layout_the_build_cannot_run_is_refused_before_any_export(target, layout, message, tiny_flux_dir,
                                                                      tmp_path):

@@ -118,9 +118,6 @@ class ParallelSupport:
 def refusals(layout: ParallelLayout, support: ParallelSupport, sparse: bool = False) -> list[str]:
     """Why ``support``'s model cannot run ``layout`` (empty: it can); ``sparse``: with sparse attention."""
     reasons = []
-    if sparse and layout.ring > 1:
-        reasons.append(f"ring={layout.ring} with sparse attention: its block mask is computed on whole sequences, "
-                       "which a ring never gathers (use a Ulysses degree for the sequence)")
     if sparse and layout.sequence_degree > 1 and support.sparse_sequence_reason:
         reasons.append(f"ulysses x ring = {layout.sequence_degree} with sparse attention: "
                        f"{support.sparse_sequence_reason}")

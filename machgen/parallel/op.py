@@ -133,22 +133,36 @@ def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``machgen::sparse_attention`` (its attributes after ``leading_tokens``)
     on q, k, v in [B, N, H, D]; with the sequence split, on whole sequences
     after the Ulysses exchange, so that its block mask is the one a single
-    rank computes. ``leading_tokens``: the tokens of a joint attention's
-    leading stream (Flux's text) in the whole sequence; each rank's chunk
-    starts with its share of them, and the whole sequence is put back in
-    single-rank order (every chunk's leading tokens first) around the op."""
+    rank computes; with a ring, on each ring rank's chunks as one rank
+    computes them (parallel/sparse_ring.py). ``leading_tokens``: the tokens
+    of a joint attention's leading stream (Flux's text) in the whole
+    sequence; each rank's chunk starts with its share of them, and the whole
+    sequence is put back in single-rank order (every chunk's leading tokens
+    first) around the op."""
     from machgen.plugins.ops import sparse_attention_op
 
     attributes = (block_q, block_k, mask_method, topk_ratio, cdf_threshold, dense_prefix_tokens, dense_diagonal,
                   precision, softmax_scale)
     if split_mesh() is None:
         return sparse_attention_op(q, k, v, *attributes).contiguous()
-    if _MESH.layout.ring > 1:  # a build refuses it (builder/parallel.py); another layout given at load too
-        raise RuntimeError(f"sparse attention under {_MESH.layout}: its block mask needs whole sequences, which "
-                           "a ring never holds; use a Ulysses degree for the sequence")
     from machgen.parallel.ulysses import ulysses_attention
 
-    degree = _MESH.layout.ulysses
+    layout = _MESH.layout
+    if layout.ring > 1:
+        from machgen.parallel.sparse_ring import joint_positions, ring_sparse_attention
+        from machgen.plugins.schema import SparseAttentionConfig
+
+        # After the Ulysses exchange each ring rank holds its Ulysses group's chunks, in sequence order.
+        tokens = q.shape[1] * layout.sequence_degree
+        positions = [joint_positions(range(ring * layout.ulysses, (ring + 1) * layout.ulysses), tokens,
+                                     leading_tokens, layout.sequence_degree) for ring in range(layout.ring)]
+
+        def ring_chunks(chunk_q, chunk_k, chunk_v):
+            return ring_sparse_attention(chunk_q, chunk_k, chunk_v, _MESH.ring_group,
+                                         SparseAttentionConfig(*attributes), positions)
+
+        return ulysses_attention(q, k, v, _MESH.ulysses_group, ring_chunks).contiguous()
+    degree = layout.ulysses
 
     def whole_sequences(whole_q, whole_k, whole_v):
         ordered = [single_rank_order(t, degree, leading_tokens) for t in (whole_q, whole_k, whole_v)]

@@ -13,6 +13,7 @@ V, k-1 times a chunk). Tensors are in diffusers' attention layout
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,19 +48,14 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
             both)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float | None = None,
-                   overlap: bool = True) -> torch.Tensor:
-    """Attention of this rank's query chunk over the keys and values of every
-    rank in ``group`` ([B, T/k, H, D] each). ``overlap=False`` waits for each
-    block before computing on the one held (for measuring what overlap saves)."""
-    if group is None or dist.get_world_size(group) == 1:
-        out, _ = attention_with_lse(q, k, v, scale)
-        return out.to(q.dtype)
+def circulate(block: torch.Tensor, group, overlap: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+    """Every ring rank's ``block`` in turn, this rank's own first: (the ring index it came from, the block).
+    Each block is passed on to the next rank, and the next one is received, while the caller computes on the
+    current one (``overlap=False``: received before it is handed over, for measuring what overlap saves)."""
     degree, me = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
     send_to, receive_from = ranks[(me + 1) % degree], ranks[(me - 1) % degree]
-    block = torch.stack([k, v]).contiguous()
-    out = lse = None
+    block = block.contiguous()
     for step in range(degree):
         pending = []
         if step + 1 < degree:
@@ -70,10 +66,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, sca
                 for request in pending:
                     request.wait()
                 pending = []
-        block_out, block_lse = attention_with_lse(q, block[0], block[1], scale)
-        out, lse = merge(out, lse, block_out, block_lse)
+        yield (me - step) % degree, block
         if step + 1 < degree:
             for request in pending:
                 request.wait()
             block = incoming
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float | None = None,
+                   overlap: bool = True) -> torch.Tensor:
+    """Attention of this rank's query chunk over the keys and values of every
+    rank in ``group`` ([B, T/k, H, D] each). ``overlap=False`` waits for each
+    block before computing on the one held (for measuring what overlap saves)."""
+    if group is None or dist.get_world_size(group) == 1:
+        out, _ = attention_with_lse(q, k, v, scale)
+        return out.to(q.dtype)
+    out = lse = None
+    for _, block in circulate(torch.stack([k, v]), group, overlap):
+        block_out, block_lse = attention_with_lse(q, block[0], block[1], scale)
+        out, lse = merge(out, lse, block_out, block_lse)
     return out.to(q.dtype)

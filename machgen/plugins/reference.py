@@ -25,7 +25,7 @@ def _blocks(tokens: int, block: int) -> int:
     return (tokens + block - 1) // block
 
 
-def _padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+def padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """[B, H, N, D] -> [B, H, blocks, block, D], zero-padded at the end."""
     tokens = x.shape[2]
     count = _blocks(tokens, block)
@@ -33,23 +33,33 @@ def _padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.unflatten(2, (count, block))
 
 
-def _block_bounds(tokens: int, block: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_bounds(tokens: int, block: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.arange(_blocks(tokens, block), device=like.device) * block
     return starts, torch.clamp(starts + block, max=tokens)
 
 
 def pooled(x: torch.Tensor, block: int) -> torch.Tensor:
     """Mean over the real tokens of each block: [B, H, N, D] -> [B, H, blocks, D]."""
-    starts, ends = _block_bounds(x.shape[2], block, x)
+    starts, ends = block_bounds(x.shape[2], block, x)
     counts = (ends - starts).to(x.dtype)
-    return _padded_blocks(x, block).sum(dim=3) / counts[:, None]
+    return padded_blocks(x, block).sum(dim=3) / counts[:, None]
 
 
 def block_mask(q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig) -> torch.Tensor:
     """Which key blocks each query block attends to: bool [B, H, q_blocks, k_blocks]
     from q, k in [B, H, N, D]."""
-    scale = config.scale_for(q.shape[-1])
-    scores = pooled(q.float(), config.block_q) @ pooled(k.float(), config.block_k).transpose(-1, -2) * scale
+    return mask_of_pooled(pooled(q.float(), config.block_q), pooled(k.float(), config.block_k),
+                          block_bounds(q.shape[2], config.block_q, q), block_bounds(k.shape[2], config.block_k, k),
+                          config)
+
+
+def mask_of_pooled(pooled_q: torch.Tensor, pooled_k: torch.Tensor, q_bounds: tuple[torch.Tensor, torch.Tensor],
+                   k_bounds: tuple[torch.Tensor, torch.Tensor], config: SparseAttentionConfig) -> torch.Tensor:
+    """block_mask's rows for the query blocks of ``pooled_q`` [B, H, qb, D] over the key blocks of ``pooled_k``
+    [B, H, kb, D] (float32 block means), given each block's (start, end) token in the whole sequence: a
+    query block's row depends only on its own mean and every key block's, so a rank holding some query
+    blocks computes their rows exactly (parallel/sparse_ring.py)."""
+    scores = pooled_q @ pooled_k.transpose(-1, -2) * config.scale_for(pooled_q.shape[-1])
     probabilities = torch.softmax(scores, dim=-1)
     ranked = torch.sort(probabilities, dim=-1, descending=True).values
     if config.mask_method == "topk":
@@ -60,16 +70,14 @@ def block_mask(q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig) 
     kept = torch.clamp(kept, min=1).to(torch.int64)
     mask = probabilities >= torch.gather(ranked, -1, kept - 1)
 
-    tokens = q.shape[2]
-    q_starts, q_ends = _block_bounds(tokens, config.block_q, q)
-    k_starts, k_ends = _block_bounds(k.shape[2], config.block_k, k)
+    (q_starts, q_ends), (k_starts, k_ends) = q_bounds, k_bounds
     dense = (q_starts[:, None] < config.dense_prefix_tokens) | (k_starts[None, :] < config.dense_prefix_tokens)
     if config.dense_diagonal:
         dense = dense | ((q_starts[:, None] < k_ends[None, :]) & (k_starts[None, :] < q_ends[:, None]))
     return mask | dense
 
 
-def _round_blocks(blocks: torch.Tensor, precision: str) -> torch.Tensor:
+def round_blocks(blocks: torch.Tensor, precision: str) -> torch.Tensor:
     """q, k or v as [B, H, blocks, block, D], rounded as ``precision`` says."""
     if precision == "fp8_e4m3":
         scale = torch.clamp(blocks.abs().amax(dim=(-2, -1), keepdim=True), min=1e-12) / FP8_E4M3_MAX
@@ -79,7 +87,7 @@ def _round_blocks(blocks: torch.Tensor, precision: str) -> torch.Tensor:
     return blocks
 
 
-def _round_probabilities(p: torch.Tensor, precision: str) -> torch.Tensor:
+def round_probabilities(p: torch.Tensor, precision: str) -> torch.Tensor:
     if precision == "fp8_e4m3":
         return (p * FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(p.dtype) / FP8_E4M3_MAX
     if precision == "bf16":
@@ -96,7 +104,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    return (_round_probabilities(p, precision) @ v) / p.sum(dim=-1, keepdim=True)
+    return (round_probabilities(p, precision) @ v) / p.sum(dim=-1, keepdim=True)
 
 
 def masked_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -109,7 +117,7 @@ def masked_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask = block_mask(q, k, config)
     allowed = mask.repeat_interleave(config.block_q, dim=2).repeat_interleave(config.block_k, dim=3)
     allowed = allowed[:, :, :tokens, :kv_tokens]
-    rounded = [_round_blocks(_padded_blocks(x, block), config.precision).flatten(2, 3)[:, :, :x.shape[2]]
+    rounded = [round_blocks(padded_blocks(x, block), config.precision).flatten(2, 3)[:, :, :x.shape[2]]
                for x, block in ((q, config.block_q), (k, config.block_k), (v, config.block_k))]
     out = _attend(*rounded, allowed, config.scale_for(q.shape[-1]), config.precision)
     return _heads_first(out.to(q.dtype))
@@ -138,9 +146,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: 
     if mask is None:
         mask = block_mask(q, k, config)
     tokens, kv_tokens, head_dim = q.shape[2], k.shape[2], q.shape[-1]
-    q_blocks = _round_blocks(_padded_blocks(q, config.block_q), config.precision)
-    k_blocks = _round_blocks(_padded_blocks(k, config.block_k), config.precision)
-    v_blocks = _round_blocks(_padded_blocks(v, config.block_k), config.precision)
+    q_blocks = round_blocks(padded_blocks(q, config.block_q), config.precision)
+    k_blocks = round_blocks(padded_blocks(k, config.block_k), config.precision)
+    v_blocks = round_blocks(padded_blocks(v, config.block_k), config.precision)
     key_is_real = (torch.arange(k_blocks.shape[2] * config.block_k, device=q.device) < kv_tokens)
     key_is_real = key_is_real.view(-1, config.block_k)
     scale = config.scale_for(head_dim)
@@ -182,7 +190,7 @@ def oracle_block_mask(q: torch.Tensor, k: torch.Tensor, like: torch.Tensor, conf
         rows = q[:, :, start * config.block_q:(start + chunk_blocks) * config.block_q].double()
         scores = (rows @ k_padded.transpose(-1, -2) * scale).masked_fill(~key_is_real, float("-inf"))
         mass = torch.softmax(scores, dim=-1).unflatten(-1, (k_blocks, config.block_k)).sum(-1)
-        masses.append(_padded_blocks(mass, config.block_q).sum(dim=3))
+        masses.append(padded_blocks(mass, config.block_q).sum(dim=3))
     mass = torch.cat(masses, dim=2)[:, :, :like.shape[2]]
     ranked = torch.sort(mass, dim=-1, descending=True).values
     kept = like.sum(dim=-1, keepdim=True).clamp(min=1)
