@@ -193,7 +193,8 @@ async def score(settings: ExploreSettings, job_id: str, media: list[np.ndarray],
     from machgen.api.jobs import data_url
 
     field = "video" if media and np.asarray(media[0]).ndim == 4 else "image"
-    variants = [{"index": index, "prompt": prompt, "seed": seed, field: data_url(file)}
+    media_type = "video/mp4" if field == "video" else "image/png"
+    variants = [{"index": index, "prompt": prompt, "seed": seed, field: data_url(file, media_type)}
                 for index, (file, prompt, seed) in enumerate(zip(files, prompts, seeds))]
     payload = {"type": "explore.score", "data": {"job_id": job_id, "step": settings.at_step, "variants": variants}}
     try:

@@ -47,9 +47,7 @@ def picture_bytes(picture: np.ndarray, output_format: str, compression: int | No
     return buffer.getvalue()
 
 
-def data_url(file: bytes) -> str:
-    """A PNG or an MP4 as a data URL."""
-    media_type = "video/mp4" if file[4:8] == b"ftyp" else "image/png"
+def data_url(file: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64," + base64.b64encode(file).decode()
 
 

@@ -149,19 +149,17 @@ def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     layout = _MESH.layout
     if layout.ring > 1:
-        from machgen.parallel.sparse_ring import joint_positions, ring_sparse_attention
+        from machgen.parallel.sparse_ring import ring_chunks, ring_sparse_attention
         from machgen.plugins.schema import SparseAttentionConfig
 
-        # After the Ulysses exchange each ring rank holds its Ulysses group's chunks, in sequence order.
-        tokens = q.shape[1] * layout.sequence_degree
-        positions = [joint_positions(range(ring * layout.ulysses, (ring + 1) * layout.ulysses), tokens,
-                                     leading_tokens, layout.sequence_degree) for ring in range(layout.ring)]
+        chunks = ring_chunks(q.shape[1] * layout.sequence_degree, leading_tokens, layout.ulysses, layout.ring,
+                             block_q, block_k)
 
-        def ring_chunks(chunk_q, chunk_k, chunk_v):
+        def on_the_ring(chunk_q, chunk_k, chunk_v):
             return ring_sparse_attention(chunk_q, chunk_k, chunk_v, _MESH.ring_group,
-                                         SparseAttentionConfig(*attributes), positions)
+                                         SparseAttentionConfig(*attributes), chunks)
 
-        return ulysses_attention(q, k, v, _MESH.ulysses_group, ring_chunks).contiguous()
+        return ulysses_attention(q, k, v, _MESH.ulysses_group, on_the_ring).contiguous()
     degree = layout.ulysses
 
     def whole_sequences(whole_q, whole_k, whole_v):

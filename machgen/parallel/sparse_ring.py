@@ -24,6 +24,8 @@ in ring order): where that rank's tokens, in the order it holds them, sit in one
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -56,6 +58,25 @@ def _whole_blocks(positions: torch.Tensor, block: int) -> bool:
     return bool((rows[:, 0] % block == 0).all() and (rows == rows[:, :1] + torch.arange(block)).all())
 
 
+@dataclass(frozen=True)
+class RingChunks:
+    """Where each ring rank's tokens sit in one rank's sequence (``positions``, in ring order), and whether
+    every chunk is made of whole blocks (``whole_blocks``: else the ring is gathered)."""
+
+    positions: tuple[torch.Tensor, ...]
+    whole_blocks: bool
+
+
+@functools.lru_cache(maxsize=64)
+def ring_chunks(tokens: int, leading_tokens: int, ulysses: int, ring: int, block_q: int, block_k: int) -> RingChunks:
+    """The ring ranks' chunks of a sequence of ``tokens`` under USP (after the Ulysses exchange each ring rank
+    holds its Ulysses group's sequence chunks, in order). The same for every layer and step of a shape: kept."""
+    degree = ulysses * ring
+    positions = tuple(joint_positions(range(index * ulysses, (index + 1) * ulysses), tokens, leading_tokens, degree)
+                      for index in range(ring))
+    return RingChunks(positions, all(_whole_blocks(p, block) for p in positions for block in (block_q, block_k)))
+
+
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
@@ -63,9 +84,10 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def ring_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, config: SparseAttentionConfig,
-                          positions: Sequence[torch.Tensor]) -> torch.Tensor:
+                          chunks: RingChunks) -> torch.Tensor:
     """This ring rank's output chunk of the sparse attention over every ring rank's chunk of q, k and v."""
-    if not all(_whole_blocks(p, block) for p in positions for block in (config.block_q, config.block_k)):
+    positions = chunks.positions
+    if not chunks.whole_blocks:
         return _gathered(q, k, v, group, config, positions)
     block_q, block_k = config.block_q, config.block_k
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, chunk, D]
