@@ -55,6 +55,19 @@ class ServerTimeout(ServerError):
     """The server did not answer a call in time."""
 
 
+class StartStalled(ServerError):
+    """A start that made no progress: its log did not grow and its processes computed nothing (Triton 2.51 can
+    wait forever on a Python-backend stub whose model load never began)."""
+
+
+# A start is making progress while its log grows or its processes (the server, its stubs, their ranks) compute at
+# least this many CPU seconds between two log lines: a wedged one idles (seen: 22 stubs, 0.1-0.2 s each in 150 s).
+STARTING_CPU_S = 1.0
+# How long a start may make no progress before it is taken as wedged (a healthy start logs or computes well
+# within it; a model's load that reads weights from a slow disk still uses CPU).
+START_STALL_S = 120.0
+
+
 def _pytriton_dir() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
@@ -169,11 +182,22 @@ class TritonServer:
         return {**server_environment(), STOP_FILE_ENV: os.fspath(self.stop_file),
                 **({STEP_LOG_ENV: "1"} if self.verbose else {})}
 
-    def start(self, timeout: float = 180.0, stall_timeout: float | None = None) -> "TritonServer":
+    def start(self, timeout: float = 180.0, stall_timeout: float | None = START_STALL_S,
+              attempts: int = 1) -> "TritonServer":
         """Start the server and wait until it and every model is ready, at most ``timeout`` s; with
-        ``stall_timeout``, give up sooner when its log has not grown for that long (a start that hangs)."""
+        ``stall_timeout`` (None: never), give up sooner on a start that hangs: one whose log did not grow and whose processes
+        computed less than STARTING_CPU_S for that long (StartStalled), and start it again up to ``attempts``
+        times in all."""
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist")
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start(timeout, stall_timeout)
+            except StartStalled:
+                if attempt == attempts:
+                    raise
+
+    def _start(self, timeout: float, stall_timeout: float | None) -> "TritonServer":
         restart = self._server_dir is not None
         if not restart:
             self._server_dir = (self.tritonserver.resolve().parent.parent if self.tritonserver is not None
@@ -186,18 +210,19 @@ class TritonServer:
                                             env=self.environment(), start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
-        logged, progressed = 0, time.monotonic()
+        logged, computed, progressed = 0, 0.0, time.monotonic()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
             size = self.log_file.stat().st_size if self.log_file.exists() else 0
-            if size != logged:
+            if size != logged or (stall_timeout is not None and self._cpu_seconds() - computed >= STARTING_CPU_S):
                 logged, progressed = size, time.monotonic()
+                computed = self._cpu_seconds() if stall_timeout is not None else 0.0
             elif stall_timeout is not None and time.monotonic() - progressed > stall_timeout:
                 stalled = self._stalled_load(self._log_since(log_start))
                 self.kill_process()
-                raise ServerError(f"tritonserver made no progress for {stall_timeout:.0f} s (its log unchanged, "
-                                  f"not ready): {stalled}\n{self.log_tail()}")
+                raise StartStalled(f"tritonserver made no progress for {stall_timeout:.0f} s (its log unchanged, "
+                                   f"its processes idle, not ready): {stalled}\n{self.log_tail()}")
             # The metrics service starts last: a server whose metrics port is taken reports ready, then exits.
             if self.ready() and self._answers(f"http://{self.host}:{self.ports.metrics}/metrics"):
                 return self
@@ -208,6 +233,24 @@ class TritonServer:
             time.sleep(0.25)
         self.kill_process()
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _cpu_seconds(self) -> float:
+        """CPU seconds the server and every process under it (stubs, their ranks) have used so far."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.process.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for process in processes:
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
 
     def _stalled_load(self, log: bytes) -> str:
         """What a start that hangs waits for: the models whose load began and did not end, and the state of each

@@ -2,6 +2,8 @@
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -411,25 +413,36 @@ class TritonPythonModel:
         return []
 '''
 
+# A load that logs nothing for 12 s while it computes (a big model's weights being read and converted).
+COMPUTING_MODEL = HANGING_MODEL.replace("time.sleep(120)  # a load that hangs, silent",
+                                        "end = time.monotonic() + 12\n        while time.monotonic() < end:\n"
+                                        "            pass")
 
-def test_a_start_that_hangs_says_which_models_it_waits_for(tmp_path):
-    """A start whose log stays silent is given up after stall_timeout, naming the models whose load began and
-    did not end and the state of each stub (seen in full runs: a start that hung for minutes, its log silent)."""
-    from machgen.server import Ports, ServerError, TritonServer
 
-    from conftest import free_port
-
-    repository = tmp_path / "repository"
-    (repository / "hangs" / "1").mkdir(parents=True)
-    (repository / "hangs" / "1" / "model.py").write_text(HANGING_MODEL)
-    (repository / "hangs" / "config.pbtxt").write_text(
-        'name: "hangs"\nbackend: "python"\nmax_batch_size: 0\n'
+def one_model_repository(root: Path, name: str, source: str) -> Path:
+    repository = root / name
+    (repository / name / "1").mkdir(parents=True)
+    (repository / name / "1" / "model.py").write_text(source)
+    (repository / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
         'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n'
         'instance_group [{ kind: KIND_CPU, count: 1 }]\n')
+    return repository
+
+
+def test_a_start_that_hangs_says_which_models_it_waits_for_and_one_that_computes_is_waited_for(tmp_path):
+    """A start whose log stays silent and whose processes idle is given up after stall_timeout, naming the
+    models whose load began and did not end and the state of each stub (seen in full runs: a start that hung
+    for minutes, its log silent); one whose log stays silent as long while a load computes is not."""
+    from machgen.server import Ports, ServerError, StartStalled, TritonServer
+
+    from conftest import free_port
+
+    repository = one_model_repository(tmp_path, "hangs", HANGING_MODEL)
     server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), log_file=tmp_path / "log")
     try:
-        with pytest.raises(ServerError) as stalled:
+        with pytest.raises(StartStalled) as stalled:
             server.start(timeout=90, stall_timeout=5)
     finally:
         server.stop()
@@ -437,3 +450,14 @@ def test_a_start_that_hangs_says_which_models_it_waits_for(tmp_path):
     assert "made no progress for 5 s" in message and "models not loaded: hangs;" in message, message
     assert "stub processes: hangs_0_0 (pid" in message and "sleeping" in message, message
     assert not server.alive()
+
+    repository = one_model_repository(tmp_path, "computes", COMPUTING_MODEL)
+    server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), log_file=tmp_path / "log2")
+    try:
+        started = time.monotonic()
+        server.start(timeout=90, stall_timeout=5)
+        assert time.monotonic() - started > 12 and server.ready()
+    except ServerError as error:
+        pytest.fail(f"a load that computes was taken for one that hangs: {error}")
+    finally:
+        server.stop()

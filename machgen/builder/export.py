@@ -118,7 +118,7 @@ def export_onnx(component: ExportableComponent, path: Path,
     exported = trace(component)
     path.parent.mkdir(parents=True, exist_ok=True)
     kwargs = {t.name: component.sample_inputs[t.name] for t in spec.inputs}
-    with _tracing(), _without_slices_split():
+    with _tracing(), _without_slices_split(), _torchlib_registry_once():
         program = torch.onnx.export(
             exported,
             args=(),
@@ -137,6 +137,36 @@ def export_onnx(component: ExportableComponent, path: Path,
     onnx.save_model(model, os.fspath(path), save_as_external_data=size > _EXTERNAL_DATA_BYTES,
                     location=path.name + ".data")
     return nodes
+
+
+_TORCHLIB_REGISTRIES: dict = {}
+
+
+@contextlib.contextmanager
+def _torchlib_registry_once() -> Iterator[None]:
+    """The exporter's registry of torchlib's translations made once per process, not once per export: the
+    exporter builds it anew each time (0.8 s of every export here, a tenth of a tiny denoiser's), and each
+    export gets a copy of its lists, which it may add its custom translations to."""
+    from torch.onnx._internal.exporter import _registration
+
+    registry_class = _registration.ONNXRegistry
+    build = registry_class.from_torchlib
+    original = registry_class.__dict__["from_torchlib"]
+
+    def from_torchlib(opset_version=_registration._constants.TORCHLIB_OPSET):
+        built = _TORCHLIB_REGISTRIES.get(opset_version)
+        if built is None:
+            built = _TORCHLIB_REGISTRIES[opset_version] = build(opset_version=opset_version)
+        registry = registry_class()
+        registry._opset_version = built._opset_version
+        registry.functions = {target: list(translations) for target, translations in built.functions.items()}
+        return registry
+
+    registry_class.from_torchlib = staticmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        registry_class.from_torchlib = original
 
 
 @contextlib.contextmanager
