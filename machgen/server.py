@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from machgen.contract.manifest import STEP_LOG_ENV, STOP_FILE_ENV
-from machgen.runtime.processes import Stub, stub_of
+from machgen.runtime.processes import STACKS_SIGNAL, Stub, stub_of
 
 # The header that Triton's restricted APIs (RESTRICTED_APIS) ask for; gRPC clients send it as
 # GRPC_CONTROL_KEY_HEADER (Triton prefixes a restricted protocol's header). Refused: HTTP 403, gRPC UNAVAILABLE
@@ -184,10 +184,9 @@ class TritonServer:
 
     def start(self, timeout: float = 180.0, stall_timeout: float | None = START_STALL_S,
               attempts: int = 1) -> "TritonServer":
-        """Start the server and wait until it and every model is ready, at most ``timeout`` s; with
-        ``stall_timeout`` (None: never), give up sooner on a start that hangs: one whose log did not grow and whose processes
-        computed less than STARTING_CPU_S for that long (StartStalled), and start it again up to ``attempts``
-        times in all."""
+        """Start the server and wait until it and every model is ready, at most ``timeout`` s. Give up sooner
+        on a start that hangs, one whose log did not grow and whose processes computed less than STARTING_CPU_S
+        for ``stall_timeout`` s (None: never): StartStalled, after ``attempts`` starts in all."""
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist")
         for attempt in range(1, attempts + 1):
@@ -215,9 +214,9 @@ class TritonServer:
             if self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
             size = self.log_file.stat().st_size if self.log_file.exists() else 0
-            if size != logged or (stall_timeout is not None and self._cpu_seconds() - computed >= STARTING_CPU_S):
-                logged, progressed = size, time.monotonic()
-                computed = self._cpu_seconds() if stall_timeout is not None else 0.0
+            cpu = self._cpu_seconds() if stall_timeout is not None else 0.0
+            if size != logged or cpu - computed >= STARTING_CPU_S:
+                logged, computed, progressed = size, cpu, time.monotonic()
             elif stall_timeout is not None and time.monotonic() - progressed > stall_timeout:
                 stalled = self._stalled_load(self._log_since(log_start))
                 self.kill_process()
@@ -254,7 +253,8 @@ class TritonServer:
 
     def _stalled_load(self, log: bytes) -> str:
         """What a start that hangs waits for: the models whose load began and did not end, and the state of each
-        stub process (its instance, whether it runs or sleeps, its CPU seconds so far)."""
+        stub process (its instance, whether it runs or sleeps, its CPU seconds so far). The stubs of the models
+        it waits for are asked for their threads' Python stacks, which they write into the server log."""
         import re
 
         import psutil
@@ -262,18 +262,24 @@ class TritonServer:
         text = log.decode(errors="replace")
         begun = dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', text))
         ended = set(re.findall(r"(?:successfully loaded|failed to load) '([^']+)'", text))
-        stubs = []
+        waiting = [name for name in begun if name not in ended]
+        stubs, asked = [], 0
         for stub in self.stubs():
             try:
                 process = psutil.Process(stub.pid)
                 times = process.cpu_times()
                 stubs.append(f"{stub.instance} (pid {stub.pid}) {process.status()}, "
                              f"{times.user + times.system:.1f} s CPU")
-            except psutil.NoSuchProcess:
+                if stub.model in waiting:
+                    os.kill(stub.pid, STACKS_SIGNAL)
+                    asked += 1
+            except (psutil.NoSuchProcess, ProcessLookupError):
                 continue
-        waiting = [name for name in begun if name not in ended]
+        if asked:
+            time.sleep(1.0)  # for the stacks to reach the log before the server is killed
         return (f"models not loaded: {', '.join(waiting) or 'none'}; "
-                f"stub processes: {'; '.join(stubs) or 'none'}")
+                f"stub processes: {'; '.join(stubs) or 'none'}"
+                + (f"; the Python stacks of {asked} of them are in the server log" if asked else ""))
 
     def _log_since(self, offset: int) -> bytes:
         try:

@@ -404,6 +404,8 @@ def test_logging_and_trace_settings_answer_only_the_key_machgen_serve_holds(trit
 HANGING_MODEL = '''
 import time
 
+import machgen.runtime.triton_models  # noqa: F401 - as every machgen model's stub does
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -433,8 +435,9 @@ def one_model_repository(root: Path, name: str, source: str) -> Path:
 
 def test_a_start_that_hangs_says_which_models_it_waits_for_and_one_that_computes_is_waited_for(tmp_path):
     """A start whose log stays silent and whose processes idle is given up after stall_timeout, naming the
-    models whose load began and did not end and the state of each stub (seen in full runs: a start that hung
-    for minutes, its log silent); one whose log stays silent as long while a load computes is not."""
+    models whose load began and did not end and the state of each stub, and leaving their Python stacks in the
+    log (seen in full runs: a start that hung for minutes, its log silent); one whose log stays silent as long
+    while a load computes is not."""
     from machgen.server import Ports, ServerError, StartStalled, TritonServer
 
     from conftest import free_port
@@ -449,6 +452,9 @@ def test_a_start_that_hangs_says_which_models_it_waits_for_and_one_that_computes
     message = str(stalled.value)
     assert "made no progress for 5 s" in message and "models not loaded: hangs;" in message, message
     assert "stub processes: hangs_0_0 (pid" in message and "sleeping" in message, message
+    # Where it hangs: the stub's threads' Python stacks, in the server log.
+    assert "the Python stacks of 1 of them are in the server log" in message, message
+    assert "in initialize" in (tmp_path / "log").read_text(errors="replace"), message
     assert not server.alive()
 
     repository = one_model_repository(tmp_path, "computes", COMPUTING_MODEL)

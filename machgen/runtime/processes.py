@@ -4,12 +4,18 @@
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 # A stub's command line: triton_python_backend_stub .../MODEL/VERSION/model.py shm-region ... instance-name kind.
 _MODEL_FILE_ARG = 1
 _INSTANCE_ARG = 8
+
+
+# The signal on which a stub running machgen's models writes every thread's Python stack into the server log
+# (runtime/triton_models.py registers it; machgen/server.py sends it to the stubs of a start that hangs).
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)

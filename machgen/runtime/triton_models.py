@@ -71,12 +71,14 @@ from machgen.contract.manifest import (
     drained_file,
     model_name,
 )
-from machgen.runtime.processes import instances_of, sibling_stubs
+from machgen.runtime.processes import STACKS_SIGNAL, instances_of, sibling_stubs
 from machgen.runtime.sampler import GenerationCancelled
 from machgen.runtime.scheduling import GateClosed, SchedulingPolicy, StepGate
 from machgen.runtime.spread import RowSpread
 from machgen.runtime.tensors import is_torch
 
+# Asked by a start that hangs (machgen/server.py): where this stub's threads wait, in the server log.
+faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 # A relay that hears nothing from its sampler for this long checks that the sampler still runs.
 SAMPLER_CHECK_S = 1.0
