@@ -57,7 +57,7 @@ class ServerTimeout(ServerError):
 
 class StartStalled(ServerError):
     """A start that made no progress: its log did not grow and its processes computed nothing (Triton 2.51 can
-    wait forever on a Python-backend stub whose model load never began)."""
+    wait forever on a Python-backend stub that has run its model's initialize: docs/faults.md)."""
 
 
 # A start is making progress while its log grows or its processes (the server, its stubs, their ranks) compute at
