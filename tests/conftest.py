@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -185,7 +186,6 @@ class ScorerHandler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         import json
-        import time
 
         body = self.rfile.read(int(self.headers["content-length"]))
         payload = json.loads(body)
@@ -327,8 +327,6 @@ def servers_stopped():
     needs them: after a short grace they are killed (their shared memory removed), not waited for (up to half
     a minute of Triton unloading instances one by one, the tail of every xdist worker's run)."""
     yield
-    import time
-
     deadline = time.monotonic() + _LAST_GRACE_S
     for server, thread in _STOPPING:
         thread.join(timeout=max(deadline - time.monotonic(), 0))
@@ -344,6 +342,10 @@ SERVER_START_S = 360.0
 # whose 22 stubs used 0.1-0.2 s of CPU each in 150 s, which cost a full run 150 s before it was tried again).
 SERVER_STALL_S = 40.0
 RESTARTED_STARTS = ("already in use", "lock_exception", "made no progress")
+# Starts of one server at most; between two, a pause that grows (seen: three lock_exception aborts in 20 s
+# while the other worker exported, which three starts one after another did not outlast).
+SERVER_STARTS = 5
+SERVER_RESTART_PAUSE_S = 3.0
 
 
 @contextlib.contextmanager
@@ -351,7 +353,9 @@ def serving(repository: Path, **options):
     """A Triton server of ``repository`` on free ports (``options``: TritonServer's), stopped on exit."""
     from machgen.server import Ports, ServerError, TritonServer
 
-    for attempt in range(3):
+    for attempt in range(SERVER_STARTS):
+        if attempt:
+            time.sleep(SERVER_RESTART_PAUSE_S * attempt)
         server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), **options)
         try:
             # Several servers of the session run at once on two cores: a big repository's start can take minutes.
@@ -363,7 +367,7 @@ def serving(repository: Path, **options):
             # boost::interprocess::lock_exception (triton-inference-server/server#8882), or hang with every
             # model's instances initialized and some never reported loaded (seen: 5 minutes, log silent): again.
             server.stop()
-            if not any(sign in str(error) for sign in RESTARTED_STARTS) or attempt == 2:
+            if not any(sign in str(error) for sign in RESTARTED_STARTS) or attempt == SERVER_STARTS - 1:
                 raise
             with contextlib.suppress(OSError):  # kept beside the log the next start writes anew, for the record
                 server.log_file.with_name(f"failed-start-{attempt}.txt").write_text(
@@ -495,7 +499,6 @@ def steps_after_stop_asked(server, request_id: str, timeout: float = 30.0) -> in
     models' steps take milliseconds too, so what is checked in steps is the sampler's own promise: it stops
     at its next step boundary."""
     import re
-    import time
 
     # Either line may come first: the sampler's thread can stop and log before the relay's own log line
     # (written after the stop is set) reaches the server's log.
