@@ -11,7 +11,9 @@ what the ring's overlap hides, and a step-time model for NVLink GPUs.
    one is computed, against the same ring waiting for each block first; and
    Ulysses with its heads in two groups (the second group's exchange in
    flight while the first is computed, the first's output leaving while the
-   second is), against one exchange each way.
+   second is), against one exchange each way; and four Ulysses layers with
+   their values sent first (parallel/values_first.py) against diffusers'
+   order (V projected last).
 4. model: a step's time on 1, 2, 4 and 8 GPUs over NVLink at Flux 1024^2
    and Wan 720p, from the step's FLOPs (linear layers and attention) and
    the Ulysses bytes above, calibrated on a published one-GPU time. No
@@ -190,7 +192,7 @@ def control_table(calls: int) -> str:
 
 
 def overlap_table(tokens: int, heads: int, dim: int, repeats: int) -> str:
-    from gpu_parallel import stale_rows
+    from gpu_parallel import stale_rows, values_first_rows
 
     from machgen.parallel.layout import ParallelLayout
     from machgen.parallel.ranks import run_on_ranks
@@ -207,6 +209,9 @@ def overlap_table(tokens: int, heads: int, dim: int, repeats: int) -> str:
     # Stale keys (not exact): the exchange left in flight for the rest of a step, against the exact ring.
     rows += [""] + stale_rows((2, 4), lambda degree: (tokens,), lambda layout, count: run_on_ranks(
         layout, "gpu_parallel:stale_times", count, heads, dim, repeats, 8, "cpu"))
+    # Values first: V's exchange started before Q and K are projected, against diffusers' order.
+    rows += [""] + values_first_rows((2,), lambda degree: (tokens,), lambda layout, count: run_on_ranks(
+        layout, "gpu_parallel:values_first_times", count, heads, dim, repeats, 4, "cpu"))
     return "\n".join(rows)
 
 

@@ -1,7 +1,8 @@
 """The parallel layouts on CUDA with NCCL (perf/gpu_parallel.sh runs it where 2 or more GPUs are visible):
 sequence-parallel attention against whole-sequence SDPA on each layout that fits, the ring and Ulysses
-with their transfers overlapped against the same exchanges serialized, and a step of ring attentions
-over stale keys (parallel/stale.py) against the exact ring."""
+with their transfers overlapped against the same exchanges serialized, a step of ring attentions
+over stale keys (parallel/stale.py) against the exact ring, and Ulysses layers with their values sent
+first (parallel/values_first.py) against the order diffusers' processors project them in."""
 
 from __future__ import annotations
 
@@ -93,6 +94,73 @@ def stale_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: i
     return {mode: statistics.median(values[2:]) for mode, values in times.items()}
 
 
+def values_first_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: int = 4,
+                       device: str = "cuda") -> dict[str, float]:
+    """Median seconds of ``layers`` self-attention layers (projections, Q and K normalised, the sequence
+    attention, the output projection) on this rank's chunk, as diffusers orders them and rewritten values first
+    (parallel/values_first.py), alternating."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from machgen.parallel.op import split_sequence
+    from machgen.parallel.values_first import values_first
+
+    if device == "cuda":
+        torch.cuda.set_device(torch.device("cuda", mesh.rank))
+        device = f"cuda:{mesh.rank}"
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    width = heads * dim
+
+    class Layers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.ModuleList(torch.nn.Linear(width, 4 * width) for _ in range(layers))
+
+        def forward(self, hidden):
+            for weight in self.weights:
+                to_q, to_k, to_v, to_out = weight.weight.chunk(4)
+                normed = F.layer_norm(hidden, (width,))
+                q, k, v = (F.linear(normed, w).unflatten(-1, (heads, dim)) for w in (to_q, to_k, to_v))
+                q, k = F.rms_norm(q, (dim,)), F.rms_norm(k, (dim,))
+                hidden = hidden + F.linear(torch.ops.machgen.sequence_attention(q, k, v, 0.0).flatten(2), to_out)
+            return hidden
+
+    torch.manual_seed(0)
+    hidden = torch.randn(1, tokens // mesh.layout.sequence_degree, width, device=device, dtype=dtype)
+    layers_module = Layers().to(device, dtype).eval()
+    programs = {mode: torch.export.export(layers_module, (hidden,)).module() for mode in ("as traced", "values first")}
+    values_first(programs["values first"])
+    times: dict[str, list[float]] = {mode: [] for mode in programs}
+    for _ in range(repeats + 2):
+        for mode, program in programs.items():
+            dist.barrier()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.no_grad(), split_sequence(True):
+                program(hidden)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(values[2:]) for mode, values in times.items()}
+
+
+def values_first_rows(degrees, tokens_for, run) -> list[str]:
+    """The values-first table's rows (``run(layout, tokens)``: every rank's values_first_times)."""
+    from machgen.parallel.layout import ParallelLayout
+
+    rows = ["| layout | tokens | 4 layers as traced (ms) | values first (ms) | as traced / values first |",
+            "| --- | --- | --- | --- | --- |"]
+    for degree in degrees:
+        layout = ParallelLayout(ulysses=degree)
+        for tokens in tokens_for(degree):
+            results = run(layout, tokens)
+            traced, first = (max(r[mode] for r in results) for mode in ("as traced", "values first"))
+            rows.append(f"| {layout} | {tokens} | {traced * 1e3:.2f} | {first * 1e3:.2f} | {traced / first:.2f}x |")
+    return rows
+
+
 def stale_rows(degrees, tokens_for, run) -> list[str]:
     """The stale-keys table's rows: a step of 8 ring attentions, exact and stale (``run(layout, tokens)``:
     every rank's stale_times)."""
@@ -139,6 +207,10 @@ def main() -> int:
     print("\n" + "\n".join(stale_rows(
         [degree for degree in (2, 4, 8) if degree <= gpus], lambda degree: (32768, 75600 // degree * degree),
         lambda layout, tokens: run_on_ranks(layout, "gpu_parallel:stale_times", tokens, 24, 128, 5,
+                                            backend="nccl"))))
+    print("\n" + "\n".join(values_first_rows(
+        [degree for degree in (2, 4, 8) if degree <= gpus], lambda degree: (32768, 75600 // degree * degree),
+        lambda layout, tokens: run_on_ranks(layout, "gpu_parallel:values_first_times", tokens, 24, 128, 5,
                                             backend="nccl"))))
     return 0
 

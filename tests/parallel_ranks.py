@@ -226,3 +226,59 @@ def decoded_by_rows(mesh, family: str, latent_shape: tuple[int, ...]):
     set_mesh(mesh)
     with split_sequence(True):
         return decode(family, vae, exporter, band, split=True)
+
+
+class TwoAttentionLayers(torch.nn.Module):
+    """Two pre-norm attention layers as diffusers' processors write them: Q, K, then V projected, Q and K
+    normalised and rotated by the positions, then machgen::sequence_attention."""
+
+    def __init__(self, heads: int, dim: int):
+        super().__init__()
+        width = heads * dim
+        self.heads = heads
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({
+            name: torch.nn.Linear(width, width) for name in ("to_q", "to_k", "to_v", "to_out")}) for _ in range(2))
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            normed = F.layer_norm(hidden, hidden.shape[-1:])
+            q, k, v = (layer[name](normed).unflatten(-1, (self.heads, -1)) for name in ("to_q", "to_k", "to_v"))
+            q, k = (F.rms_norm(t, t.shape[-1:]) * torch.cos(positions)[..., None, None] for t in (q, k))
+            attended = torch.ops.machgen.sequence_attention(q, k, v, 0.0)
+            hidden = hidden + layer["to_out"](attended.flatten(2))
+        return hidden
+
+
+def two_layer_inputs(batch: int, tokens: int, heads: int, dim: int):
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(batch, tokens, heads * dim, generator=generator),
+            torch.rand(batch, tokens, generator=generator))
+
+
+def two_layer_program(heads: int, dim: int, batch: int, tokens: int):
+    """TwoAttentionLayers (seeded weights) exported, as a torch-target program's graph module."""
+    import machgen.parallel.op  # noqa: F401  (registers machgen::sequence_attention)
+
+    torch.manual_seed(0)
+    rows, sequence = torch.export.Dim("rows"), torch.export.Dim("sequence")
+    program = torch.export.export(TwoAttentionLayers(heads, dim).eval(), two_layer_inputs(batch, tokens, heads, dim),
+                                  dynamic_shapes=({0: rows, 1: sequence}, {0: rows, 1: sequence}))
+    return program.module()
+
+
+def values_first_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
+    """This rank's output chunk of two_layer_program rewritten values first, of its cfg group's rows, and how
+    many values exchanges it started."""
+    from machgen.parallel import values_first
+    from machgen.parallel.cfg import split_rows
+    from machgen.parallel.op import set_mesh, split_sequence
+
+    set_mesh(mesh)
+    module = two_layer_program(heads, dim, batch, tokens)
+    assert values_first.values_first(module) == 2
+    inputs = [sequence_chunk(split_rows(t, mesh.cfg_group), mesh) for t in two_layer_inputs(batch, tokens, heads, dim)]
+    first = next(values_first._tickets)
+    with torch.no_grad(), split_sequence(True):
+        output = module(*inputs)
+    assert not values_first._in_flight  # every exchange was taken by its attention
+    return output, next(values_first._tickets) - first - 1

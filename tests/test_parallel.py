@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,6 +93,42 @@ def test_sequence_parallel_attention_equals_attention_on_whole_sequences(layout)
         whole = np.concatenate(groups, axis=0)
         assert whole.shape == expected.shape
         assert np.abs(whole - expected).max() <= ATTENTION_TOLERANCE
+
+
+@pytest.mark.parametrize("layout, heads", [  # heads 4: two head groups a rank; 2: one
+    ("ulysses=2", 4), ("ulysses=2", 2), ("ulysses=2,ring=2", 4), ("cfg=2,ulysses=2", 4), ("ring=2", 4)])
+def test_values_first_sends_v_before_q_and_k_are_projected_and_attends_as_before(layout, heads):
+    import torch
+
+    from machgen.parallel.ranks import run_on_ranks
+    from machgen.parallel.values_first import values_first
+
+    from parallel_ranks import two_layer_inputs, two_layer_program
+
+    layout = ParallelLayout.parse(layout)
+    batch, tokens, dim = 2, 16, 8
+    module = two_layer_program(heads, dim, batch, tokens)
+    with torch.no_grad():
+        expected = module(*two_layer_inputs(batch, tokens, heads, dim)).numpy()
+    assert values_first(module) == 2
+    order = list(module.graph.nodes)
+    sends = [node for node in order if node.target == torch.ops.machgen.send_values.default]
+    projections = [node for node in order if node.target == torch.ops.aten.linear.default]
+    for layer, send in enumerate(sends):
+        # this layer's to_q, to_k, to_v, to_out: V's projection, its send, then Q's and K's
+        to_q, to_k, to_v, _ = (next(p for p in projections if p.args[1].target == f"layers.{layer}.{name}.weight")
+                               for name in ("to_q", "to_k", "to_v", "to_out"))
+        assert order.index(to_v) < order.index(send) < min(order.index(to_q), order.index(to_k))
+    with torch.no_grad():  # on one process (nothing sent) the rewritten program computes what it did
+        assert np.array_equal(module(*two_layer_inputs(batch, tokens, heads, dim)).numpy(), expected)
+
+    outputs = run_on_ranks(layout, "parallel_ranks:values_first_chunks", batch, tokens, heads, dim)
+    assert not multiprocessing.active_children()
+    groups = [np.concatenate([np.asarray(output) for output, _ in outputs[start:start + layout.sequence_degree]], axis=1)
+              for start in range(0, layout.world_size, layout.sequence_degree)]
+    assert np.abs(np.concatenate(groups, axis=0) - expected).max() <= ATTENTION_TOLERANCE
+    # each layer's values left on their own exchange where Ulysses exchanges heads (a ring sends none)
+    assert all(sent == (2 if layout.ulysses > 1 else 0) for _, sent in outputs)
 
 
 @pytest.mark.parametrize("layout, reused", [  # per call: the earlier call whose blocks it reuses, or None
@@ -377,6 +414,17 @@ def test_on_one_rank_the_parallel_build_equals_diffusers(single_rank, parallel_r
     assert np.abs(images[0].astype(int) - expected.astype(int)).max() <= MAX_PIXEL_DIFF
 
 
+def sequence_attentions(folder) -> int:
+    """The machgen::sequence_attention calls of the program a build wrote to ``folder``."""
+    import torch
+
+    from machgen.runtime.program_load import load_program
+    from machgen.runtime.torch_runner import PROGRAM_FILE
+
+    program = load_program(Path(folder) / PROGRAM_FILE)
+    return sum(node.target == torch.ops.machgen.sequence_attention.default for node in program.graph.nodes)
+
+
 @pytest.mark.export
 @pytest.mark.parametrize("layout", ["cfg=2", "ulysses=2", "ring=2", "ulysses=2,ring=2", "cfg=2,ulysses=2"])
 def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(layout, local_parallel, single_rank):
@@ -389,6 +437,8 @@ def test_every_layout_gives_the_single_rank_image_with_cache_reuse_on_and_off(la
         assert tail.split_calls == (tail.calls if layout.sequence_degree > 1 else 0) and tail.calls
         # the prompt's conditioning travelled to the ranks twice (once seen, once kept), then stayed there
         assert tail.kept.saved_bytes > tail.kept.held_bytes > 0
+        # every sequence attention's values leave first on the ranks (the rank programs, rewritten at load)
+        assert tail.values_first == sequence_attentions(tail.folder) > 0
     assert np.abs(uncached.astype(int) - single_rank["uncached"][0].astype(int)).max() <= SAME_PIXELS
     assert np.abs(cached.astype(int) - single_rank["cached"][0].astype(int)).max() <= SAME_PIXELS
     # cache reuse did skip steps, and decided alike (the same steps computed)

@@ -72,12 +72,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
 @torch.library.custom_op("machgen::sequence_attention", mutates_args=())
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention on q, k, v in [B, N, H, D] (``scale`` <= 0: 1/sqrt(D))."""
+    return attend_sequence(q, k, v, scale)
+
+
+def attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    values: list | None = None) -> torch.Tensor:
+    """``machgen::sequence_attention``; ``values``: v's Ulysses exchange, already under way (values_first.py)."""
     chosen = scale if scale > 0 else None
     if split_mesh() is None:
         return _sdpa(q, k, v, chosen).contiguous()
     from machgen.parallel.usp import sequence_parallel_attention
 
-    return sequence_parallel_attention(q, k, v, _MESH, chosen).contiguous()
+    return sequence_parallel_attention(q, k, v, _MESH, chosen, values=values).contiguous()
 
 
 @sequence_attention.register_fake
@@ -139,10 +145,17 @@ def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sequence; each rank's chunk starts with its share of them, and the whole
     sequence is put back in single-rank order (every chunk's leading tokens
     first) around the op."""
-    from machgen.plugins.ops import sparse_attention_op
-
     attributes = (block_q, block_k, mask_method, topk_ratio, cdf_threshold, dense_prefix_tokens, dense_diagonal,
                   precision, softmax_scale)
+    return attend_sequence_sparse(q, k, v, leading_tokens, attributes)
+
+
+def attend_sequence_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leading_tokens: int,
+                           attributes: tuple, values: list | None = None) -> torch.Tensor:
+    """``machgen::sequence_sparse_attention`` (``attributes``: its own after ``leading_tokens``); ``values``: v's
+    Ulysses exchange, already under way (values_first.py)."""
+    from machgen.plugins.ops import sparse_attention_op
+
     if split_mesh() is None:
         return sparse_attention_op(q, k, v, *attributes).contiguous()
     from machgen.parallel.ulysses import ulysses_attention
@@ -152,6 +165,7 @@ def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         from machgen.parallel.sparse_ring import ring_chunks, ring_sparse_attention
         from machgen.plugins.schema import SparseAttentionConfig
 
+        block_q, block_k = attributes[:2]
         chunks = ring_chunks(q.shape[1] * layout.sequence_degree, leading_tokens, layout.ulysses, layout.ring,
                              block_q, block_k)
 
@@ -159,7 +173,7 @@ def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return ring_sparse_attention(chunk_q, chunk_k, chunk_v, _MESH.ring_group,
                                          SparseAttentionConfig(*attributes), chunks)
 
-        return ulysses_attention(q, k, v, _MESH.ulysses_group, on_the_ring).contiguous()
+        return ulysses_attention(q, k, v, _MESH.ulysses_group, on_the_ring, values=values).contiguous()
     degree = layout.ulysses
 
     def whole_sequences(whole_q, whole_k, whole_v):
@@ -167,7 +181,7 @@ def sequence_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return chunk_order(sparse_attention_op(*ordered, *attributes), degree, leading_tokens)
 
     # Its block mask and FP8 scales are per head: heads exchanged in groups give the same.
-    return ulysses_attention(q, k, v, _MESH.ulysses_group, whole_sequences).contiguous()
+    return ulysses_attention(q, k, v, _MESH.ulysses_group, whole_sequences, values=values).contiguous()
 
 
 @sequence_sparse_attention.register_fake

@@ -130,12 +130,14 @@ class WholeSequence:
 
 
 def serve_programs(mesh: Any, device: str | None) -> Any:
-    """A rank's handler: ("load", folder, plan) loads a component's program, ("run", folder, inputs,
+    """A rank's handler: ("load", folder, plan) loads a component's program (its values first:
+    parallel/values_first.py; answers how many attentions send them so), ("run", folder, inputs,
     forget) calls it (inputs as KeptInputs packed them), ("unload", folder) lets it go, ("layout", layout)
     makes the process groups of another layout of as many ranks (the programs stay loaded), ("drop stale",
     folder) lets go of the program's stale blocks and ("stale held", folder) counts the batches it holds."""
     from machgen.parallel.op import set_mesh
     from machgen.parallel.stale import StaleBatches
+    from machgen.parallel.values_first import values_first
     from machgen.runtime.torch_runner import TorchProgram
 
     set_mesh(mesh)
@@ -150,7 +152,9 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
         kind, *rest = message
         if kind == "load":
             folder, plan = rest
-            programs[folder] = (TorchProgram.load(folder, device=device), ShardPlan.from_json(plan))
+            program = TorchProgram.load(folder, device=device, rewrite=values_first)
+            programs[folder] = (program, ShardPlan.from_json(plan))
+            return program.rewritten
         elif kind == "unload":
             programs.pop(rest[0], None)
             if rest[0] in stale:
@@ -230,7 +234,8 @@ class ParallelProgram:
             _POOLS[self._key][1] += 1
             self.pool, _, self.kept = _POOLS[self._key]
         try:
-            self.pool.call(("load", self.folder, self.plan.to_json()))
+            # Sequence attentions whose values leave first (every rank rewrites its program alike).
+            self.values_first = max(self.pool.call(("load", self.folder, self.plan.to_json())))
         except BaseException:
             self.close()
             raise
@@ -283,7 +288,8 @@ class ParallelProgram:
         return self.pool.alive()
 
     def memory_report(self) -> str:
-        return f"{self.layout.world_size} ranks ({self.layout}), pids {self.pool.pids}"
+        return (f"{self.layout.world_size} ranks ({self.layout}), values first in {self.values_first} attentions, "
+                f"pids {self.pool.pids}")
 
     def close(self) -> None:
         self._closed.set()

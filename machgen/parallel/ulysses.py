@@ -13,6 +13,10 @@ the heads go in groups, every group's exchange started at once; attention
 runs on a group as soon as it has arrived, while the next is in flight, and
 its output leaves while the next group is computed. Attention is per head,
 so the result is the same as in one exchange; the bytes are too.
+
+Values first (in the rank processes: parallel/values_first.py): V's
+exchange starts as soon as V is projected, before Q and K are, and only Q
+and K leave at the attention itself.
 """
 
 from __future__ import annotations
@@ -64,35 +68,56 @@ def start_gather_heads(output: torch.Tensor, group) -> Callable[[], torch.Tensor
         batch, tokens // degree, degree * heads, dim))
 
 
-def scatter_heads(stacked: torch.Tensor, group) -> torch.Tensor:
-    return start_scatter_heads(stacked, group)()
+def _groups(heads: int, degree: int, overlap: bool) -> int:
+    """Head groups an exchange of ``heads`` heads over ``degree`` ranks goes in (1: one exchange each way)."""
+    share = heads // degree
+    return OVERLAP_GROUPS if overlap and share % OVERLAP_GROUPS == 0 else 1
 
 
-def gather_heads(output: torch.Tensor, group) -> torch.Tensor:
-    return start_gather_heads(output, group)()
+def _start_groups(stacked: torch.Tensor, group, groups: int) -> list[Callable[[], torch.Tensor]]:
+    """start_scatter_heads of ``stacked`` ([n, B, T/k, H, D]) in ``groups`` head groups, every one started:
+    group g takes the g-th part of every rank's share of the heads."""
+    if groups == 1:
+        return [start_scatter_heads(stacked, group)]
+    degree = dist.get_world_size(group)
+    # [n, B, T/k, k, groups, share/groups, D]
+    grouped = stacked.unflatten(3, (degree, groups, stacked.shape[3] // degree // groups))
+    return [start_scatter_heads(grouped[:, :, :, :, index].flatten(3, 4), group) for index in range(groups)]
+
+
+def start_values(v: torch.Tensor, group, overlap: bool = True) -> list[Callable[[], torch.Tensor]]:
+    """The values' part of ``ulysses_attention``'s exchange ([B, T/k, H, D]), started ahead of the queries and
+    keys (values first: parallel/values_first.py); hand the result to ``ulysses_attention(values=...)``."""
+    degree = dist.get_world_size(group)
+    return _start_groups(v.unsqueeze(0), group, _groups(v.shape[2], degree, overlap))
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, attention,
-                      overlap: bool = True) -> torch.Tensor:
+                      overlap: bool = True, values: list[Callable[[], torch.Tensor]] | None = None) -> torch.Tensor:
     """``attention(q, k, v)`` over the whole sequence of the ranks in
     ``group``, each holding its chunk of q, k and v ([B, T/k, H, D]);
     ``attention`` must treat heads independently where ``overlap`` (head
-    groups pipelined, the module docstring) is on; off: one exchange each way."""
+    groups pipelined, the module docstring) is on; off: one exchange each way.
+    ``values``: v's exchange, already under way (``start_values`` with the
+    same ``overlap``); then only q and k leave here."""
     if group is None or dist.get_world_size(group) == 1:
         return attention(q, k, v)
     degree = dist.get_world_size(group)
-    share = q.shape[2] // degree
-    if not overlap or share % OVERLAP_GROUPS:
-        whole_q, whole_k, whole_v = scatter_heads(torch.stack([q, k, v]), group).unbind(0)
-        return gather_heads(attention(whole_q, whole_k, whole_v), group)
-    # Group g takes the g-th part of every rank's share of the heads: [3, B, T/k, k, groups, share/groups, D].
-    stacked = torch.stack([q, k, v]).unflatten(3, (degree, OVERLAP_GROUPS, share // OVERLAP_GROUPS))
-    arriving = [start_scatter_heads(stacked[:, :, :, :, group_index].flatten(3, 4), group)
-                for group_index in range(OVERLAP_GROUPS)]
+    groups = _groups(q.shape[2], degree, overlap)
+    if values is None:
+        arriving = [lambda arrived=arrived: arrived().unbind(0)
+                    for arrived in _start_groups(torch.stack([q, k, v]), group, groups)]
+    else:
+        if len(values) != groups:
+            raise ValueError(f"the values left in {len(values)} head groups, the queries and keys go in {groups}")
+        arriving = [lambda queries_keys=queries_keys, value=value: (*queries_keys().unbind(0), value()[0])
+                    for queries_keys, value in zip(_start_groups(torch.stack([q, k]), group, groups), values)]
     leaving = []
     for arrived in arriving:
-        whole_q, whole_k, whole_v = arrived().unbind(0)
+        whole_q, whole_k, whole_v = arrived()
         leaving.append(start_gather_heads(attention(whole_q, whole_k, whole_v), group))
+    if groups == 1:
+        return leaving[0]()
     # Each group's output [B, T/k, k x share/groups, D], heads by rank: back to every rank's share in order.
     outputs = [left().unflatten(2, (degree, -1)) for left in leaving]
     return torch.stack(outputs, dim=3).flatten(2, 4)

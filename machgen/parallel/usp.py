@@ -19,9 +19,11 @@ from machgen.parallel.ulysses import ulysses_attention
 
 
 def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: RankMesh,
-                                scale: float | None = None, overlap: bool = True) -> torch.Tensor:
+                                scale: float | None = None, overlap: bool = True,
+                                values: list | None = None) -> torch.Tensor:
     """Softmax attention over the whole sequence of ``mesh``'s sequence group,
-    each rank holding its chunk ([B, T/(u*r), H, D], chunks in sequence-rank order)."""
+    each rank holding its chunk ([B, T/(u*r), H, D], chunks in sequence-rank order);
+    ``values``: v's Ulysses exchange, already under way (ulysses.start_values)."""
     from machgen.parallel.stale import current
 
     stale = current() if mesh.layout.stale and mesh.ring_group is not None else None
@@ -31,7 +33,7 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             return stale.attend(whole_q, whole_k, whole_v, mesh.ring_group, scale)
         return ring_attention(whole_q, whole_k, whole_v, mesh.ring_group, scale, overlap)
 
-    return ulysses_attention(q, k, v, mesh.ulysses_group, ring, overlap)
+    return ulysses_attention(q, k, v, mesh.ulysses_group, ring, overlap, values)
 
 
 def shard_sequence(tensor: torch.Tensor, axis: int, mesh: RankMesh) -> torch.Tensor:

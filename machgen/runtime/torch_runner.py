@@ -116,8 +116,11 @@ class CudaGraphs:
 class TorchProgram:
     """A component's exported program on a device, run like an OnnxSession."""
 
-    def __init__(self, program, info: TorchComponentInfo, device: str | None = None, folder: Path | None = None):
-        """``program``: an ExportedProgram (loaded, or fresh from torch.export)."""
+    def __init__(self, program, info: TorchComponentInfo, device: str | None = None, folder: Path | None = None,
+                 rewrite: Callable[[Any], Any] | None = None):
+        """``program``: an ExportedProgram (loaded, or fresh from torch.export); ``rewrite``: called with its
+        graph module before it runs or is compiled, to rewrite the graph in place (what it returns is kept as
+        ``rewritten``)."""
         import torch
         from torch.export.passes import move_to_device_pass
 
@@ -132,6 +135,7 @@ class TorchProgram:
         # Device constants the trace recorded (tensors created inside forward) move with the weights.
         program = move_to_device_pass(program, self.device)
         module: Callable[..., Any] = program.module()
+        self.rewritten = rewrite(module) if rewrite is not None else None
         if info.compile:
             module = torch.compile(module)
         if info.cuda_graphs and self.device.type == "cuda":
@@ -139,8 +143,10 @@ class TorchProgram:
         self._module = module
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, device: str | None = None) -> "TorchProgram":
-        """The program a build wrote to ``folder`` (model.pt2, component.json)."""
+    def load(cls, folder: str | os.PathLike, device: str | None = None,
+             rewrite: Callable[[Any], Any] | None = None) -> "TorchProgram":
+        """The program a build wrote to ``folder`` (model.pt2, component.json); ``rewrite``: as for the
+        constructor."""
         # The program may call machgen::sparse_attention, machgen::sequence_attention or machgen::halo_rows:
         # they must be registered before loading.
         import machgen.parallel.op  # noqa: F401
@@ -149,7 +155,7 @@ class TorchProgram:
         from machgen.runtime.program_load import load_program
 
         folder = Path(folder)
-        return cls(load_program(folder / PROGRAM_FILE), TorchComponentInfo.read(folder), device, folder)
+        return cls(load_program(folder / PROGRAM_FILE), TorchComponentInfo.read(folder), device, folder, rewrite)
 
     def memory_report(self) -> str:
         """Where the program runs and what it holds, for the model's log."""
