@@ -61,6 +61,36 @@ def test_a_sparse_build_reports_no_expected_psnr_that_dense_attention_measured(m
     assert (sparse.default_policy, sparse.thresholds, sparse.magnitude_ratios) == (
         dense.default_policy, dense.thresholds, dense.magnitude_ratios)  # the same cache default served
     assert "dense attention" in calibration_summary(sparse)
+    for task, settings in dense.tasks.items():  # settings fitted for another task: theirs dropped too
+        policy = settings.default_policy
+        assert settings.held_out_quality(policy, settings.thresholds[policy]) is not None
+        assert sparse.for_task(task).held_out_quality(policy, settings.thresholds[policy]) is None
+        assert sparse.for_task(task).thresholds == settings.thresholds
+
+
+def test_cache_settings_of_another_task_are_stored_beside_the_models_and_run_by_its_requests():
+    from machgen.builder.calibrate import with_task
+    from machgen.contract.api import GenerationRequest
+    from machgen.runtime.sampler import measured_by_calibration, request_task
+
+    text = CacheSettings("magcache", {"magcache": 0.1}, (1.0, 0.9), calibration={"task": "text-to-video"})
+    pictured = CacheSettings("magcache", {"magcache": 0.3}, (1.0, 0.8), calibration={"task": "image-to-video"})
+    model = with_task(text, pictured, "image-to-video", "text-to-video")
+    assert model.for_task("image-to-video") == pictured
+    assert model.for_task("text-to-video") is model and replace(model, tasks={}) == text  # the model's own
+    assert CacheSettings.from_json(json.loads(json.dumps(model.to_json()))) == model
+    assert "tasks" not in text.to_json()  # a model fitted for one task stores what it did before
+    refitted = with_task(model, replace(text, thresholds={"magcache": 0.2}), "text-to-video", "text-to-video")
+    assert refitted.thresholds == {"magcache": 0.2} and refitted.tasks == model.tasks
+
+    tasks = ("text-to-video", "image-to-video")
+    from_text = GenerationRequest(prompt="a red circle moves up", negative_prompt="", seed=0, num_inference_steps=2,
+                                  guidance_scale=5.0, true_cfg_scale=1.0, height=8, width=8)
+    from_picture = replace(from_text, image=np.zeros((8, 8, 3), np.uint8))
+    assert (request_task(from_text, tasks), request_task(from_picture, tasks)) == tasks
+    # the held-out figures speak for requests of the kind they were measured on
+    assert measured_by_calibration(from_text, text) and not measured_by_calibration(from_picture, text)
+    assert measured_by_calibration(from_picture, pictured) and not measured_by_calibration(from_text, pictured)
 
 
 def test_a_magcache_schedule_is_known_before_any_generation():

@@ -79,6 +79,13 @@ def test_served_uncached_gives_diffusers_frames_and_the_defaults_its_accuracy(di
     reference = evaluate.score_motion(text, motions)
     accuracy = evaluate.score_motion(served, motions)
     assert accuracy.direction >= reference.direction - 0.02 and accuracy.all_three >= 0.90, accuracy
+    # From a picture, only prompt, seed and picture: its own calibrated cache settings, as right as diffusers'
+    # clips within one pair of the 16.
+    served = evaluate.generate_served(video_server.grpc_url, NAME, pairs, pictures=pictures, video=True)
+    motions = [motion for *_, motion in PICTURE_CASES]
+    reference = evaluate.score_motion(image, motions)
+    accuracy = evaluate.score_motion(served, motions)
+    assert accuracy.direction == 1.0 and accuracy.all_three >= reference.all_three - 1 / 16, (accuracy, reference)
 
 
 def test_stats_report_the_calibrations_expected_psnr(video_server):
@@ -94,12 +101,17 @@ def test_stats_report_the_calibrations_expected_psnr(video_server):
     held_out = cache["calibration"]["held_out"][cache["default_policy"]]
     assert held_out["meets_targets"] and cache["calibration"]["holdout_prompts"] >= 32
     assert (stats["expected_psnr"], stats["expected_psnr_worst"]) == (held_out["psnr_mean"], held_out["psnr_worst"])
-    # Calibrated on text-to-video: an image-to-video request (pinned by its first frame, far above those
-    # figures) reports none rather than the text's.
+    # An image-to-video request (pinned by its first frame) runs the settings calibrated on pictures
+    # (machgen-build calibrate --task image-to-video) and reports what they held.
     prompt, seed, picture, _ = PICTURE_CASES[0]
     with MachgenClient(video_server.grpc_url) as client:
         _, stats = client.generate_with_stats(NAME, prompt, seed=seed, image=picture)
-    assert stats["cache_policy"] == cache["default_policy"] and stats["expected_psnr"] is None
+    pictured = cache["tasks"]["image-to-video"]
+    held_out = pictured["calibration"]["held_out"][pictured["default_policy"]]
+    assert held_out["meets_targets"] and pictured["calibration"]["holdout_prompts"] >= 32
+    assert (stats["cache_policy"], stats["cache_threshold"]) == (
+        pictured["default_policy"], pictured["thresholds"][pictured["default_policy"]])
+    assert (stats["expected_psnr"], stats["expected_psnr_worst"]) == (held_out["psnr_mean"], held_out["psnr_worst"])
 
 
 def test_a_lone_guided_request_runs_a_row_on_each_idle_instance(video_server):

@@ -122,6 +122,65 @@ def test_cache_reuse_skips_steps_close_to_the_uncached_video(local_ti2v):
     assert psnr > 30, f"cached video {psnr:.1f} dB from the uncached one"
 
 
+def test_image_to_video_is_calibrated_apart_and_its_requests_run_and_report_its_settings(ti2v_repository,
+                                                                                          local_ti2v, tmp_path):
+    """machgen-build calibrate --task image-to-video fits settings that requests from a picture run, and report
+    the held-out figures of, beside the text's, which stay as they were."""
+    import json
+    import re
+    import shutil
+
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from machgen.builder.cli import app
+    from machgen.contract.manifest import pipeline_dir
+    from machgen.runtime.local import LocalPipeline
+
+    repository = tmp_path / "repository"
+    shutil.copytree(ti2v_repository, repository)
+    before = json.loads((pipeline_dir(repository, NAME) / "pipeline.json").read_text())["cache"]
+    height, width = local_ti2v.manifest.defaults.height, local_ti2v.manifest.defaults.width
+    arguments = []
+    for kind, first_seed in (("prompts", 0), ("holdout-prompts", 100)):
+        (tmp_path / f"{kind}.txt").write_text(f"{PROMPT}\na blue square moves down\n")
+        folder = tmp_path / f"{kind}-pictures"
+        folder.mkdir()
+        for index in range(2):
+            Image.fromarray(picture(height, width, seed=first_seed + index)).save(folder / f"{index}.png")
+        arguments += [f"--{kind}", str(tmp_path / f"{kind}.txt"),
+                      "--pictures" if kind == "prompts" else "--holdout-pictures", str(folder)]
+    fit = ["calibrate", str(repository), "--count", "2", "--holdout-count", "2", "--target-psnr", "12",
+           "--worst-psnr", "6", "--confidence", "0.5", "--worst-margin", "0", "--warmup-steps", "1",
+           "--final-steps", "0", "--max-consecutive-skips", "2", "--policy", "magcache"]
+    result = CliRunner().invoke(app, [*fit, "--task", "image-to-video", *arguments])
+    assert result.exit_code == 0, result.output
+    assert "(image-to-video)" in result.output
+    cache = json.loads((pipeline_dir(repository, NAME) / "pipeline.json").read_text())["cache"]
+    task = cache.pop("tasks")["image-to-video"]
+    assert cache == before  # the text's settings as they were
+    assert task["calibration"]["task"] == "image-to-video" and task["default_policy"] == "magcache"
+    held_out = task["calibration"]["held_out"]["magcache"]
+
+    local = LocalPipeline(repository, NAME)
+    image = np.asarray(Image.open(tmp_path / "prompts-pictures" / "0.png"))
+    _, stats = local.generate(PROMPT, image=image, seed=0)
+    assert (stats.cache_policy, stats.cache_threshold) == ("magcache", task["thresholds"]["magcache"])
+    assert (stats.expected_psnr, stats.expected_psnr_worst) == (held_out["psnr_mean"], held_out["psnr_worst"])
+    _, text = local.generate(PROMPT, seed=0)
+    assert text.cache_policy == before["default_policy"] and text.expected_psnr is None
+
+    # a task the model does not do, and a task from a picture without pictures for a prompt file, are refused
+    def refusal(*extra: str) -> str:
+        refused = CliRunner().invoke(app, [*fit, *extra])
+        assert refused.exit_code == 2
+        return " ".join(re.sub("[│╭╮╰╯─]", " ", refused.output).split())  # the error box's text, unwrapped
+
+    assert "--task: 'text-to-image' is not a task of this model" in refusal("--task", "text-to-image")
+    assert ("--pictures: --task image-to-video starts from a picture: give the pairs' pictures"
+            in refusal("--task", "image-to-video", *arguments[:2]))
+
+
 def test_requests_are_validated_against_the_model(local_ti2v):
     from machgen.contract.api import InvalidArgument
 

@@ -167,11 +167,17 @@ def model_cache_settings(model_dir: Path, sparse: bool = False):
 
     card = model_dir / SERVING_FILE
     settings = CacheSettings.from_json(json.loads(card.read_text()).get("cache") if card.is_file() else None)
-    if sparse and "held_out" in settings.calibration:
+    return _without_held_out(settings) if sparse else settings
+
+
+def _without_held_out(settings):
+    """``settings`` (and each task's) without the held-out figures, saying why."""
+    if "held_out" in settings.calibration:
         settings = replace(settings, calibration={key: value for key, value in settings.calibration.items()
                                                   if key != "held_out"}
                            | {"held_out_note": "measured with dense attention: not this build's"})
-    return settings
+    return replace(settings, tasks={task: _without_held_out(task_settings)
+                                    for task, task_settings in settings.tasks.items()})
 
 
 def write_tiny_model(family: Family, out: Path) -> Path:

@@ -26,7 +26,8 @@ from machgen.contract.manifest import PipelineManifest, find_pipeline_dir
 from machgen.runtime.cache import (BlocksResidualRecorder, CacheControls, CacheSettings, StepCache, StepPlan,
                                    magnitude_ratios)
 
-Prompts = Sequence[tuple[str, int]]
+# (prompt, seed) pairs; for a task that starts from a picture, (prompt, seed, picture) triples.
+Prompts = Sequence[tuple]
 # Pairs of the fit and of the held-out set when the caller gives no count.
 FIT_PAIRS = 64
 HOLDOUT_PAIRS = 64
@@ -116,24 +117,29 @@ def _result(pipeline, output: np.ndarray) -> np.ndarray:
     return output if makes_video(pipeline) else output[0]
 
 
-def run_prompts(pipeline, prompts: Sequence[tuple[str, int]], **options) -> tuple[list[np.ndarray], list]:
+def _generate(pipeline, pair: tuple, **options):
+    """One (prompt, seed[, picture]) pair's output and stats."""
+    prompt, seed, *picture = pair
+    return pipeline.generate(prompt, seed=seed, **({"image": picture[0]} if picture else {}), **options)
+
+
+def run_prompts(pipeline, prompts: Prompts, **options) -> tuple[list[np.ndarray], list]:
     images, stats = [], []
-    for prompt, seed in prompts:
-        image, stat = pipeline.generate(prompt, seed=seed, **options)
+    for pair in prompts:
+        image, stat = _generate(pipeline, pair, **options)
         images.append(_result(pipeline, image))
         stats.append(stat)
     return images, stats
 
 
-def record_magnitude_ratios(pipeline, prompts: Sequence[tuple[str, int]]
-                            ) -> tuple[list[np.ndarray], list, list[float]]:
+def record_magnitude_ratios(pipeline, prompts: Prompts) -> tuple[list[np.ndarray], list, list[float]]:
     """Uncached images and stats, and the mean per-step magnitude ratio of the blocks' residual."""
     run = pipeline.sampler.run_component
     per_prompt, images, stats = [], [], []
     try:
-        for prompt, seed in prompts:
+        for pair in prompts:
             pipeline.sampler.run_component = recorder = BlocksResidualRecorder(run)
-            image, stat = pipeline.generate(prompt, seed=seed, cache_policy="none")
+            image, stat = _generate(pipeline, pair, cache_policy="none")
             images.append(_result(pipeline, image))
             stats.append(stat)
             per_prompt.append(magnitude_ratios(recorder.residuals))
@@ -180,7 +186,7 @@ def disjoint_holdout(prompts: Prompts, holdout: Prompts) -> None:
     if not prompts or not holdout:
         raise ValueError(f"calibration needs fit and held-out prompts (got {len(prompts)} fit, {len(holdout)} "
                          "held out)")
-    shared = {tuple(pair) for pair in prompts} & {tuple(pair) for pair in holdout}
+    shared = {tuple(pair[:2]) for pair in prompts} & {tuple(pair[:2]) for pair in holdout}
     if shared:
         raise ValueError(f"{len(shared)} held-out prompt/seed pairs are fit pairs too (for example "
                          f"{sorted(shared)[0]}): the held-out set must be one the fit never sees")
@@ -189,13 +195,20 @@ def disjoint_holdout(prompts: Prompts, holdout: Prompts) -> None:
 def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTargets = QualityTargets(),
               control_grid: Sequence[CacheControls] = CONTROL_GRID,
               threshold_grids: Mapping[str, Sequence[float]] = THRESHOLD_GRIDS,
-              log: Callable[[str], None] = print) -> tuple[CacheSettings, list[Trial]]:
+              log: Callable[[str], None] = print, task: str | None = None) -> tuple[CacheSettings, list[Trial]]:
     """New cache settings for ``pipeline`` (a LocalPipeline) at its served
-    defaults, fitted on ``prompts`` and reported on ``holdout``."""
+    defaults, fitted on ``prompts`` and reported on ``holdout``, for requests
+    of ``task`` (None: the model's first; one that starts from a picture
+    takes (prompt, seed, picture) triples). The sampler runs them (for every
+    task) when this returns; ``with_task`` files them among the model's."""
     disjoint_holdout(prompts, holdout)
-    log(f"uncached reference: {len(prompts)} fit prompts")
+    task = task or pipeline.manifest.tasks[0]
+    log(f"uncached reference: {len(prompts)} fit prompts ({task})")
+    # Every request runs the settings under trial, whatever its task.
+    settings = replace(pipeline.sampler.cache_settings.for_task(task), tasks={})
+    pipeline.sampler.cache_settings = settings
     reference, uncached_stats, ratios = record_magnitude_ratios(pipeline, prompts)
-    settings = replace(pipeline.sampler.cache_settings, magnitude_ratios=tuple(round(r, 5) for r in ratios))
+    settings = replace(settings, magnitude_ratios=tuple(round(r, 5) for r in ratios))
     uncached_passes = float(np.mean([s.denoiser_tail_passes for s in uncached_stats]))
     trials: list[Trial] = [Trial("none", 0.0, uncached_passes, 99.0, 99.0,
                                  head_calls=float(np.mean([s.denoiser_head_calls for s in uncached_stats])))]
@@ -226,7 +239,7 @@ def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTarg
         default_policy=default.policy,
         thresholds={**settings.thresholds, **{p: t.threshold for p, t in chosen.items()}},
         controls={**settings.controls, **{p: t.controls for p, t in chosen.items()}},
-        calibration={**targets.to_json(), "prompts": len(prompts), "holdout_prompts": len(holdout),
+        calibration={**targets.to_json(), "task": task, "prompts": len(prompts), "holdout_prompts": len(holdout),
                      "chosen": {p: {k: v for k, v in asdict(t).items() if k != "controls"}
                                 for p, t in chosen.items()}})
     pipeline.sampler.cache_settings = settings
@@ -267,8 +280,21 @@ def report_held_out(pipeline, chosen: dict[str, Trial], holdout: Prompts, target
     return report
 
 
+def with_task(model: CacheSettings, fitted: CacheSettings, task: str, first_task: str) -> CacheSettings:
+    """A model's cache settings ``model`` with ``fitted`` (calibrate's) as those of ``task``: the model's own
+    where ``task`` is its ``first_task``, the other tasks' kept."""
+    if task == first_task:
+        return replace(fitted, tasks=dict(model.tasks))
+    return replace(model, tasks={**model.tasks, task: replace(fitted, tasks={})})
+
+
 def calibration_summary(settings: CacheSettings) -> str:
-    """One line on a model's cache default: fitted and held-out figures."""
+    """A line on a model's cache default (fitted and held-out figures), and one for each task fitted apart."""
+    return "\n".join([_summary_line(settings)] + [f"{task}: {_summary_line(task_settings)}"
+                                                   for task, task_settings in settings.tasks.items()])
+
+
+def _summary_line(settings: CacheSettings) -> str:
     policy = settings.default_policy
     if policy == "none":
         return "cache default: none (every step computed)"

@@ -173,6 +173,16 @@ def _prompt_file(path: Path, count: int, first_seed: int) -> list[tuple[str, int
 
 # A held-out prompt file's seeds start here: a prompt in both files is still two different pairs.
 HOLDOUT_FILE_FIRST_SEED = 1_000_000
+PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def _picture(path: Path):
+    """An image file as uint8 [height, width, 3]."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
 
 
 @app.command()
@@ -206,16 +216,26 @@ def calibrate(
                                                "(default: fitted, 1, 3 or 5)"),
     policies: list[str] = typer.Option(None, "--policy",
                                        help="a cache policy to fit, repeatable (default: fbcache and magcache)"),
+    task: str = typer.Option(None, "--task",
+                             help="the requests to fit the settings for, one of the model's tasks (default: its "
+                                  "first); another task's settings are served to its requests only, beside the "
+                                  "first's. A task from a picture (image-to-video) runs each pair from one"),
+    pictures: Path = typer.Option(None, "--pictures", exists=True, file_okay=False,
+                                  help="a task from a picture: the fit pairs' pictures, one image file per prompt in "
+                                       "name order (default for a video model: first frames of moving-shapes "
+                                       "clips of each caption's motion)"),
+    holdout_pictures: Path = typer.Option(None, "--holdout-pictures", exists=True, file_okay=False,
+                                          help="the held-out pairs' pictures, as --pictures"),
 ) -> None:
     """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target on one prompt set, report it
-    on a held-out one; store the best as default."""
+    on a held-out one; store the best as default (of the model, or of one --task)."""
     import tempfile
 
     from machgen.builder import moving_shapes, shapes
     from machgen.builder.build import build_repository
     from machgen.builder.calibrate import (CONTROL_GRID, FIT_PAIRS, FIT_PROMPTS_SEED, HOLDOUT_PAIRS,
                                            HOLDOUT_PROMPTS_SEED, THRESHOLD_GRIDS, QualityTargets, makes_video,
-                                           write_settings)
+                                           with_task, write_settings)
     from machgen.builder.calibrate import calibrate as fit
     from machgen.runtime.cache import CacheControls
     from machgen.runtime.local import LocalPipeline
@@ -240,6 +260,21 @@ def calibrate(
                        dataset.evaluation_prompts(holdout_count, seed=HOLDOUT_PROMPTS_SEED)]
         return prompts, holdout
 
+    def with_pictures(pairs: list, folder: Path | None, video: bool, seed: int, option: str) -> list:
+        """``pairs`` with a picture each: from ``folder``, else the first frame of a moving-shapes clip of each
+        caption's motion (drawn with the pair's seed)."""
+        if folder is not None:
+            files = sorted(path for path in folder.iterdir() if path.suffix.lower() in PICTURE_SUFFIXES)
+            if len(files) < len(pairs):
+                raise typer.BadParameter(f"{len(files)} pictures in {folder} for {len(pairs)} prompts",
+                                         param_hint=option)
+            return [(prompt, pair_seed, _picture(path)) for (prompt, pair_seed), path in zip(pairs, files)]
+        if not video or prompts_file is not None or holdout_file is not None:
+            raise typer.BadParameter(f"--task {task} starts from a picture: give the pairs' pictures",
+                                     param_hint=option)
+        cases = moving_shapes.evaluation_pictures(len(pairs), seed=seed)  # the pairs' own, with a first frame
+        return [(prompt, pair_seed, picture) for (prompt, pair_seed), (_, _, picture, _) in zip(pairs, cases)]
+
     targets = QualityTargets(target_psnr, target_psnr - 7 if worst_psnr is None else worst_psnr, confidence,
                              worst_margin)
     fixed = {key: value for key, value in {
@@ -257,12 +292,22 @@ def calibrate(
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--name") from None
         pipeline = LocalPipeline(repository, pipeline_name)
-        prompts, holdout = prompt_sets(makes_video(pipeline))
+        tasks = pipeline.manifest.tasks
+        if task is not None and task not in tasks:
+            raise typer.BadParameter(f"{task!r} is not a task of this model ({', '.join(tasks)})", param_hint="--task")
+        chosen_task = task or tasks[0]
+        video = makes_video(pipeline)
+        prompts, holdout = prompt_sets(video)
+        if chosen_task.startswith("image-to-"):
+            prompts = with_pictures(prompts, pictures, video, FIT_PROMPTS_SEED, "--pictures")
+            holdout = with_pictures(holdout, holdout_pictures, video, HOLDOUT_PROMPTS_SEED, "--holdout-pictures")
+        model_settings = pipeline.sampler.cache_settings
         try:
-            settings, _ = fit(pipeline, prompts, holdout, targets, control_grid=grid, threshold_grids=threshold_grids,
-                              log=typer.echo)
+            fitted, _ = fit(pipeline, prompts, holdout, targets, control_grid=grid, threshold_grids=threshold_grids,
+                            log=typer.echo, task=chosen_task)
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--holdout-prompts") from None
+    settings = with_task(model_settings, fitted, chosen_task, tasks[0])
     written = write_settings(target, pipeline_name, settings)
     typer.echo(f"wrote the cache defaults into {written}")
 

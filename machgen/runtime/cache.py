@@ -280,8 +280,22 @@ class CacheSettings:
     thresholds: Mapping[str, float] = field(default_factory=lambda: {"fbcache": 0.2, "magcache": 0.1})
     magnitude_ratios: tuple[float, ...] = ()
     controls: Mapping[str, CacheControls] = field(default_factory=dict)  # per policy; absent: the defaults
-    # Provenance of the defaults (target PSNR, prompts, measured figures); informational.
+    # Provenance of the defaults (target PSNR, prompts, measured figures, the task they were fitted on);
+    # the held-out figures are what responses report as expected.
     calibration: Mapping[str, Any] = field(default_factory=dict)
+    # Settings fitted on requests of another task of the model, by task (``image-to-video``: clips started from
+    # a picture, which the picture pins, so they hold their quality over more skipped steps); a request of a task
+    # not here takes the settings above.
+    tasks: Mapping[str, "CacheSettings"] = field(default_factory=dict)
+
+    def for_task(self, task: str) -> "CacheSettings":
+        """The settings a request of ``task`` runs with."""
+        return self.tasks.get(task, self)
+
+    @property
+    def calibrated_from_pictures(self) -> bool:
+        """Whether calibration fitted these settings on requests that start from a picture."""
+        return str(self.calibration.get("task", "")).startswith("image-to-")
 
     def threshold_for(self, policy: str, requested: float | None) -> float:
         return float(self.thresholds[policy]) if requested is None else requested
@@ -303,10 +317,13 @@ class CacheSettings:
         return tuple(p for p in POLICY_NAMES if p != "magcache" or self.magnitude_ratios)
 
     def to_json(self) -> dict[str, Any]:
-        return {"default_policy": self.default_policy, "thresholds": dict(self.thresholds),
+        data = {"default_policy": self.default_policy, "thresholds": dict(self.thresholds),
                 "magnitude_ratios": list(self.magnitude_ratios),
                 "controls": {policy: asdict(controls) for policy, controls in self.controls.items()},
                 "calibration": dict(self.calibration)}
+        if self.tasks:
+            data["tasks"] = {task: settings.to_json() for task, settings in self.tasks.items()}
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | None) -> "CacheSettings":
@@ -315,7 +332,8 @@ class CacheSettings:
         return cls(default_policy=data["default_policy"], thresholds=dict(data["thresholds"]),
                    magnitude_ratios=tuple(data.get("magnitude_ratios", ())),
                    controls={policy: CacheControls(**values) for policy, values in data.get("controls", {}).items()},
-                   calibration=data.get("calibration", {}))
+                   calibration=data.get("calibration", {}),
+                   tasks={task: cls.from_json(settings) for task, settings in data.get("tasks", {}).items()})
 
 
 def magnitude_ratios(tail_residuals: Sequence[np.ndarray]) -> list[float]:

@@ -235,10 +235,11 @@ class Sampler:
         step's prediction points to, just before that step's ``on_step``.
         """
         runtime = self.runtime
-        policy = request.cache_policy or self.cache_settings.default_policy
-        cache = StepCache(policy, request.cache_threshold, self.cache_settings)
-        expected = (self.cache_settings.held_out_quality(policy, cache.threshold) or {}
-                    if measured_by_calibration(request) else {})
+        settings = self.cache_settings.for_task(request_task(request, runtime.family.capabilities.tasks))
+        policy = request.cache_policy or settings.default_policy
+        cache = StepCache(policy, request.cache_threshold, settings)
+        expected = (settings.held_out_quality(policy, cache.threshold) or {}
+                    if measured_by_calibration(request, settings) else {})
         stats = GenerationStats(cache_policy=policy, cache_threshold=cache.threshold, frames=request.num_frames,
                                 fps=request.fps, sample_rate=runtime.sample_rate, adapters=dict(request.adapters),
                                 expected_psnr=expected.get("psnr_mean"),
@@ -329,13 +330,20 @@ def adapter_rows(adapters: Sequence[tuple[str, float]], rows: int) -> dict[str, 
     return {ADAPTER_NAMES_INPUT: names, ADAPTER_SCALES_INPUT: scales}
 
 
-def measured_by_calibration(request: GenerationRequest) -> bool:
-    """Whether a request is of the kind calibration measured: a prompt alone, from noise to the last step,
-    without adapters. What it measured does not speak for one that runs adapters, starts from a picture
-    (image-to-image, image-to-video: the given frame pins the clip; the trained video default holds 45.8 dB
-    there against 37.6 for text at one setting) or runs part of the schedule (a refine, an explore's early part)."""
-    return (not request.adapters and request.image is None and request.reference_images is None
-            and request.start_latents is None and request.first_step == 0
+def request_task(request: GenerationRequest, tasks: Sequence[str]) -> str:
+    """Which of its model's ``tasks`` a request runs: one from a picture where it gives one, else from text."""
+    prefix = "image-to-" if request.image is not None else "text-to-"
+    return next((task for task in tasks if task.startswith(prefix)), "")
+
+
+def measured_by_calibration(request: GenerationRequest, settings: CacheSettings) -> bool:
+    """Whether a request is of the kind calibration measured for ``settings`` (those of its task): from noise
+    to the last step, without adapters, and from a picture exactly where the settings were fitted on pictures
+    (a clip the picture pins holds its quality far better: the trained video default holds 45.8 dB there against
+    37.6 for text at one setting). What it measured does not speak for one that runs adapters or part of the
+    schedule (a refine, an explore's early part, image-to-image's strength)."""
+    return (not request.adapters and (request.image is not None) == settings.calibrated_from_pictures
+            and request.reference_images is None and request.start_latents is None and request.first_step == 0
             and request.last_step == request.num_inference_steps)
 
 
