@@ -124,7 +124,8 @@ def test_values_first_sends_v_before_q_and_k_are_projected_and_attends_as_before
 
     outputs = run_on_ranks(layout, "parallel_ranks:values_first_chunks", batch, tokens, heads, dim)
     assert not multiprocessing.active_children()
-    groups = [np.concatenate([np.asarray(output) for output, _ in outputs[start:start + layout.sequence_degree]], axis=1)
+    chunks = [np.asarray(output) for output, _ in outputs]
+    groups = [np.concatenate(chunks[start:start + layout.sequence_degree], axis=1)
               for start in range(0, layout.world_size, layout.sequence_degree)]
     assert np.abs(np.concatenate(groups, axis=0) - expected).max() <= ATTENTION_TOLERANCE
     # each layer's values left on their own exchange where Ulysses exchanges heads (a ring sends none)

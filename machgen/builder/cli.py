@@ -260,16 +260,16 @@ def calibrate(
                        dataset.evaluation_prompts(holdout_count, seed=HOLDOUT_PROMPTS_SEED)]
         return prompts, holdout
 
-    def with_pictures(pairs: list, folder: Path | None, video: bool, seed: int, option: str) -> list:
-        """``pairs`` with a picture each: from ``folder``, else the first frame of a moving-shapes clip of each
-        caption's motion (drawn with the pair's seed)."""
+    def with_pictures(pairs: list, folder: Path | None, from_file: bool, video: bool, seed: int, option: str) -> list:
+        """``pairs`` with a picture each: from ``folder``, else (the default moving-shapes pairs, ``from_file``
+        false) the first frame of a clip of each caption's motion, drawn with the pair's seed."""
         if folder is not None:
             files = sorted(path for path in folder.iterdir() if path.suffix.lower() in PICTURE_SUFFIXES)
             if len(files) < len(pairs):
                 raise typer.BadParameter(f"{len(files)} pictures in {folder} for {len(pairs)} prompts",
                                          param_hint=option)
             return [(prompt, pair_seed, _picture(path)) for (prompt, pair_seed), path in zip(pairs, files)]
-        if not video or prompts_file is not None or holdout_file is not None:
+        if not video or from_file:
             raise typer.BadParameter(f"--task {task} starts from a picture: give the pairs' pictures",
                                      param_hint=option)
         cases = moving_shapes.evaluation_pictures(len(pairs), seed=seed)  # the pairs' own, with a first frame
@@ -299,8 +299,9 @@ def calibrate(
         video = makes_video(pipeline)
         prompts, holdout = prompt_sets(video)
         if chosen_task.startswith("image-to-"):
-            prompts = with_pictures(prompts, pictures, video, FIT_PROMPTS_SEED, "--pictures")
-            holdout = with_pictures(holdout, holdout_pictures, video, HOLDOUT_PROMPTS_SEED, "--holdout-pictures")
+            prompts = with_pictures(prompts, pictures, prompts_file is not None, video, FIT_PROMPTS_SEED, "--pictures")
+            holdout = with_pictures(holdout, holdout_pictures, holdout_file is not None, video, HOLDOUT_PROMPTS_SEED,
+                                    "--holdout-pictures")
         model_settings = pipeline.sampler.cache_settings
         try:
             fitted, _ = fit(pipeline, prompts, holdout, targets, control_grid=grid, threshold_grids=threshold_grids,
