@@ -87,7 +87,7 @@ def serve(
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         typer.echo(f"starting tritonserver on {repository} ...")
-        server.start(attempts=2)  # a start that wedges is given up and made again (the supervisor does so later)
+        server.start(attempts=2)  # a start that wedges or aborts is made again (the supervisor does so later)
         supervisor.start()
         if supervisor_metrics_port:
             try:

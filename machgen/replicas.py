@@ -300,7 +300,7 @@ class ReplicaSet:
         return Replica(index, ports, server, supervisor)
 
     def _start_replica(self, replica: Replica) -> None:
-        replica.server.start()
+        replica.server.start(attempts=2)  # a start that wedges or aborts is made again
         self._supervise(replica)
 
     def _supervise(self, replica: Replica) -> None:

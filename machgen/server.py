@@ -60,12 +60,20 @@ class StartStalled(ServerError):
     wait forever on a Python-backend stub that has run its model's initialize: docs/faults.md)."""
 
 
+class StartAborted(ServerError):
+    """A start whose server was killed by a signal before it was ready (Triton 2.51's Python backend can abort
+    at start-up with boost::interprocess::lock_exception on a loaded machine: docs/faults.md)."""
+
+
 # A start is making progress while its log grows or its processes (the server, its stubs, their ranks) compute at
 # least this many CPU seconds between two log lines: a wedged one idles (seen: 22 stubs, 0.1-0.2 s each in 150 s).
 STARTING_CPU_S = 1.0
 # How long a start may make no progress before it is taken as wedged (a healthy start logs or computes well
 # within it; a model's load that reads weights from a slow disk still uses CPU).
 START_STALL_S = 120.0
+# Between two starts of one server (its ``attempts``), a pause this many seconds times the starts so far:
+# lock_exception aborts come in bursts while the machine is loaded (three in 20 s seen).
+START_RETRY_PAUSE_S = 3.0
 
 
 def _pytriton_dir() -> Path:
@@ -186,15 +194,17 @@ class TritonServer:
               attempts: int = 1) -> "TritonServer":
         """Start the server and wait until it and every model is ready, at most ``timeout`` s. Give up sooner
         on a start that hangs, one whose log did not grow and whose processes computed less than STARTING_CPU_S
-        for ``stall_timeout`` s (None: never): StartStalled, after ``attempts`` starts in all."""
+        for ``stall_timeout`` s (None: never): StartStalled; one whose server a signal killed: StartAborted; each
+        after ``attempts`` starts in all, a growing pause between them."""
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist")
         for attempt in range(1, attempts + 1):
             try:
                 return self._start(timeout, stall_timeout)
-            except StartStalled:
+            except (StartStalled, StartAborted):
                 if attempt == attempts:
                     raise
+            time.sleep(START_RETRY_PAUSE_S * attempt)
 
     def _start(self, timeout: float, stall_timeout: float | None) -> "TritonServer":
         restart = self._server_dir is not None
@@ -212,7 +222,12 @@ class TritonServer:
         logged, computed, progressed = 0, 0.0, time.monotonic()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
+                code = self.process.returncode
+                if code < 0:
+                    self.kill_process()  # its stubs
+                    raise StartAborted(f"tritonserver was killed by {signal.Signals(-code).name} while it started:\n"
+                                       f"{self.log_tail()}")
+                raise ServerError(f"tritonserver exited with code {code}:\n{self.log_tail()}")
             size = self.log_file.stat().st_size if self.log_file.exists() else 0
             cpu = self._cpu_seconds() if stall_timeout is not None else 0.0
             if size != logged or cpu - computed >= STARTING_CPU_S:

@@ -437,6 +437,25 @@ class TritonPythonModel:
 '''
 
 
+# A load that kills its server the first time it is started, as Triton's own abort at start-up does
+# (boost::interprocess::lock_exception, SIGABRT); the next time it loads.
+ABORTS_ONCE = '''
+import os
+import signal
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        marker = os.path.join(args["model_repository"], "started-once")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getppid(), signal.SIGABRT)  # the stub's parent: tritonserver
+
+    def execute(self, requests):
+        return []
+'''
+
+
 def one_model_repository(root: Path, name: str, source: str) -> Path:
     repository = root / name
     (repository / name / "1").mkdir(parents=True)
@@ -485,3 +504,30 @@ def test_a_start_that_hangs_says_which_models_it_waits_for_and_one_that_computes
     finally:
         server.stop()
     assert (tmp_path / "log2").read_text(errors="replace").count('"loading: computes:1"') == 2  # started twice
+
+
+def test_a_start_whose_server_is_killed_is_made_again_where_asked(tmp_path):
+    """A start whose server a signal kills before it is ready (Triton's lock_exception abort, seen on a loaded
+    machine) is StartAborted, naming the signal; given two attempts, the start is made again and serves."""
+    from machgen.server import Ports, ServerError, StartAborted, TritonServer
+
+    from conftest import free_port
+
+    repository = one_model_repository(tmp_path, "aborts", ABORTS_ONCE)
+    server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), log_file=tmp_path / "log")
+    try:
+        with pytest.raises(StartAborted, match="tritonserver was killed by SIGABRT while it started"):
+            server.start(timeout=90)
+        assert not server.alive() and not server.stubs()
+    finally:
+        server.stop()
+    (repository / "aborts" / "started-once").unlink()
+    server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), log_file=tmp_path / "log2")
+    try:
+        server.start(timeout=90, attempts=2)
+        assert server.ready()
+    except ServerError as error:
+        pytest.fail(f"a start whose server was killed was not made again: {error}")
+    finally:
+        server.stop()
+    assert (tmp_path / "log2").read_text(errors="replace").count('"loading: aborts:1"') == 2  # started twice
