@@ -32,10 +32,31 @@ def attention_error(mesh, tokens: int, heads: int, dim: int, dtype: str) -> floa
     return float((out.float() - chunk(whole).float()).abs().max())
 
 
+def alternating_medians(runs: dict, repeats: int, device: str = "cuda") -> dict[str, float]:
+    """Median seconds of each of ``runs`` (mode: call), the modes taken in turn ``repeats`` times after two
+    rounds of warm-up, every rank starting each together (a barrier) and the device synchronized around it."""
+    import torch
+    import torch.distributed as dist
+
+    def synchronize() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    for _ in range(repeats + 2):
+        for mode, run in runs.items():
+            dist.barrier()
+            synchronize()
+            start = time.perf_counter()
+            run()
+            synchronize()
+            times[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(values[2:]) for mode, values in times.items()}
+
+
 def overlap_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict[str, float]:
     """Median seconds of sequence-parallel attention (bfloat16), overlapped and serialized, alternating."""
     import torch
-    import torch.distributed as dist
 
     from machgen.parallel.usp import sequence_parallel_attention
 
@@ -43,16 +64,8 @@ def overlap_times(mesh, tokens: int, heads: int, dim: int, repeats: int) -> dict
     torch.cuda.set_device(device)
     q, k, v = (torch.randn(1, tokens // mesh.layout.sequence_degree, heads, dim, device=device,
                            dtype=torch.bfloat16) for _ in range(3))
-    times: dict[str, list[float]] = {"overlapped": [], "serialized": []}
-    for _ in range(repeats + 2):
-        for mode in times:
-            dist.barrier()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            sequence_parallel_attention(q, k, v, mesh, overlap=mode == "overlapped")
-            torch.cuda.synchronize()
-            times[mode].append(time.perf_counter() - start)
-    return {mode: statistics.median(values[2:]) for mode, values in times.items()}
+    return alternating_medians({mode: lambda overlap=mode == "overlapped": sequence_parallel_attention(
+        q, k, v, mesh, overlap=overlap) for mode in ("overlapped", "serialized")}, repeats)
 
 
 def stale_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: int = 8,
@@ -60,7 +73,6 @@ def stale_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: i
     """Median seconds of a step of ``layers`` ring attentions (a stale layout's mesh): exact, and over stale
     blocks (parallel/stale.py, warmed up: each layer's all-gather has the other layers to arrive), alternating."""
     import torch
-    import torch.distributed as dist
 
     from machgen.parallel.stale import StaleKeys, attending
     from machgen.parallel.usp import sequence_parallel_attention
@@ -73,25 +85,16 @@ def stale_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: i
                for _ in range(3))
     stale = StaleKeys(warmup=1)
 
-    def synchronize() -> None:
-        if device != "cpu":
-            torch.cuda.synchronize()
+    def step(blocks) -> None:
+        if blocks is not None:
+            blocks.begin("step", {}, continued=True)
+        with attending(blocks):
+            for _ in range(layers):
+                sequence_parallel_attention(q, k, v, mesh)
 
-    times: dict[str, list[float]] = {"exact": [], "stale": []}
-    for _ in range(repeats + 2):
-        for mode in times:
-            dist.barrier()
-            synchronize()
-            start = time.perf_counter()
-            if mode == "stale":
-                stale.begin("step", {}, continued=True)
-            with attending(stale if mode == "stale" else None):
-                for _ in range(layers):
-                    sequence_parallel_attention(q, k, v, mesh)
-            synchronize()
-            times[mode].append(time.perf_counter() - start)
+    medians = alternating_medians({"exact": lambda: step(None), "stale": lambda: step(stale)}, repeats, device)
     stale.drop()
-    return {mode: statistics.median(values[2:]) for mode, values in times.items()}
+    return medians
 
 
 def values_first_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: int = 4,
@@ -100,7 +103,6 @@ def values_first_times(mesh, tokens: int, heads: int, dim: int, repeats: int, la
     attention, the output projection) on this rank's chunk, as diffusers orders them and rewritten values first
     (parallel/values_first.py), alternating."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from machgen.parallel.op import split_sequence
@@ -131,19 +133,13 @@ def values_first_times(mesh, tokens: int, heads: int, dim: int, repeats: int, la
     layers_module = Layers().to(device, dtype).eval()
     programs = {mode: torch.export.export(layers_module, (hidden,)).module() for mode in ("as traced", "values first")}
     values_first(programs["values first"])
-    times: dict[str, list[float]] = {mode: [] for mode in programs}
-    for _ in range(repeats + 2):
-        for mode, program in programs.items():
-            dist.barrier()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.no_grad(), split_sequence(True):
-                program(hidden)
-            if device != "cpu":
-                torch.cuda.synchronize()
-            times[mode].append(time.perf_counter() - start)
-    return {mode: statistics.median(values[2:]) for mode, values in times.items()}
+
+    def run(program) -> None:
+        with torch.no_grad(), split_sequence(True):
+            program(hidden)
+
+    return alternating_medians({mode: lambda program=program: run(program) for mode, program in programs.items()},
+                               repeats, device)
 
 
 def values_first_rows(degrees, tokens_for, run) -> list[str]:
