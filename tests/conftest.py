@@ -341,21 +341,21 @@ SERVER_START_S = 360.0
 # A start whose log stays silent and whose processes idle this long has hung (a load computes; seen: a wedged one
 # whose 22 stubs used 0.1-0.2 s of CPU each in 150 s, which cost a full run 150 s before it was tried again).
 SERVER_STALL_S = 40.0
-RESTARTED_STARTS = ("already in use", "lock_exception", "made no progress")
-# Starts of one server at most; between two, a pause that grows (seen: three lock_exception aborts in 20 s
-# while the other worker exported, which three starts one after another did not outlast).
+# What a failed `machgen serve` start prints where starting it again may serve (it starts its server twice itself).
+RESTARTED_STARTS = ("already in use", "lock_exception", "made no progress", "was killed by")
+# Starts of one server at most; between two, the server's own growing pause (seen: three lock_exception aborts
+# in 20 s while the other worker exported, which three starts one after another did not outlast).
 SERVER_STARTS = 5
-SERVER_RESTART_PAUSE_S = 3.0
 
 
 @contextlib.contextmanager
 def serving(repository: Path, **options):
     """A Triton server of ``repository`` on free ports (``options``: TritonServer's), stopped on exit."""
-    from machgen.server import Ports, ServerError, TritonServer
+    from machgen.server import START_RETRY_PAUSE_S, Ports, ServerError, StartAborted, StartStalled, TritonServer
 
     for attempt in range(SERVER_STARTS):
         if attempt:
-            time.sleep(SERVER_RESTART_PAUSE_S * attempt)
+            time.sleep(START_RETRY_PAUSE_S * attempt)
         server = TritonServer(repository, Ports(free_port(), free_port(), free_port()), **options)
         try:
             # Several servers of the session run at once on two cores: a big repository's start can take minutes.
@@ -367,7 +367,8 @@ def serving(repository: Path, **options):
             # boost::interprocess::lock_exception (triton-inference-server/server#8882), or hang with every
             # model's instances initialized and some never reported loaded (seen: 5 minutes, log silent): again.
             server.stop()
-            if not any(sign in str(error) for sign in RESTARTED_STARTS) or attempt == SERVER_STARTS - 1:
+            restarted = isinstance(error, (StartStalled, StartAborted)) or "already in use" in str(error)
+            if not restarted or attempt == SERVER_STARTS - 1:
                 raise
             with contextlib.suppress(OSError):  # kept beside the log the next start writes anew, for the record
                 server.log_file.with_name(f"failed-start-{attempt}.txt").write_text(

@@ -415,10 +415,12 @@ class TritonPythonModel:
         return []
 '''
 
-# A load that hangs, silent, the first time it is started; the next time it logs nothing for 12 s while it
-# computes (a big model's weights being read and converted).
-HANGS_ONCE_THEN_COMPUTES = '''
+def first_start_then(first: str, every: str = "pass") -> str:
+    """A Python model whose initialize runs the statement ``first`` on its first start only (a marker file in its
+    folder says it started), then ``every`` on each start."""
+    return f'''
 import os
+import signal
 import time
 
 
@@ -427,33 +429,22 @@ class TritonPythonModel:
         marker = os.path.join(args["model_repository"], "started-once")
         if not os.path.exists(marker):
             open(marker, "w").close()
-            time.sleep(120)
-        end = time.monotonic() + 12
-        while time.monotonic() < end:
-            pass
+            {first}
+        {every}
 
     def execute(self, requests):
         return []
 '''
 
 
-# A load that kills its server the first time it is started, as Triton's own abort at start-up does
-# (boost::interprocess::lock_exception, SIGABRT); the next time it loads.
-ABORTS_ONCE = '''
-import os
-import signal
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        marker = os.path.join(args["model_repository"], "started-once")
-        if not os.path.exists(marker):
-            open(marker, "w").close()
-            os.kill(os.getppid(), signal.SIGABRT)  # the stub's parent: tritonserver
-
-    def execute(self, requests):
-        return []
-'''
+# A load that hangs, silent, the first time it is started; the next time it logs nothing for 12 s while it
+# computes (a big model's weights being read and converted).
+HANGS_ONCE_THEN_COMPUTES = first_start_then("time.sleep(120)", "end = time.monotonic() + 12\n"
+                                            "        while time.monotonic() < end:\n"
+                                            "            pass")
+# A load that kills its server (the stub's parent) the first time it is started, as Triton's own abort at
+# start-up does (boost::interprocess::lock_exception, SIGABRT); the next time it loads.
+ABORTS_ONCE = first_start_then("os.kill(os.getppid(), signal.SIGABRT)")
 
 
 def one_model_repository(root: Path, name: str, source: str) -> Path:
