@@ -169,6 +169,15 @@ def test_image_to_video_is_calibrated_apart_and_its_requests_run_and_report_its_
     assert (stats.expected_psnr, stats.expected_psnr_worst) == (held_out["psnr_mean"], held_out["psnr_worst"])
     _, text = local.generate(PROMPT, seed=0)
     assert text.cache_policy == before["default_policy"] and text.expected_psnr is None
+    # MagCache by name: served where its ratios were fitted, the picture's task here, and refused for text
+    from machgen.contract.api import InvalidArgument
+
+    assert not before["magnitude_ratios"]
+    _, asked = local.generate(PROMPT, image=image, seed=0, cache_policy="magcache")
+    assert asked.cache_policy == "magcache" and asked.expected_psnr == held_out["psnr_mean"]
+    with pytest.raises(InvalidArgument, match="'magcache' is not served for text-to-video") as refused:
+        local.generate(PROMPT, seed=0, cache_policy="magcache")
+    assert refused.value.field == "cache_policy"
 
     # a task the model does not do, and a task from a picture without pictures for a prompt file, are refused
     def refusal(*extra: str) -> str:

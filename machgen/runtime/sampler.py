@@ -179,10 +179,20 @@ class Sampler:
     def parse_request(self, get_input: Callable[[str], np.ndarray | None], defaults) -> GenerationRequest:
         """One request's inputs validated against what this model serves (api.parse_request)."""
         family = self.runtime.family
-        return parse_request(get_input, defaults, size_multiple=self.runtime.size_multiple,
-                             capabilities=family.capabilities, cache_policies=self.cache_settings.available(),
-                             frame_multiple=self.runtime.frame_multiple, family_inputs=family.inputs,
-                             settings=self.runtime.settings, adapters=self.adapters)
+        task_settings = [self.cache_settings, *self.cache_settings.tasks.values()]
+        request = parse_request(get_input, defaults, size_multiple=self.runtime.size_multiple,
+                                capabilities=family.capabilities,
+                                cache_policies=tuple(dict.fromkeys(policy for settings in task_settings
+                                                                   for policy in settings.available())),
+                                frame_multiple=self.runtime.frame_multiple, family_inputs=family.inputs,
+                                settings=self.runtime.settings, adapters=self.adapters)
+        # Each task serves the policies its own settings can run (MagCache only where its ratios were fitted).
+        task = request_task(request, family.capabilities.tasks)
+        served = self.cache_settings.for_task(task).available()
+        if request.cache_policy is not None and request.cache_policy not in served:
+            raise InvalidArgument("cache_policy", f"{request.cache_policy!r} is not served for {task or 'this task'}"
+                                                  f" (it serves {', '.join(served)})")
+        return request
 
     def _inputs_of(self, denoiser: str, part: str) -> tuple[str, ...]:
         # A second denoiser (Wan 2.2's low-noise expert) takes the first one's inputs.
