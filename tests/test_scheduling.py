@@ -59,7 +59,8 @@ def test_recent_shares_decay_with_the_window():
 
 
 def _burst(gate, jobs, step_s=0.02):
-    """Threads that each make ``steps`` denoiser calls through ``gate``; the order in which calls ran."""
+    """Threads that each run a request of ``steps`` denoiser calls through ``gate``, as the served sampler runs
+    them (its place in the order of arrival taken when it comes); the order in which calls ran."""
     order, threads = [], []
     lock = threading.Lock()
     start = threading.Barrier(len(jobs))
@@ -67,11 +68,13 @@ def _burst(gate, jobs, step_s=0.02):
     def run(name, owner, priority, steps, delay):
         start.wait()  # every thread running before any call: arrivals as the jobs say
         time.sleep(delay)
+        request = gate.request_order()
         for _ in range(steps):
-            with gate.turn(owner, priority):
+            with gate.turn(owner, priority, order=request):
                 with lock:
                     order.append(name)
                 time.sleep(step_s)
+        gate.leave(request)
 
     for job in jobs:
         threads.append(threading.Thread(target=run, args=job))
@@ -92,6 +95,38 @@ def test_a_persons_request_overtakes_an_agents_burst_at_the_gate():
     first_person = order.index("person")
     assert last_person - first_person <= 6, order
     assert first_person < 10 and len(order) == 45
+
+
+def test_a_freed_slot_wakes_only_the_call_it_goes_to():
+    """An agent's burst waiting at the gate wakes one waiting call per freed slot, not every waiting call to look
+    (40 waiting requests woke 40 threads on the sampler's one interpreter at every step). A waiting call wakes
+    otherwise only on its quarter-second check for cancellation: ``is_cancelled`` counts its wake-ups."""
+    gate = StepGate(SchedulingPolicy(slots=1))
+    lock, wakeups, calls = threading.Lock(), [], []
+    start = threading.Barrier(40)
+
+    def woke() -> bool:
+        with lock:
+            wakeups.append(1)
+        return False
+
+    def run():
+        start.wait()
+        request = gate.request_order()
+        for _ in range(5):
+            with gate.turn("agent", "batch", is_cancelled=woke, order=request):
+                calls.append(1)
+                time.sleep(0.001)
+        gate.leave(request)
+
+    threads = [threading.Thread(target=run) for _ in range(40)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    checks = 40 * ((time.monotonic() - started) / 0.25 + 2)  # every call's checks, and a spare pair each
+    assert len(calls) == 200 and len(wakeups) <= checks, (len(wakeups), checks)  # woken by each step: thousands
 
 
 def test_owners_of_one_priority_share_the_denoiser_evenly():

@@ -128,8 +128,11 @@ class StepGate:
     def __init__(self, policy: SchedulingPolicy, clock: Callable[[], float] = time.monotonic):
         self.policy, self.clock = policy, clock
         self.state = SchedulerState()
-        self._condition = threading.Condition()
+        self._lock = threading.Lock()
         self._waiting: list[Waiter] = []
+        # Each waiting call's wake-up: set once the call has its slot. Only that call wakes; a burst of requests
+        # waiting at the gate costs one decision per freed slot, not one per waiting thread.
+        self._granted: dict[int, threading.Event] = {}
         self._holding: dict[int, Waiter] = {}  # the requests that have a slot, by their order
         self._arrivals = itertools.count()
 
@@ -149,25 +152,27 @@ class StepGate:
         arrived = self.clock()
         alone = order is None
         me = Waiter(owner, priority, self.request_order() if alone else order)
-        with self._condition:
+        with self._lock:
             if me.arrival in self._holding:
                 # Its step boundary: it competes again, first among its owner's requests; it keeps its slot
                 # unless another is the decision's (or batch work is over its share of the slots).
                 del self._holding[me.arrival]
-                self._condition.notify_all()
             elif (priority, owner) not in self._active():
                 self.state.arrive(owner, priority, self._active())
-            self._wait_for_slot(me, is_cancelled)
+            granted = self._granted[me.arrival] = threading.Event()
+            self._waiting.append(me)
+            self._dispatch()
+        self._wait_for_slot(me, granted, is_cancelled)
         started = self.clock()
         try:
             yield
         finally:
             ended = self.clock()
-            with self._condition:
+            with self._lock:
                 self.state.charge(owner, priority, ended - started, ended, self.policy.share_window_s)
                 if alone:
                     self._holding.pop(me.arrival, None)
-                self._condition.notify_all()
+                self._dispatch()
             if waited is not None:
                 waited.append((started - arrived, ended - started))
 
@@ -179,26 +184,34 @@ class StepGate:
         held = sum(1 for w in self._holding.values() if w.priority == BATCH)
         return held < max(1, math.ceil(self.policy.slots * self.policy.batch_min_share))
 
-    def _wait_for_slot(self, me: Waiter, is_cancelled: Callable[[], bool]) -> None:
-        self._waiting.append(me)
-        try:
-            while not (len(self._holding) < self.policy.slots
-                       and next_turn(self._waiting, self.state, self.policy, self._batch_room()) is me):
-                if is_cancelled():
-                    raise GateClosed("cancelled while waiting for its turn")
-                self._condition.wait(timeout=0.25)
-        finally:
-            self._waiting.remove(me)
-            # Whoever is next now looks again (a slot may still be free, or this call gave up).
-            self._condition.notify_all()
-        self._holding[me.arrival] = me
+    def _dispatch(self) -> None:
+        """Give the free slots to the waiting calls the decision names, one after another (the lock held)."""
+        while self._waiting and len(self._holding) < self.policy.slots:
+            chosen = next_turn(self._waiting, self.state, self.policy, self._batch_room())
+            if chosen is None:
+                return
+            self._waiting.remove(chosen)
+            self._holding[chosen.arrival] = chosen
+            self._granted.pop(chosen.arrival).set()
+
+    def _wait_for_slot(self, me: Waiter, granted: threading.Event, is_cancelled: Callable[[], bool]) -> None:
+        while not granted.wait(timeout=0.25):
+            if is_cancelled():
+                with self._lock:
+                    if granted.is_set():  # its slot came as it gave up: the slot goes on to the next
+                        self._holding.pop(me.arrival, None)
+                    else:
+                        self._waiting.remove(me)
+                        del self._granted[me.arrival]
+                    self._dispatch()
+                raise GateClosed("cancelled while waiting for its turn")
 
     def leave(self, order: int) -> None:
         """The request of ``order`` is done with the denoiser: its slot goes to whoever is next."""
-        with self._condition:
+        with self._lock:
             if self._holding.pop(order, None) is not None:
-                self._condition.notify_all()
+                self._dispatch()
 
     def waiting(self) -> int:
-        with self._condition:
+        with self._lock:
             return len(self._waiting)
