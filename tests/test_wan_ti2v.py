@@ -134,6 +134,7 @@ def test_image_to_video_is_calibrated_apart_and_its_requests_run_and_report_its_
     from typer.testing import CliRunner
 
     from machgen.builder.cli import app
+    from machgen.contract.api import InvalidArgument
     from machgen.contract.manifest import pipeline_dir
     from machgen.runtime.local import LocalPipeline
 
@@ -170,8 +171,6 @@ def test_image_to_video_is_calibrated_apart_and_its_requests_run_and_report_its_
     _, text = local.generate(PROMPT, seed=0)
     assert text.cache_policy == before["default_policy"] and text.expected_psnr is None
     # MagCache by name: served where its ratios were fitted, the picture's task here, and refused for text
-    from machgen.contract.api import InvalidArgument
-
     assert not before["magnitude_ratios"]
     _, asked = local.generate(PROMPT, image=image, seed=0, cache_policy="magcache")
     assert asked.cache_policy == "magcache" and asked.expected_psnr == held_out["psnr_mean"]
