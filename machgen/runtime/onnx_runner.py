@@ -28,12 +28,11 @@ class OnnxSession:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.intra_op_num_threads = cpu_threads(intra_op_threads)
+        options.intra_op_num_threads = intra_op_threads or len(os.sched_getaffinity(0))
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.path = Path(path)
-        self.threads = options.intra_op_num_threads
         self._session = ort.InferenceSession(os.fspath(path), sess_options=options,
                                              providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self._session.get_inputs()]
@@ -47,11 +46,6 @@ class OnnxSession:
     def run_batches(self, batches: Sequence[Mapping[str, np.ndarray]],
                     max_rows: int | None = None) -> list[dict[str, np.ndarray]]:
         return run_grouped(self.run, self.input_names, batches, max_rows)
-
-
-def cpu_threads(setting: int) -> int:
-    """Threads a setting of 0 (one per core this process may use) or N means."""
-    return setting or len(os.sched_getaffinity(0))
 
 
 def run_grouped(run: Callable[[Mapping[str, Any]], dict[str, Any]], input_names: Sequence[str],
