@@ -282,3 +282,37 @@ def values_first_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
         output = module(*inputs)
     assert not values_first._in_flight  # every exchange was taken by its attention
     return output, next(values_first._tickets) - first - 1
+
+
+def values_first_call_failing_after_a_send(mesh, batch: int, tokens: int, heads: int, dim: int):
+    """two_layer_program rewritten values first, called under values_first.one_call where the second
+    attention fails after its values left but before it takes them: (exchanges in flight when the call
+    failed, exchanges in flight after one_call ended)."""
+    from machgen.parallel import values_first
+    from machgen.parallel.cfg import split_rows
+    from machgen.parallel.op import set_mesh, split_sequence
+
+    set_mesh(mesh)
+    module = two_layer_program(heads, dim, batch, tokens)
+    values_first.values_first(module)
+    inputs = [sequence_chunk(split_rows(t, mesh.cfg_group), mesh) for t in two_layer_inputs(batch, tokens, heads, dim)]
+    received, taken = values_first._received, []
+
+    def fails_the_second(ticket):
+        taken.append(ticket)
+        if len(taken) == 2:
+            raise RuntimeError("the second attention fails")
+        return received(ticket)
+
+    values_first._received = fails_the_second
+    left_by_the_failure = None
+    try:
+        with values_first.one_call():
+            try:
+                with torch.no_grad(), split_sequence(True):
+                    module(*inputs)
+            except RuntimeError:
+                left_by_the_failure = len(values_first._in_flight)
+    finally:
+        values_first._received = received
+    return left_by_the_failure, len(values_first._in_flight)

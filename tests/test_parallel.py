@@ -132,6 +132,18 @@ def test_values_first_sends_v_before_q_and_k_are_projected_and_attends_as_before
     assert all(sent == (2 if layout.ulysses > 1 else 0) for _, sent in outputs)
 
 
+def test_a_call_that_fails_between_a_send_and_its_attention_leaves_no_exchange_in_flight():
+    """A rank's call (serve_programs runs each under values_first.one_call) that fails after a layer's values
+    left and before its attention took them: the exchange is dropped when the call ends, not kept until the
+    rank process ends."""
+    from machgen.parallel.ranks import run_on_ranks
+
+    outputs = run_on_ranks(ParallelLayout.parse("ulysses=2"), "parallel_ranks:values_first_call_failing_after_a_send",
+                           2, 16, 4, 8)
+    assert not multiprocessing.active_children()
+    assert outputs == [(1, 0), (1, 0)]
+
+
 @pytest.mark.parametrize("layout, reused", [  # per call: the earlier call whose blocks it reuses, or None
     ("ring=2,stale=1", [None, 0, None, None, 3, 1, 4]),
     ("ulysses=2,ring=2,stale=1", [None, 0, None, None, 3, 1, 4]),

@@ -137,7 +137,7 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
     folder) lets go of the program's stale blocks and ("stale held", folder) counts the batches it holds."""
     from machgen.parallel.op import set_mesh
     from machgen.parallel.stale import StaleBatches
-    from machgen.parallel.values_first import values_first
+    from machgen.parallel.values_first import one_call, values_first
     from machgen.runtime.torch_runner import TorchProgram
 
     set_mesh(mesh)
@@ -175,10 +175,11 @@ def serve_programs(mesh: Any, device: str | None) -> Any:
             folder, payload, forget = rest
             program, plan = programs[folder]
             inputs = kept.unpack(payload, forget)
-            if plan.ranks == "all":
-                return run_split_by_rows(program, inputs, plan, mesh)
-            batches = stale.setdefault(folder, StaleBatches(mesh.layout.stale)) if mesh.layout.stale else None
-            return run_sharded(program, inputs, plan, mesh, batches)
+            with one_call():
+                if plan.ranks == "all":
+                    return run_split_by_rows(program, inputs, plan, mesh)
+                batches = stale.setdefault(folder, StaleBatches(mesh.layout.stale)) if mesh.layout.stale else None
+                return run_sharded(program, inputs, plan, mesh, batches)
         return None
 
     return handle

@@ -21,7 +21,9 @@ without Ulysses, sends nothing (ticket -1) and attends as before.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,6 +53,16 @@ def send_values(v: torch.Tensor) -> torch.Tensor:
 @send_values.register_fake
 def _(v):
     return v.new_empty((1,), dtype=torch.int64)
+
+
+@contextlib.contextmanager
+def one_call() -> Iterator[None]:
+    """A program's call: the exchanges it started and no attention took (the call failed between a send and
+    its attention) are dropped when it ends, not kept until the rank process does."""
+    try:
+        yield
+    finally:
+        _in_flight.clear()
 
 
 def _received(ticket: torch.Tensor) -> list | None:
