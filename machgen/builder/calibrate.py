@@ -81,7 +81,7 @@ class QualityTargets:
 
 THRESHOLD_GRIDS = {
     "fbcache": (0.2, 0.3, 0.4, 0.6),
-    "magcache": (0.1, 0.2, 0.3, 0.4, 0.6, 0.8),
+    "magcache": (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.6, 0.8),
 }
 # Forcing the last step never paid on the shapes model (calibrated: final 0 for both policies), so the
 # grid spends its time on longer skip runs and the negative row instead.
