@@ -130,6 +130,36 @@ def test_a_lone_guided_request_runs_a_row_on_each_idle_instance(video_server):
     assert forwards >= 15, f"{rows} rows in {forwards} forwards"
 
 
+def _threads_cpu_s(server, model: str) -> dict:
+    """CPU seconds of each thread of ``model``'s stub processes, by (pid, thread id)."""
+    import psutil
+
+    stubs = [process for process in psutil.Process(server.process.pid).children(recursive=True)
+             if f"/{model}/1/model.py" in " ".join(process.cmdline())]
+    assert stubs, f"no stub process of {model}"
+    return {(stub.pid, thread.id): thread.user_time + thread.system_time for stub in stubs for thread in stub.threads()}
+
+
+def test_a_lone_request_decodes_on_the_cores_concurrent_requests_would_use(video_server):
+    """A request alone: its VAE decoder calls run on the decoder's wider session (ServingOptions.
+    lone_stage_threads, one thread per core by default; this decoder gives the one-thread session's bits on
+    it, which its first lone call of each shape checks), whose second thread works beside the calling one; a
+    one-thread session (what concurrent requests' calls run on) works on the calling thread alone."""
+    from machgen.client import MachgenClient
+
+    model = f"{NAME}_vae_decoder_next"
+    before = _threads_cpu_s(video_server, model)
+    with MachgenClient(video_server.grpc_url) as client:
+        for prompt, seed, _ in TEXT_PAIRS[:2]:
+            client.generate(NAME, prompt, seed=seed, num_inference_steps=2)
+    after = _threads_cpu_s(video_server, model)
+    working = {}
+    for (pid, thread), seconds in after.items():
+        if seconds - before.get((pid, thread), 0.0) > 0.005:
+            working.setdefault(pid, []).append(thread)
+    assert any(len(threads) >= 2 for threads in working.values()), working
+
+
 def test_machgen_build_eval_scores_the_served_model_uncached_as_diffusers(diffusers_clips, video_server):
     """machgen-build eval --url ... --cache-policy none: the card's served figures, read as diffusers' are."""
     from typer.testing import CliRunner

@@ -33,6 +33,7 @@ from machgen.contract.manifest import (
     CANCEL_INPUT,
     COMPONENT_FILES,
     ERROR_OUTPUT,
+    LONE_THREADS_PARAMETER,
     MANIFEST_FILE,
     PROGRESS_INPUT,
     REQUEST_KEY_INPUT,
@@ -44,7 +45,7 @@ from machgen.contract.manifest import (
     model_name,
     pipeline_dir,
 )
-from machgen.contract.specs import ComponentSpec, ServedDefaults, TensorSpec
+from machgen.contract.specs import ComponentSpec, ServedDefaults, TensorSpec, is_denoiser
 from machgen.families.registry import Family
 from machgen.runtime.cache import FIRST_BLOCK_RESIDUAL, CacheSettings
 
@@ -111,6 +112,16 @@ class ServingOptions:
     # images at low concurrency want 0 (tiny model at 256x256: 1.75 s a
     # request with one thread, 1.01 s with two).
     intra_op_threads: int = 1
+    # ONNX Runtime threads of a once-per-request stage's call (text encoders,
+    # VAE encoder and decoders) while its request is the only one the
+    # sampler runs; 0: one per core the server may use, 1 (or no more than
+    # intra_op_threads): off. Each such component instance keeps a second
+    # session of this width (its weights twice in memory), used for the
+    # input shapes on which it gave the one-thread session's outputs bit for
+    # bit (runtime/onnx_runner.CheckedWideRunner). The denoiser's rows are
+    # spread instead (spread_rows). Measured: shapes-wan's decode of a
+    # 17-frame clip, 187 ms on one thread, 116 ms on two.
+    lone_stage_threads: int = 0
     # Prompts whose text-encoder outputs the sampler keeps, shared by its requests (0: none).
     prompt_cache_size: int = 256
     # Steps between the previews NAME_stream sends when a request does not
@@ -198,6 +209,8 @@ def render_component_config(pipeline: str, spec: ComponentSpec, options: Serving
     else:
         runtime = 'backend: "python"\n'
         parameters = {"intra_op_threads": str(options.intra_op_threads)}
+        if serving.target == "onnxruntime" and not is_denoiser(spec.name) and options.lone_stage_threads != 1:
+            parameters[LONE_THREADS_PARAMETER] = str(options.lone_stage_threads)
     if serving.target == "torch":
         # GPU tensors arrive as they are (DLPack), not copied to the host first.
         parameters = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no", "device": serving.torch_device,

@@ -61,6 +61,11 @@ STOP_FILE_ENV = "MACHGEN_STOP_FILE"
 # "1" in the server's environment: the sampler logs every step of every request (log_verbose), as machgen serve
 # --verbose sets it. Off by default: a log message is a message to the server, about 0.3 ms a step on the CPU.
 STEP_LOG_ENV = "MACHGEN_STEP_LOG"
+# A once-per-request stage's config parameter: ONNX Runtime threads of its wider session (ServingOptions.
+# lone_stage_threads); and the BLS request parameter (True) with which the sampler marks a call of the only
+# request it runs, which such a stage runs there when the call comes alone.
+LONE_THREADS_PARAMETER = "lone_intra_op_threads"
+LONE_CALL_PARAMETER = "lone_call"
 
 
 def drained_file(stop_file: str, model: str) -> str:

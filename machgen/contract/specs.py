@@ -47,6 +47,13 @@ class ComponentSpec:
     in_sampler: bool = False
 
 
+def is_denoiser(component: str) -> bool:
+    """Whether ``component`` is (a part of) a denoiser: ``denoiser``, ``denoiser_2``, their ``_head``, ``_tail``
+    and ``_reuse``. Their calls are the steps (they pass the sampler's step gate; a lone request's rows are
+    spread); the others are a request's stages (text encoders, VAE encoder and decoders)."""
+    return component.startswith("denoiser")
+
+
 @dataclass(frozen=True)
 class AxisRange:
     """Sizes a named dynamic axis takes when served: an engine's optimization

@@ -62,6 +62,8 @@ from machgen.contract.manifest import (
     ACCEPTED_OUTPUT,
     CANCEL_INPUT,
     ERROR_OUTPUT,
+    LONE_CALL_PARAMETER,
+    LONE_THREADS_PARAMETER,
     PROGRESS_INPUT,
     REQUEST_KEY_INPUT,
     SAMPLER,
@@ -71,6 +73,7 @@ from machgen.contract.manifest import (
     drained_file,
     model_name,
 )
+from machgen.contract.specs import is_denoiser
 from machgen.runtime.processes import STACKS_SIGNAL, instances_of, sibling_stubs
 from machgen.runtime.sampler import GenerationCancelled
 from machgen.runtime.scheduling import GateClosed, SchedulingPolicy, StepGate
@@ -128,6 +131,12 @@ def _adapters_of(args: dict, config: dict) -> tuple[Path | None, int]:
     return Path(args["model_repository"]).parent / folder, int(_parameter(config, "max_loras", "8"))
 
 
+def _marked_lone(request) -> bool:
+    """Whether the sampler sent ``request`` as the call of the only request it runs."""
+    parameters = request.parameters()
+    return bool(parameters) and bool(json.loads(parameters).get(LONE_CALL_PARAMETER))
+
+
 def _error_response(message: str, code) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
@@ -149,11 +158,15 @@ class _ComponentModel:
     def _write(self, name: str, value) -> "pb_utils.Tensor":
         raise NotImplementedError
 
+    def _runner_for(self, requests):
+        """The runner of this batch of requests."""
+        return self.runner
+
     def execute(self, requests):
         batches = [{name: self._read(pb_utils.get_input_tensor_by_name(request, name))
                     for name in self.runner.input_names} for request in requests]
         try:
-            outputs = self.runner.run_batches(batches, max_rows=self.max_rows)
+            outputs = self._runner_for(requests).run_batches(batches, max_rows=self.max_rows)
         except Exception as err:  # noqa: BLE001 - every request must get an answer
             self.logger.log_error(f"{self.source}: {traceback.format_exc()}")
             return [_error_response(*self._failure(err)) for _ in requests]
@@ -166,19 +179,42 @@ class _ComponentModel:
 
 
 class OnnxComponentModel(_ComponentModel):
-    """One pipeline component under ONNX Runtime on the CPU."""
+    """One pipeline component under ONNX Runtime on the CPU.
+
+    A once-per-request stage (text encoder, VAE) built with lone-call
+    threads keeps a second, wider session: a call the sampler marks as its
+    only request's (LONE_CALL_PARAMETER) runs there when it comes alone,
+    on the cores the other instances would otherwise use, but only for
+    input shapes on which the wide session has given this one's outputs bit
+    for bit (onnx_runner.CheckedWideRunner): a request's output never
+    depends on whether it ran alone."""
 
     def initialize(self, args: dict) -> None:
-        from machgen.runtime.adapters import with_adapters
-        from machgen.runtime.onnx_runner import OnnxSession
+        from machgen.runtime.onnx_runner import CheckedWideRunner, cpu_threads
 
         config = json.loads(args["model_config"])
         self.source = _model_dir(args) / "model.onnx"
-        self.runner = with_adapters(
-            OnnxSession(self.source, intra_op_threads=int(_parameter(config, "intra_op_threads", "0"))),
-            self.source.parent, *_adapters_of(args, config))
-        self.max_rows = int(config["max_batch_size"]) or None
+        self.runner = self._open(args, config, int(_parameter(config, "intra_op_threads", "0")))
+        lone_threads = _parameter(config, LONE_THREADS_PARAMETER, "")
         self.logger = pb_utils.Logger
+        self.lone_runner = None
+        if lone_threads and cpu_threads(int(lone_threads)) > self.runner.threads:
+            self.lone_runner = CheckedWideRunner(self.runner, self._open(args, config, int(lone_threads)),
+                                                 self.logger.log_info)
+        self.max_rows = int(config["max_batch_size"]) or None
+
+    def _open(self, args: dict, config: dict, threads: int):
+        from machgen.runtime.adapters import with_adapters
+        from machgen.runtime.onnx_runner import OnnxSession
+
+        return with_adapters(OnnxSession(self.source, intra_op_threads=threads), self.source.parent,
+                             *_adapters_of(args, config))
+
+    def _runner_for(self, requests):
+        # Two requests in one batch are two requests' work: never the wide session then.
+        if self.lone_runner is not None and len(requests) == 1 and _marked_lone(requests[0]):
+            return self.lone_runner
+        return self.runner
 
     def _read(self, tensor: "pb_utils.Tensor"):
         return tensor.as_numpy()
@@ -620,33 +656,37 @@ class SamplerModel:
         self._lock = threading.Lock()
 
     def _run_component(self, name: str, inputs: dict):
-        if not name.startswith("denoiser"):
-            return self._component_call(name, inputs)
+        if not is_denoiser(name):
+            # A stage (text encoders, VAE) of the only request running may take the cores that concurrent
+            # requests would otherwise use (its component's wider session, OnnxComponentModel).
+            return self._component_call(name, inputs, lone=len(self._running) == 1)
         turn = getattr(self._turn, "request", None)
         with contextlib.nullcontext() if turn is None else self.gate.turn(*turn):
             if name in self.in_sampler:
                 return self._component_call(name, inputs)
             return self.spread.call(functools.partial(self._component_call, name), inputs)
 
-    def _component_call(self, name: str, inputs: dict):
+    def _component_call(self, name: str, inputs: dict, lone: bool = False):
         if name in self.in_sampler:
             return self.in_sampler.run(name, inputs)
         model = self.manifest.components[name].model
-        response = self._call(model, name, inputs)
+        call = functools.partial(self._call, model, name, inputs, lone)
+        response = call()
         if response.has_error() and any(sign in response.error().message() for sign in _COMPONENT_GONE):
-            response = self._call_when_back(model, name, inputs, response.error().message())
+            response = self._call_when_back(model, call, response.error().message())
         if response.has_error():
             raise ComponentError(f"{model}: {response.error().message()}")
         return {tensor.name(): _received(tensor) for tensor in response.output_tensors()}
 
-    def _call(self, model: str, name: str, inputs: dict):
+    def _call(self, model: str, name: str, inputs: dict, lone: bool):
         return pb_utils.InferenceRequest(
             model_name=model,
             inputs=[_bls_tensor(key, value) for key, value in inputs.items()],
             requested_output_names=list(self.manifest.components[name].outputs),
+            **({"parameters": {LONE_CALL_PARAMETER: True}} if lone else {}),
         ).exec()
 
-    def _call_when_back(self, model: str, name: str, inputs: dict, message: str):
+    def _call_when_back(self, model: str, call, message: str):
         """The call again once ``model`` answers: a component call is a pure
         function of its inputs, so a step whose component died under it is
         run again once the component is loaded again (by machgen serve), and
@@ -656,7 +696,7 @@ class SamplerModel:
         started = time.monotonic()
         while time.monotonic() - started < COMPONENT_WAIT_S and not server_stopping():
             time.sleep(0.5)
-            response = self._call(model, name, inputs)
+            response = call()
             if not response.has_error():
                 self.logger.log_info(f"{model}: back after {time.monotonic() - started:.1f} s; call run again")
                 return response
