@@ -33,7 +33,6 @@ class OnnxSession:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.path = Path(path)
-        self.threads = options.intra_op_num_threads
         self._session = ort.InferenceSession(os.fspath(path), sess_options=options,
                                              providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self._session.get_inputs()]

@@ -194,11 +194,12 @@ class OnnxComponentModel(_ComponentModel):
 
         config = json.loads(args["model_config"])
         self.source = _model_dir(args) / "model.onnx"
-        self.runner = self._open(args, config, int(_parameter(config, "intra_op_threads", "0")))
+        threads = int(_parameter(config, "intra_op_threads", "0"))
+        self.runner = self._open(args, config, threads)
         lone_threads = _parameter(config, LONE_THREADS_PARAMETER, "")
         self.logger = pb_utils.Logger
         self.lone_runner = None
-        if lone_threads and cpu_threads(int(lone_threads)) > self.runner.threads:
+        if lone_threads and cpu_threads(int(lone_threads)) > cpu_threads(threads):
             self.lone_runner = CheckedWideRunner(self.runner, self._open(args, config, int(lone_threads)),
                                                  self.logger.log_info)
         self.max_rows = int(config["max_batch_size"]) or None
