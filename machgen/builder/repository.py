@@ -119,8 +119,8 @@ class ServingOptions:
     # session of this width (its weights twice in memory), used for the
     # input shapes on which it gave the one-thread session's outputs bit for
     # bit (runtime/onnx_runner.CheckedWideRunner). The denoiser's rows are
-    # spread instead (spread_rows). Measured: shapes-wan's decode of a
-    # 17-frame clip, 187 ms on one thread, 116 ms on two.
+    # spread instead (spread_rows). Measured: a lone 17-frame clip of
+    # shapes-wan decodes in about 130 ms instead of 190 (perf/RESULTS.md).
     lone_stage_threads: int = 0
     # Prompts whose text-encoder outputs the sampler keeps, shared by its requests (0: none).
     prompt_cache_size: int = 256
