@@ -73,3 +73,41 @@ def test_the_manifest_reads_back_and_another_version_is_refused(rendered, tmp_pa
                                                         if key != "runtime"}))
     with pytest.raises(ManifestError, match="malformed.*runtime"):
         PipelineManifest.read(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def flux_specs(tiny_flux_dir):
+    """The tiny Flux's specs without adapters, as a plain build serves them."""
+    family = get_family("flux")
+    exporter = family.exporter()
+    pipe = load_pipeline(tiny_flux_dir, family)
+    defaults = served_defaults(tiny_flux_dir, family, pipe)
+    _, specs, _ = components_to_export(exporter, pipe, ServingOptions(), log=lambda line: None)
+    return family, specs, defaults, exporter.sampler_settings(pipe, defaults)
+
+
+def test_the_onnxruntime_target_serves_head_and_tail_as_one_model_and_lone_steps_in_the_sampler(flux_specs):
+    """Without adapters the onnxruntime target's chain is one Python model (their joined graph, builder/chain.py)
+    with the ensemble's inputs and outputs, and the sampler is told how many sessions of it to keep for a lone
+    request's steps; the torch target keeps the ensemble and no such sessions, and so does a build that turns
+    them off."""
+    from machgen.builder.repository import TargetServing, fused_chains
+
+    family, specs, defaults, settings = flux_specs
+    assert set(fused_chains(specs)) == {"denoiser"}
+    chain = render_repository("flux", family, specs, defaults, settings)
+    ensemble = (GOLDEN / "flux_denoiser" / "config.pbtxt").read_text()
+    assert 'backend: "python"' in chain["flux_denoiser/config.pbtxt"] and "ensemble" not in chain[
+        "flux_denoiser/config.pbtxt"]
+    assert "OnnxComponentModel" in chain["flux_denoiser/1/model.py"]
+    for block in ("input [", "output ["):
+        assert chain["flux_denoiser/config.pbtxt"].split(block)[1].split("]\n")[0] == \
+            ensemble.split(block)[1].split("]\n")[0]
+    assert 'key: "lone_step_sessions"\n  value: { string_value: "2" }' in chain["flux_sampler/config.pbtxt"]
+    torch_files = render_repository("flux", family, specs, defaults, settings, serving=TargetServing("torch"))
+    assert not fused_chains(specs, TargetServing("torch"))
+    assert 'platform: "ensemble"' in torch_files["flux_denoiser/config.pbtxt"]
+    assert "lone_step_sessions" not in torch_files["flux_sampler/config.pbtxt"]
+    off = render_repository("flux", family, specs, defaults, settings,
+                            options=ServingOptions(lone_steps_in_sampler=False))
+    assert "lone_step_sessions" not in off["flux_sampler/config.pbtxt"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import api_on, build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
+from conftest import api_on, build_tiny_repository, levels, load_diffusers, metric, picture, serving, write_tiny
 
 pytestmark = [pytest.mark.export,
               pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
@@ -220,6 +220,34 @@ def test_served_text_and_image_to_video_equal_diffusers(ti2v_server, local_ti2v,
     previews = [p.preview for p in progress if p.preview is not None]
     assert [p.step for p in progress] == [1, 2, 3] and len(previews) == 2
     assert 1 < len(previews[0]) <= 4 and previews[0].shape[1] < text_frames.shape[1]
+
+
+@pytest.mark.integration
+def test_a_lone_request_runs_its_steps_in_the_sampler_with_the_bits_of_the_served_model(ti2v_server):
+    """A request alone computes its steps on the sampler's own sessions of the joined head and tail (no call
+    reaches NAME_denoiser); requests running together call it, and each gets the frames it got alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from machgen.client import MachgenClient
+
+    chain = f"{NAME}_denoiser"
+    requests = [dict(seed=seed, num_inference_steps=4, cache_policy="none") for seed in (3, 4, 5)]
+
+    def calls() -> float:
+        return metric(ti2v_server, "nv_inference_request_success", chain)
+
+    def generate(request):
+        with MachgenClient(ti2v_server.grpc_url) as client:
+            return client.generate(NAME, PROMPT, **request)
+
+    before = calls()
+    alone = [generate(request) for request in requests]
+    assert calls() == before
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(generate, requests))
+    assert calls() > before
+    for one, other in zip(alone, together):
+        np.testing.assert_array_equal(one, other)
 
 
 def _video_bytes_frames(data: bytes, folder) -> np.ndarray:

@@ -366,6 +366,11 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             exported[spec.name] = path
             results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance,
                                            time.perf_counter() - start))
+        if target != "torch":
+            fused = _fuse_chains(specs, onnx_files, Path(scratch), log)
+            onnx_files.update(fused)
+            if target == "onnxruntime":
+                exported.update(fused)
         if sparse is not None and not sparse_nodes:
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
@@ -390,6 +395,24 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         plan.write_record({relative.split("/", 1)[0] for relative in files})
     log(f"wrote model repository {out} (public model '{name}', target {target})")
     return results
+
+
+def _fuse_chains(specs: dict, onnx_files: dict[str, Path], scratch: Path,
+                 log: Callable[[str], None]) -> dict[str, Path]:
+    """The joined ONNX file of each chain the onnxruntime target serves as one model (repository.fused_chains)."""
+    from machgen.builder.chain import fuse_head_and_tail
+    from machgen.builder.repository import TargetServing, denoiser_chains, fused_chains
+
+    serving = TargetServing("onnxruntime")
+    chains = denoiser_chains(specs, serving)
+    fused = {}
+    for prefix, spec in fused_chains(specs, serving).items():
+        head, tail = chains[prefix]
+        from_head = [tensor.name for tensor in spec.outputs if tensor not in tail.outputs]
+        fused[prefix] = fuse_head_and_tail(onnx_files[head.name], onnx_files[tail.name],
+                                           scratch / "fused" / prefix / "model.onnx", from_head)
+        log(f"{prefix}: {head.name} and {tail.name} joined into one ONNX graph (a step that runs both)")
+    return fused
 
 
 def _exported_paths(name: str, files: dict[str, str], exported: dict[str, Path]) -> set[str]:

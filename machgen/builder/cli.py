@@ -82,6 +82,10 @@ def build(
     lone_stage_threads: int = typer.Option(_SERVING.lone_stage_threads, "--lone-stage-threads", min=0,
                                            help="ONNX Runtime threads of a text encoder's or VAE's call while "
                                                 "its request runs alone (0: one per core; 1: off)"),
+    lone_steps_in_sampler: bool = typer.Option(_SERVING.lone_steps_in_sampler,
+                                               "--lone-steps-in-sampler/--no-lone-steps-in-sampler",
+                                               help="run a lone request's denoiser steps in the sampler's own "
+                                                    "process (onnxruntime: its weights once more per session)"),
     attention: str = typer.Option(_ATTENTION.kind, "--attention",
                                   help="denoiser attention: dense, or sparse-fp8 (the machgen SparseAttention op)"),
     attention_block: int = typer.Option(_ATTENTION.block, "--attention-block", min=1,
@@ -154,7 +158,7 @@ def build(
                              component_instances=component_instances, spread_rows=spread_rows, batching=batching,
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
                              stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads,
-                             lone_stage_threads=lone_stage_threads,
+                             lone_stage_threads=lone_stage_threads, lone_steps_in_sampler=lone_steps_in_sampler,
                              max_lora_rank=max_lora_rank, max_loras=max_loras)
     try:
         build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # Files above this size keep their weights in an external data file (the
 # protobuf limit is 2 GiB).
-_EXTERNAL_DATA_BYTES = 1 << 30
+EXTERNAL_DATA_BYTES = 1 << 30
 
 
 class ParityError(RuntimeError):
@@ -134,7 +134,7 @@ def export_onnx(component: ExportableComponent, path: Path,
     model = program.model_proto
     _name_axes(model, spec)
     nodes = ops.attach_onnx_function(model, attention) if attention is not None else 0
-    onnx.save_model(model, os.fspath(path), save_as_external_data=size > _EXTERNAL_DATA_BYTES,
+    onnx.save_model(model, os.fspath(path), save_as_external_data=size > EXTERNAL_DATA_BYTES,
                     location=path.name + ".data")
     return nodes
 

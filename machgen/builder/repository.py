@@ -33,6 +33,7 @@ from machgen.contract.manifest import (
     CANCEL_INPUT,
     COMPONENT_FILES,
     ERROR_OUTPUT,
+    LONE_STEP_SESSIONS_PARAMETER,
     LONE_THREADS_PARAMETER,
     MANIFEST_FILE,
     PROGRESS_INPUT,
@@ -122,6 +123,15 @@ class ServingOptions:
     # spread instead (spread_rows). Measured: a lone 17-frame clip of
     # shapes-wan decodes in about 130 ms instead of 190 (perf/RESULTS.md).
     lone_stage_threads: int = 0
+    # A request that runs alone computes its denoiser steps in the sampler's
+    # own process (onnxruntime target): on as many one-ONNX-Runtime-session
+    # copies of the joined head and tail (fused_chains) as a call's rows are
+    # spread over, opened as the instances open theirs, so its output is
+    # what the instances would give. Its steps skip the BLS round trips: a
+    # lone shapes-wan clip's computed step 22 ms -> 16 ms, the clip 386 ->
+    # 316 ms (perf/RESULTS.md). Costs the denoiser's weights once more per
+    # session in the sampler process.
+    lone_steps_in_sampler: bool = True
     # Prompts whose text-encoder outputs the sampler keeps, shared by its requests (0: none).
     prompt_cache_size: int = 256
     # Steps between the previews NAME_stream sends when a request does not
@@ -273,10 +283,12 @@ def _single_decoupled_instance(name: str) -> str:
 
 
 def render_sampler_config(pipeline: str, family: Family, options: ServingOptions,
-                          serving: TargetServing = TargetServing()) -> str:
+                          serving: TargetServing = TargetServing(), fused: bool = False) -> str:
     """The sampler: decoupled (a progress response per step, then the
     result), one instance whose threads carry every request in flight; its
-    step gate lets ``in_flight`` requests' denoiser calls run at once."""
+    step gate lets ``in_flight`` requests' denoiser calls run at once.
+    ``fused``: a denoiser chain is one ONNX file (fused_chains), which it
+    may run itself for a lone request (lone_steps_in_sampler)."""
     relay_inputs = (ApiTensor(REQUEST_KEY_INPUT, "BYTES", (1,), ""), ApiTensor(CANCEL_INPUT, "BYTES", (1,), ""),
                     ApiTensor(PROGRESS_INPUT, "INT32", (1,), ""), *STREAM_INPUTS)
     relay_outputs = PROGRESS_OUTPUTS + (ApiTensor(ERROR_OUTPUT, "BYTES", (1,), ""),
@@ -288,7 +300,10 @@ def render_sampler_config(pipeline: str, family: Family, options: ServingOptions
                                           optional=False))
         + "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
         + _parameters({"step_slots": str(options.in_flight), "batch_min_share": f"{options.batch_min_share:g}",
-                       "spread_instances": str(spread_instances(options, serving))})
+                       "spread_instances": str(spread_instances(options, serving)),
+                       **({LONE_STEP_SESSIONS_PARAMETER: str(spread_instances(options, serving)),
+                           "intra_op_threads": str(options.intra_op_threads)}
+                          if fused and options.lone_steps_in_sampler else {})})
     )
 
 
@@ -381,11 +396,11 @@ def pipeline_manifest(pipeline: str, family: Family, specs: dict[str, ComponentS
 
 def denoiser_chains(specs: dict[str, ComponentSpec],
                     serving: TargetServing = TargetServing()) -> dict[str, tuple[ComponentSpec, ComponentSpec]]:
-    """Per denoiser prefix whose head and tail are both Triton models: (head, tail). Served as one Triton
-    ensemble NAME_<prefix>, which the sampler calls for a step that runs both (no policy needs the head's
-    outputs first): one BLS round trip instead of two, and the head's outputs pass to the tail inside the
-    server (about 1 ms of a computed step on the 2-core CPU, perf/RESULTS.md; on a GPU target the head's
-    outputs stay on the device)."""
+    """Per denoiser prefix whose head and tail are both Triton models: (head, tail). The sampler calls the
+    model NAME_<prefix> for a step that runs both (no policy needs the head's outputs first): one BLS round
+    trip instead of two, the head's outputs passed to the tail inside it. On the onnxruntime target it is one
+    ONNX Runtime session of the joined graph (fused_chains); elsewhere a Triton ensemble of the two (on a
+    GPU target the head's outputs stay on the device)."""
     chains = {}
     for name, head in specs.items():
         prefix = name.removesuffix("_head")
@@ -394,6 +409,20 @@ def denoiser_chains(specs: dict[str, ComponentSpec],
                 and not serving.runs_in_sampler(tail):
             chains[prefix] = (head, tail)
     return chains
+
+
+def fused_chains(specs: dict[str, ComponentSpec],
+                 serving: TargetServing = TargetServing()) -> dict[str, ComponentSpec]:
+    """The chains served as one model of the head and tail's joined ONNX graph (builder/chain.py), as the
+    spec of that model: on the onnxruntime target, where the ensemble's second Python-backend hop cost more
+    than the tail's own work on the trained video default's lone clip (a step 24 ms against 19 fused,
+    perf/RESULTS.md). Not for parts that take per-request adapters (their weight banks are per part)."""
+    if serving.target != "onnxruntime":
+        return {}
+    return {prefix: ComponentSpec(prefix, head.inputs, _chain_outputs(head, tail), tolerance=tail.tolerance,
+                                  per_step=head.per_step)
+            for prefix, (head, tail) in denoiser_chains(specs, serving).items()
+            if not any(tensor.name == ADAPTER_NAMES_INPUT for tensor in head.inputs + tail.inputs)}
 
 
 def _chain_outputs(head: ComponentSpec, tail: ComponentSpec) -> tuple[TensorSpec, ...]:
@@ -439,12 +468,13 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
     manifest = pipeline_manifest(pipeline, family, specs, defaults, family_settings, cache, options, attention,
                                  serving, adapters)
     card = model_card(family, defaults, family_settings, options)
+    fused = fused_chains(specs, serving)
     files = {
         f"{pipeline}/config.pbtxt": render_public_config(pipeline, family, options, card),
         f"{pipeline}/1/model.py": _SHIM.format(cls="PublicModel"),
         f"{model_name(pipeline, STREAM)}/config.pbtxt": render_stream_config(pipeline, family, options, card),
         f"{model_name(pipeline, STREAM)}/1/model.py": _SHIM.format(cls="StreamModel"),
-        f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family, options, serving),
+        f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family, options, serving, fused=bool(fused)),
         f"{sampler}/1/model.py": _SHIM.format(cls="SamplerModel"),
         f"{sampler}/1/{MANIFEST_FILE}": manifest.render(),
     }
@@ -456,7 +486,13 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
         if shim is not None:
             files[f"{model_name(pipeline, name)}/1/model.py"] = _SHIM.format(cls=shim)
     for name, (head, tail) in denoiser_chains(specs, serving).items():
-        files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_chain_config(pipeline, name, head, tail, options)
+        if name in fused:
+            files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_component_config(pipeline, fused[name],
+                                                                                         options, serving)
+            files[f"{model_name(pipeline, name)}/1/model.py"] = _SHIM.format(cls=shim)
+        else:
+            files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_chain_config(pipeline, name, head, tail,
+                                                                                     options)
     return files
 
 
@@ -509,4 +545,5 @@ def write_repository(out: Path, pipeline: str, files: dict[str, str], exported: 
         shutil.copytree(source, sampler_dir / asset, dirs_exist_ok=True)
 
 
-__all__ = ["ServingOptions", "TargetServing", "public_inputs", "render_repository", "write_repository"]
+__all__ = ["ServingOptions", "TargetServing", "fused_chains", "public_inputs", "render_repository",
+           "write_repository"]

@@ -66,6 +66,9 @@ STEP_LOG_ENV = "MACHGEN_STEP_LOG"
 # request it runs, which such a stage runs there when the call comes alone.
 LONE_THREADS_PARAMETER = "lone_intra_op_threads"
 LONE_CALL_PARAMETER = "lone_call"
+# The sampler's config parameter: its own sessions per joined denoiser chain for the steps of a request that
+# runs alone (ServingOptions.lone_steps_in_sampler; 0: none), beside "intra_op_threads", the threads of each.
+LONE_STEP_SESSIONS_PARAMETER = "lone_step_sessions"
 
 
 def drained_file(stop_file: str, model: str) -> str:

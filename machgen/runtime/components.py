@@ -4,11 +4,12 @@ the components a pipeline runs in the sampler's own process."""
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-from machgen.contract.manifest import ComponentEntry
+from machgen.contract.manifest import COMPONENT_FILES, ComponentEntry
 
 
 def open_component(path: str | os.PathLike, intra_op_threads: int = 0, device: str | None = None,
@@ -56,3 +57,35 @@ class InSamplerComponents:
     def run(self, component: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
         with self._locks[component]:
             return self._runners[component].run(inputs)
+
+
+class LoneStepSessions:
+    """The sampler's own sessions of each denoiser chain that is one ONNX
+    file (the onnxruntime target's joined head and tail, builder/chain.py),
+    for the steps of a request that runs alone: its calls then skip two
+    BLS round trips, a third of such a step on the trained video default
+    (perf/RESULTS.md). ``sessions`` per chain, each opened as the chain's
+    Triton instances open theirs (``intra_op_threads``), so that a part of
+    a call cut as RowSpread cuts it gives the bits an instance would give.
+    A part takes whichever session is free."""
+
+    def __init__(self, components: Mapping[str, ComponentEntry], repository_dir: str | os.PathLike, sessions: int,
+                 intra_op_threads: int):
+        self._free: dict[str, queue.SimpleQueue] = {}
+        for name, entry in components.items():
+            path = Path(repository_dir) / str(entry.model) / "1" / COMPONENT_FILES["onnxruntime"]
+            if sessions < 1 or not entry.steps or not path.is_file():
+                continue  # an ensemble (another target, per-request adapters) has no file of its own
+            free = self._free[name] = queue.SimpleQueue()
+            for _ in range(sessions):
+                free.put(open_component(path, intra_op_threads=intra_op_threads))
+
+    def __contains__(self, component: str) -> bool:
+        return component in self._free
+
+    def run(self, component: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        session = self._free[component].get()
+        try:
+            return session.run(inputs)
+        finally:
+            self._free[component].put(session)

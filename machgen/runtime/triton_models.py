@@ -63,6 +63,7 @@ from machgen.contract.manifest import (
     CANCEL_INPUT,
     ERROR_OUTPUT,
     LONE_CALL_PARAMETER,
+    LONE_STEP_SESSIONS_PARAMETER,
     LONE_THREADS_PARAMETER,
     PROGRESS_INPUT,
     REQUEST_KEY_INPUT,
@@ -627,7 +628,7 @@ class SamplerModel:
 
         from machgen.contract.engines import check_repository_engines, serving_host
         from machgen.contract.adapters import served_adapters
-        from machgen.runtime.components import InSamplerComponents
+        from machgen.runtime.components import InSamplerComponents, LoneStepSessions
         from machgen.runtime.preview import LatentPreview
         from machgen.runtime.sampler import load_sampler
 
@@ -652,6 +653,9 @@ class SamplerModel:
                                               batch_min_share=float(_parameter(config, "batch_min_share", "0.1"))))
         self._turn = threading.local()  # the request this thread runs: who it is for, its priority
         self.spread = RowSpread(int(_parameter(config, "spread_instances", "1")))
+        self.lone_steps = LoneStepSessions(self.manifest.components, Path(args["model_repository"]).parent,
+                                           sessions=int(_parameter(config, LONE_STEP_SESSIONS_PARAMETER, "0")),
+                                           intra_op_threads=int(_parameter(config, "intra_op_threads", "1")))
         # Requests running, by the key their relay gave them.
         self._running: dict[str, _RunningRequest] = {}
         self._lock = threading.Lock()
@@ -665,6 +669,10 @@ class SamplerModel:
         with contextlib.nullcontext() if turn is None else self.gate.turn(*turn):
             if name in self.in_sampler:
                 return self._component_call(name, inputs)
+            if name in self.lone_steps and len(self._running) == 1:
+                # The only request: its rows run on the sampler's own sessions, cut as they would be over the
+                # instances (a request that arrives meanwhile finds them busy and sends its calls whole).
+                return self.spread.call(functools.partial(self.lone_steps.run, name), inputs)
             return self.spread.call(functools.partial(self._component_call, name), inputs)
 
     def _component_call(self, name: str, inputs: dict, lone: bool = False):
