@@ -109,7 +109,10 @@ def sweep(repository: Path, name: str, binary: Path, env: dict, data_file: Path,
     rows = []
     with TritonServer(repository, Ports(free_port(), free_port(), free_port())) as server, \
             MachgenClient(server.grpc_url) as client:
-        tail = f"{name}_denoiser_tail"
+        # The model a step that runs the whole denoiser calls: the joined head and tail where the build joined
+        # them (onnxruntime without adapters), else the tail (inside the ensemble).
+        joined = (repository / f"{name}_denoiser" / "1" / "model.onnx").is_file()
+        tail = f"{name}_denoiser" if joined else f"{name}_denoiser_tail"
         for level in levels:
             out = scratch / f"{label}-c{level}.csv"
             command = [str(binary), "-m", name, "-u", server.grpc_url, "-i", "grpc", "--input-data", str(data_file),

@@ -177,7 +177,8 @@ API_OUTPUTS: tuple[ApiTensor, ...] = (
                                       "denoiser_tail_calls, denoiser_tail_passes, negative_rows_derived, "
                                       "text_cache_hits/misses, frames, fps, sample_rate, adapters (name: scale), "
                                       "expected_psnr(_worst), priority, waited_seconds (at the step gate), "
-                                      "denoiser_seconds"),
+                                      "denoiser_seconds, passes_in_sampler (of the tail passes, those a lone "
+                                      "request ran in the sampler)"),
     ApiTensor("trajectory", "FP32", (-1, -1), "the latents after each of trajectory_steps, one row each, flat "
                                               "(a row is a later request's start_latents)"),
     # Only in the configs of models that make sound (Capabilities.audio).

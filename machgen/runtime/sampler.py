@@ -95,6 +95,9 @@ class GenerationStats:
     priority: str = "interactive"
     waited_seconds: float = 0.0
     denoiser_seconds: float = 0.0
+    # Served: of denoiser_tail_passes, those the sampler ran on its own sessions while the request ran alone
+    # (ServingOptions.lone_steps_in_sampler); the others went to the denoiser's Triton models.
+    passes_in_sampler: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

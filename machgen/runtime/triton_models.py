@@ -672,6 +672,8 @@ class SamplerModel:
             if name in self.lone_steps and len(self._running) == 1:
                 # The only request: its rows run on the sampler's own sessions, cut as they would be over the
                 # instances (a request that arrives meanwhile finds them busy and sends its calls whole).
+                rows = len(inputs["hidden_states"])
+                self._turn.passes_in_sampler = getattr(self._turn, "passes_in_sampler", 0) + rows
                 return self.spread.call(functools.partial(self.lone_steps.run, name), inputs)
             return self.spread.call(functools.partial(self._component_call, name), inputs)
 
@@ -823,6 +825,7 @@ class SamplerModel:
         turns: list[tuple[float, float]] = []  # each denoiser call's seconds at the gate and running
         order = self.gate.request_order()
         self._turn.request = (parsed.owner, parsed.priority, is_cancelled, turns, order)
+        self._turn.passes_in_sampler = 0
         try:
             result = self.sampler.generate(parsed, on_step=on_step, is_cancelled=is_cancelled,
                                            on_preview=on_preview if self.preview is not None and progress else None,
@@ -835,6 +838,7 @@ class SamplerModel:
         result.stats.priority = parsed.priority
         result.stats.waited_seconds = round(sum(waited for waited, _ in turns), 4)
         result.stats.denoiser_seconds = round(sum(ran for _, ran in turns), 4)
+        result.stats.passes_in_sampler = self._turn.passes_in_sampler
         if is_cancelled():  # after the last step, before the decode
             raise GenerationCancelled(result.stats.steps, result.stats.steps)
         images = self.sampler.decode(result.latents)
