@@ -128,8 +128,8 @@ class ServingOptions:
     # copies of the joined head and tail (fused_chains) as a call's rows are
     # spread over, opened as the instances open theirs, so its output is
     # what the instances would give. Its steps skip the BLS round trips: a
-    # lone shapes-wan clip's computed step 22 ms -> 16 ms, the clip 386 ->
-    # 316 ms (perf/RESULTS.md). Costs the denoiser's weights once more per
+    # lone shapes-wan clip's computed step 22 ms -> 16 ms, the clip 409 ->
+    # 326 ms (perf/RESULTS.md). Costs the denoiser's weights once more per
     # session in the sampler process.
     lone_steps_in_sampler: bool = True
     # Prompts whose text-encoder outputs the sampler keeps, shared by its requests (0: none).
@@ -414,9 +414,10 @@ def denoiser_chains(specs: dict[str, ComponentSpec],
 def fused_chains(specs: dict[str, ComponentSpec],
                  serving: TargetServing = TargetServing()) -> dict[str, ComponentSpec]:
     """The chains served as one model of the head and tail's joined ONNX graph (builder/chain.py), as the
-    spec of that model: on the onnxruntime target, where the ensemble's second Python-backend hop cost more
-    than the tail's own work on the trained video default's lone clip (a step 24 ms against 19 fused,
-    perf/RESULTS.md). Not for parts that take per-request adapters (their weight banks are per part)."""
+    spec of that model: on the onnxruntime target, where it saves the ensemble's second Python-backend hop
+    (the trained video default's lone clip 413 -> 397 ms, perf/RESULTS.md) and lets the sampler run a lone
+    request's steps itself (ServingOptions.lone_steps_in_sampler). Not for parts that take per-request
+    adapters (their weight banks are per part)."""
     if serving.target != "onnxruntime":
         return {}
     return {prefix: ComponentSpec(prefix, head.inputs, _chain_outputs(head, tail), tolerance=tail.tolerance,
