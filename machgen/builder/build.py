@@ -366,11 +366,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             exported[spec.name] = path
             results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance,
                                            time.perf_counter() - start))
-        if target != "torch":
-            fused = _fuse_chains(specs, onnx_files, Path(scratch), log)
-            onnx_files.update(fused)
-            if target == "onnxruntime":
-                exported.update(fused)
+        if target == "onnxruntime":
+            exported.update(_fuse_chains(specs, exported, Path(scratch), log))
         if sparse is not None and not sparse_nodes:
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
@@ -399,7 +396,9 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
 
 def _fuse_chains(specs: dict, onnx_files: dict[str, Path], scratch: Path,
                  log: Callable[[str], None]) -> dict[str, Path]:
-    """The joined ONNX file of each chain the onnxruntime target serves as one model (repository.fused_chains)."""
+    """The joined ONNX file of each chain the onnxruntime target serves as one model (repository.fused_chains).
+    (The tensorrt target's ONNX repository for the preview fit needs none: it runs in process, head and tail
+    apart.)"""
     from machgen.builder.chain import fuse_head_and_tail
     from machgen.builder.repository import TargetServing, denoiser_chains, fused_chains
 
