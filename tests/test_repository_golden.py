@@ -104,10 +104,21 @@ def test_the_onnxruntime_target_serves_head_and_tail_as_one_model_and_lone_steps
         assert chain["flux_denoiser/config.pbtxt"].split(block)[1].split("]\n")[0] == \
             ensemble.split(block)[1].split("]\n")[0]
     assert 'key: "lone_step_sessions"\n  value: { string_value: "2" }' in chain["flux_sampler/config.pbtxt"]
+    # The one interactive request among batch ones computes its steps there too, the joined model's instances
+    # niced (ServingOptions.denoiser_nice).
+    assert 'key: "interactive_steps_in_sampler"\n  value: { string_value: "1" }' in chain["flux_sampler/config.pbtxt"]
+    assert 'key: "nice"\n  value: { string_value: "10" }' in chain["flux_denoiser/config.pbtxt"]
+    assert all('key: "nice"' not in text for path, text in chain.items() if path != "flux_denoiser/config.pbtxt")
+    unniced = render_repository("flux", family, specs, defaults, settings, options=ServingOptions(denoiser_nice=0))
+    assert "interactive_steps_in_sampler" not in unniced["flux_sampler/config.pbtxt"]
+    assert 'key: "nice"' not in unniced["flux_denoiser/config.pbtxt"]
     torch_files = render_repository("flux", family, specs, defaults, settings, serving=TargetServing("torch"))
     assert not fused_chains(specs, TargetServing("torch"))
     assert 'platform: "ensemble"' in torch_files["flux_denoiser/config.pbtxt"]
     assert "lone_step_sessions" not in torch_files["flux_sampler/config.pbtxt"]
+    assert "interactive_steps_in_sampler" not in torch_files["flux_sampler/config.pbtxt"]
     off = render_repository("flux", family, specs, defaults, settings,
                             options=ServingOptions(lone_steps_in_sampler=False))
     assert "lone_step_sessions" not in off["flux_sampler/config.pbtxt"]
+    assert "interactive_steps_in_sampler" not in off["flux_sampler/config.pbtxt"]
+    assert 'key: "nice"' not in off["flux_denoiser/config.pbtxt"]

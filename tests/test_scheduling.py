@@ -234,6 +234,29 @@ def test_a_call_cancelled_while_it_waits_leaves_and_the_others_go_on():
     assert len(times) == 1 and times[0][0] < 0.2
 
 
+def test_an_unslotted_call_runs_beside_full_slots_and_is_charged_to_its_owner():
+    """The interactive request that computes its steps in the sampler (ServingOptions.denoiser_nice) holds no
+    slot: it runs at once while every slot is taken, and its owner is charged its time as a turn's would be."""
+    gate = StepGate(SchedulingPolicy(slots=1))
+    entered, done = threading.Event(), threading.Event()
+
+    def holder():
+        with gate.turn("agent", "batch"):
+            entered.set()
+            done.wait(5)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert entered.wait(5)
+    times = []
+    with gate.unslotted("person", "interactive", waited=times):
+        time.sleep(0.05)
+    done.set()
+    thread.join(5)
+    assert len(times) == 1 and times[0][0] == 0.0 and times[0][1] >= 0.05
+    assert gate.state.counters[("interactive", "person")] >= 0.05 and gate.state.share("interactive") > 0
+
+
 def test_the_served_sampler_runs_a_persons_steps_before_an_agents_burst(triton_server):
     """24 batch requests reach the streaming model together (three times its 8 in flight), then a person's of
     the same length: the person's ends while most of the burst still runs, and waited at the step gate far less

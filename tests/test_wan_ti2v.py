@@ -250,6 +250,53 @@ def test_a_lone_request_runs_its_steps_in_the_sampler_with_the_bits_of_the_serve
         np.testing.assert_array_equal(one, other)
 
 
+@pytest.mark.integration
+def test_the_one_interactive_request_among_batch_ones_runs_its_steps_in_the_sampler_and_batch_calls_are_niced(
+        ti2v_server, ti2v_repository):
+    """Beside an agent's batch requests (ServingOptions.denoiser_nice), a person's request computes every step on
+    the sampler's own sessions, not on NAME_denoiser's instances, which the batch calls reach and whose every
+    thread runs at nice 10; its frames are the ones it gets alone, bit for bit."""
+    import os
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    from machgen.client import MachgenClient
+    from machgen.runtime.processes import stub_of
+
+    chain = f"{NAME}_denoiser"
+    person = dict(seed=6, num_inference_steps=3, cache_policy="none")
+    with MachgenClient(ti2v_server.grpc_url) as client:
+        alone = client.generate(NAME, PROMPT, **person)
+    before = metric(ti2v_server, "nv_inference_request_success", chain)
+    burst_started = threading.Event()
+
+    def batch(seed: int):
+        with MachgenClient(ti2v_server.grpc_url) as client:
+            return client.generate_with_stats(NAME, PROMPT, seed=seed, num_inference_steps=40, cache_policy="none",
+                                              priority="batch", owner="agent",
+                                              on_progress=lambda progress: burst_started.set())
+
+    with ThreadPoolExecutor(2) as pool:
+        burst = [pool.submit(batch, seed) for seed in (7, 8)]
+        assert burst_started.wait(120)
+        with MachgenClient(ti2v_server.grpc_url) as client:
+            frames, stats = client.generate_with_stats(NAME, PROMPT, **person)
+        burst_ran_beside = sum(not future.done() for future in burst)
+        burst_stats = [future.result()[1] for future in burst]
+    assert burst_ran_beside == 2, "the batch requests ended before the person's did: lengthen them"
+    assert stats["priority"] == "interactive" and stats["passes_in_sampler"] == stats["denoiser_tail_passes"] > 0
+    np.testing.assert_array_equal(frames, alone)
+    assert metric(ti2v_server, "nv_inference_request_success", chain) > before
+    assert all(one["passes_in_sampler"] < one["denoiser_tail_passes"] for one in burst_stats)
+    stubs = [process for process in psutil.process_iter()
+             if (stub := stub_of(process)) is not None and stub.model == chain
+             and str(ti2v_repository.resolve()) in " ".join(process.cmdline())]
+    assert stubs
+    assert {os.getpriority(os.PRIO_PROCESS, thread.id) for stub in stubs for thread in stub.threads()} == {10}
+
+
 def _video_bytes_frames(data: bytes, folder) -> np.ndarray:
     from machgen.client.video import read_mp4
 

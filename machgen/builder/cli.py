@@ -86,6 +86,10 @@ def build(
                                                "--lone-steps-in-sampler/--no-lone-steps-in-sampler",
                                                help="run a lone request's denoiser steps in the sampler's own "
                                                     "process (onnxruntime: its weights once more per session)"),
+    denoiser_nice: int = typer.Option(_SERVING.denoiser_nice, "--denoiser-nice", min=0, max=19,
+                                      help="with lone steps in the sampler: the OS nice value of the denoiser's "
+                                           "instances, while the one interactive request among batch ones "
+                                           "computes its steps in the sampler (0: off)"),
     attention: str = typer.Option(_ATTENTION.kind, "--attention",
                                   help="denoiser attention: dense, or sparse-fp8 (the machgen SparseAttention op)"),
     attention_block: int = typer.Option(_ATTENTION.block, "--attention-block", min=1,
@@ -159,7 +163,7 @@ def build(
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
                              stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads,
                              lone_stage_threads=lone_stage_threads, lone_steps_in_sampler=lone_steps_in_sampler,
-                             max_lora_rank=max_lora_rank, max_loras=max_loras)
+                             denoiser_nice=denoiser_nice, max_lora_rank=max_lora_rank, max_loras=max_loras)
     try:
         build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,
                          attention=AttentionOptions(attention, attention_block, attention_mask,

@@ -33,9 +33,11 @@ from machgen.contract.manifest import (
     CANCEL_INPUT,
     COMPONENT_FILES,
     ERROR_OUTPUT,
+    INTERACTIVE_STEPS_PARAMETER,
     LONE_STEP_SESSIONS_PARAMETER,
     LONE_THREADS_PARAMETER,
     MANIFEST_FILE,
+    NICE_PARAMETER,
     PROGRESS_INPUT,
     REQUEST_KEY_INPUT,
     SAMPLER,
@@ -132,6 +134,16 @@ class ServingOptions:
     # 326 ms (perf/RESULTS.md). Costs the denoiser's weights once more per
     # session in the sampler process.
     lone_steps_in_sampler: bool = True
+    # With lone_steps_in_sampler, the OS nice value (1-19) of the joined
+    # denoiser's Triton instances; 0: off. Their calls are then batch work
+    # (and interactive requests' when several run at once), while the one
+    # interactive request among batch ones computes its steps on the
+    # sampler's own sessions at the server's priority, on every core, with no
+    # slot at the step gate: the batch calls take the cores it leaves (Linux
+    # gives a thread at nice 10 about a tenth of a core that one at 0 wants),
+    # and the batch requests lose less throughput than beside it at the gate.
+    # Measured on shapes-flux under an agent's burst of 48 (perf/RESULTS.md).
+    denoiser_nice: int = 10
     # Prompts whose text-encoder outputs the sampler keeps, shared by its requests (0: none).
     prompt_cache_size: int = 256
     # Steps between the previews NAME_stream sends when a request does not
@@ -208,7 +220,8 @@ def _dynamic_batching(spec: ComponentSpec, options: ServingOptions) -> str:
 
 
 def render_component_config(pipeline: str, spec: ComponentSpec, options: ServingOptions,
-                            serving: TargetServing = TargetServing()) -> str:
+                            serving: TargetServing = TargetServing(), nice: int = 0) -> str:
+    """A component model's config (``nice``: the OS nice value its instances run at, 0: the server's)."""
     kind = "KIND_GPU" if serving.on_gpu else "KIND_CPU"
     instances = options.component_instances
     if spec.name in serving.parallel_components:
@@ -221,6 +234,8 @@ def render_component_config(pipeline: str, spec: ComponentSpec, options: Serving
         parameters = {"intra_op_threads": str(options.intra_op_threads)}
         if serving.target == "onnxruntime" and not is_denoiser(spec.name) and options.lone_stage_threads != 1:
             parameters[LONE_THREADS_PARAMETER] = str(options.lone_stage_threads)
+        if nice:
+            parameters[NICE_PARAMETER] = str(nice)
     if serving.target == "torch":
         # GPU tensors arrive as they are (DLPack), not copied to the host first.
         parameters = {"FORCE_CPU_ONLY_INPUT_TENSORS": "no", "device": serving.torch_device,
@@ -303,8 +318,16 @@ def render_sampler_config(pipeline: str, family: Family, options: ServingOptions
                        "spread_instances": str(spread_instances(options, serving)),
                        **({LONE_STEP_SESSIONS_PARAMETER: str(spread_instances(options, serving)),
                            "intra_op_threads": str(options.intra_op_threads)}
-                          if fused and options.lone_steps_in_sampler else {})})
+                          if fused and options.lone_steps_in_sampler else {}),
+                       **({INTERACTIVE_STEPS_PARAMETER: "1"} if fused and interactive_steps_in_sampler(options)
+                          else {})})
     )
+
+
+def interactive_steps_in_sampler(options: ServingOptions) -> bool:
+    """Whether the one interactive request among batch ones computes its steps in the sampler, the joined
+    denoiser's instances niced (ServingOptions.denoiser_nice)."""
+    return options.lone_steps_in_sampler and options.denoiser_nice > 0
 
 
 def spread_instances(options: ServingOptions, serving: TargetServing) -> int:
@@ -488,8 +511,9 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
             files[f"{model_name(pipeline, name)}/1/model.py"] = _SHIM.format(cls=shim)
     for name, (head, tail) in denoiser_chains(specs, serving).items():
         if name in fused:
+            nice = options.denoiser_nice if interactive_steps_in_sampler(options) else 0
             files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_component_config(pipeline, fused[name],
-                                                                                         options, serving)
+                                                                                         options, serving, nice)
             files[f"{model_name(pipeline, name)}/1/model.py"] = _SHIM.format(cls=shim)
         else:
             files[f"{model_name(pipeline, name)}/config.pbtxt"] = render_chain_config(pipeline, name, head, tail,

@@ -69,6 +69,10 @@ LONE_CALL_PARAMETER = "lone_call"
 # The sampler's config parameter: its own sessions per joined denoiser chain for the steps of a request that
 # runs alone (ServingOptions.lone_steps_in_sampler; 0: none), beside "intra_op_threads", the threads of each.
 LONE_STEP_SESSIONS_PARAMETER = "lone_step_sessions"
+# The joined denoiser's config parameter: the OS nice value its instances run at (ServingOptions.denoiser_nice);
+# and the sampler's ("1"): the one interactive request among batch ones computes its steps on its own sessions.
+NICE_PARAMETER = "nice"
+INTERACTIVE_STEPS_PARAMETER = "interactive_steps_in_sampler"
 
 
 def drained_file(stop_file: str, model: str) -> str:

@@ -176,6 +176,20 @@ class StepGate:
             if waited is not None:
                 waited.append((started - arrived, ended - started))
 
+    @contextlib.contextmanager
+    def unslotted(self, owner: str, priority: str, waited: list | None = None) -> Iterator[None]:
+        """A call that runs outside the slots, now (the interactive request computing its steps in the
+        sampler): its time charged to ``owner`` as ``turn`` charges it."""
+        started = self.clock()
+        try:
+            yield
+        finally:
+            ended = self.clock()
+            with self._lock:
+                self.state.charge(owner, priority, ended - started, ended, self.policy.share_window_s)
+            if waited is not None:
+                waited.append((0.0, ended - started))
+
     def _batch_room(self) -> bool:
         """Whether one more batch request may hold a slot: always, but while interactive requests run or wait
         only up to batch_min_share of the slots (one at least)."""

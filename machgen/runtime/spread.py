@@ -48,13 +48,16 @@ class RowSpread:
         self._lock = threading.Lock()
         self._parts = ThreadPoolExecutor(max_workers=max(1, instances - 1), thread_name_prefix="spread-part")
 
-    def call(self, run: Callable[[Mapping[str, Any]], Outputs], inputs: Mapping[str, Any]) -> Outputs:
+    def call(self, run: Callable[[Mapping[str, Any]], Outputs], inputs: Mapping[str, Any],
+             whole_cores: bool = False) -> Outputs:
+        """``run`` over ``inputs``, cut over the idle instances (``whole_cores``: over all of them, busy or not:
+        a call that takes the cores first, the others' processes niced)."""
         if self.instances == 1:
             return run(inputs)
         row_counts = {len(value) for value in inputs.values()}
         rows = row_counts.pop() if len(row_counts) == 1 else 0
         with self._lock:
-            parts = spread_parts(rows, self.instances, self._busy) if rows else 1
+            parts = spread_parts(rows, self.instances, 0 if whole_cores else self._busy) if rows else 1
             self._busy += parts
         try:
             if parts == 1:

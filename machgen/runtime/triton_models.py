@@ -62,9 +62,11 @@ from machgen.contract.manifest import (
     ACCEPTED_OUTPUT,
     CANCEL_INPUT,
     ERROR_OUTPUT,
+    INTERACTIVE_STEPS_PARAMETER,
     LONE_CALL_PARAMETER,
     LONE_STEP_SESSIONS_PARAMETER,
     LONE_THREADS_PARAMETER,
+    NICE_PARAMETER,
     PROGRESS_INPUT,
     REQUEST_KEY_INPUT,
     SAMPLER,
@@ -77,7 +79,7 @@ from machgen.contract.manifest import (
 from machgen.contract.specs import is_denoiser
 from machgen.runtime.processes import STACKS_SIGNAL, instances_of, sibling_stubs
 from machgen.runtime.sampler import GenerationCancelled
-from machgen.runtime.scheduling import GateClosed, SchedulingPolicy, StepGate
+from machgen.runtime.scheduling import BATCH, INTERACTIVE, GateClosed, SchedulingPolicy, StepGate
 from machgen.runtime.spread import RowSpread
 from machgen.runtime.tensors import is_torch
 
@@ -195,10 +197,13 @@ class OnnxComponentModel(_ComponentModel):
 
         config = json.loads(args["model_config"])
         self.source = _model_dir(args) / "model.onnx"
+        self.logger = pb_utils.Logger
+        nice = int(_parameter(config, NICE_PARAMETER, "0"))
+        if nice:
+            _nice_every_thread(nice, self.logger)
         threads = int(_parameter(config, "intra_op_threads", "0"))
         self.runner = self._open(args, config, threads)
         lone_threads = _parameter(config, LONE_THREADS_PARAMETER, "")
-        self.logger = pb_utils.Logger
         self.lone_runner = None
         if lone_threads and cpu_threads(int(lone_threads)) > cpu_threads(threads):
             self.lone_runner = CheckedWideRunner(self.runner, self._open(args, config, int(lone_threads)),
@@ -223,6 +228,16 @@ class OnnxComponentModel(_ComponentModel):
 
     def _write(self, name: str, value) -> "pb_utils.Tensor":
         return pb_utils.Tensor(name, np.ascontiguousarray(value))
+
+
+def _nice_every_thread(nice: int, logger) -> None:
+    """Every thread of this process at OS nice value ``nice`` (Linux's nice is a thread's; the threads ONNX
+    Runtime starts later inherit it from the thread that starts them)."""
+    try:
+        for thread in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(thread), nice)
+    except OSError as err:
+        logger.log_warn(f"nice {nice} not set: {err}")
 
 
 def _bls_tensor(name: str, value) -> "pb_utils.Tensor":
@@ -610,6 +625,7 @@ class _RunningRequest:
     thread: threading.Thread
     stop: threading.Event = field(default_factory=threading.Event)
     steps_done: int = 0
+    priority: str | None = None  # once its inputs are read
 
 
 class SamplerModel:
@@ -656,6 +672,9 @@ class SamplerModel:
         self.lone_steps = LoneStepSessions(self.manifest.components, Path(args["model_repository"]).parent,
                                            sessions=int(_parameter(config, LONE_STEP_SESSIONS_PARAMETER, "0")),
                                            intra_op_threads=int(_parameter(config, "intra_op_threads", "1")))
+        # The one interactive request among batch ones computes its steps on those sessions too, outside the
+        # gate's slots, while the denoiser's instances (the batch calls) run niced (ServingOptions.denoiser_nice).
+        self.interactive_steps_here = _parameter(config, INTERACTIVE_STEPS_PARAMETER, "0") == "1"
         # Requests running, by the key their relay gave them.
         self._running: dict[str, _RunningRequest] = {}
         self._lock = threading.Lock()
@@ -666,16 +685,40 @@ class SamplerModel:
             # requests would otherwise use (its component's wider session, OnnxComponentModel).
             return self._component_call(name, inputs, lone=len(self._running) == 1)
         turn = getattr(self._turn, "request", None)
+        if (turn is not None and (name in self.lone_steps or name in self.in_sampler)
+                and self._only_interactive(turn)):
+            # Beside batch requests only: its rows on every core whatever else runs (the batch calls' instances
+            # are niced), charged to its owner but holding no slot the batch requests' calls could use.
+            owner, priority, _, waited, order = turn
+            self.gate.leave(order)  # a slot it held for an earlier call (before the others came)
+            with self.gate.unslotted(owner, priority, waited):
+                if name in self.in_sampler:
+                    return self._component_call(name, inputs)
+                return self._steps_here(name, inputs, whole_cores=True)
         with contextlib.nullcontext() if turn is None else self.gate.turn(*turn):
             if name in self.in_sampler:
                 return self._component_call(name, inputs)
             if name in self.lone_steps and len(self._running) == 1:
-                # The only request: its rows run on the sampler's own sessions, cut as they would be over the
-                # instances (a request that arrives meanwhile finds them busy and sends its calls whole).
-                rows = len(inputs["hidden_states"])
-                self._turn.passes_in_sampler = getattr(self._turn, "passes_in_sampler", 0) + rows
-                return self.spread.call(functools.partial(self.lone_steps.run, name), inputs)
+                return self._steps_here(name, inputs)
             return self.spread.call(functools.partial(self._component_call, name), inputs)
+
+    def _only_interactive(self, turn: tuple) -> bool:
+        """Whether this thread's request is interactive and every other one running is batch (one whose inputs
+        are not read yet may be interactive)."""
+        if not self.interactive_steps_here or turn[1] != INTERACTIVE:
+            return False
+        with self._lock:
+            priorities = [running.priority for running in self._running.values()]
+        return len(priorities) > 1 and sum(priority != BATCH for priority in priorities) == 1
+
+    def _steps_here(self, name: str, inputs: dict, whole_cores: bool = False):
+        """A denoiser call on the sampler's own sessions, its rows cut as they would be over the instances (as
+        many parts as idle instances; ``whole_cores``: as many as there are instances): the bits an instance
+        gives for such a part. A request that arrives meanwhile finds them counted busy and sends its calls
+        whole."""
+        rows = len(inputs["hidden_states"])
+        self._turn.passes_in_sampler = getattr(self._turn, "passes_in_sampler", 0) + rows
+        return self.spread.call(functools.partial(self.lone_steps.run, name), inputs, whole_cores=whole_cores)
 
     def _component_call(self, name: str, inputs: dict, lone: bool = False):
         if name in self.in_sampler:
@@ -795,6 +838,7 @@ class SamplerModel:
 
         started = time.monotonic()
         parsed = self.sampler.parse_request(get_input, self.manifest.defaults)
+        running.priority = parsed.priority
         interval = get_input(PREVIEW_INTERVAL_INPUT)
         interval = (self.manifest.preview_interval if interval is None
                     else integer_input(PREVIEW_INTERVAL_INPUT, interval, 0, parsed.num_inference_steps))
