@@ -253,7 +253,7 @@ def test_an_unslotted_call_runs_beside_full_slots_and_is_charged_to_its_owner():
         time.sleep(0.05)
     done.set()
     thread.join(5)
-    assert len(times) == 1 and times[0][0] == 0.0 and times[0][1] >= 0.05
+    assert len(times) == 1 and times[0][0] < 0.01 and times[0][1] >= 0.05
     assert gate.state.counters[("interactive", "person")] >= 0.05 and gate.state.share("interactive") > 0
 
 

@@ -163,23 +163,24 @@ class StepGate:
             self._waiting.append(me)
             self._dispatch()
         self._wait_for_slot(me, granted, is_cancelled)
-        started = self.clock()
-        try:
-            yield
-        finally:
-            ended = self.clock()
-            with self._lock:
-                self.state.charge(owner, priority, ended - started, ended, self.policy.share_window_s)
-                if alone:
-                    self._holding.pop(me.arrival, None)
-                self._dispatch()
-            if waited is not None:
-                waited.append((started - arrived, ended - started))
 
-    @contextlib.contextmanager
-    def unslotted(self, owner: str, priority: str, waited: list | None = None) -> Iterator[None]:
+        def release() -> None:
+            if alone:
+                self._holding.pop(me.arrival, None)
+            self._dispatch()
+
+        with self._charged(owner, priority, arrived, waited, release):
+            yield
+
+    def unslotted(self, owner: str, priority: str, waited: list | None = None):
         """A call that runs outside the slots, now (the interactive request computing its steps in the
         sampler): its time charged to ``owner`` as ``turn`` charges it."""
+        return self._charged(owner, priority, self.clock(), waited)
+
+    @contextlib.contextmanager
+    def _charged(self, owner: str, priority: str, arrived: float, waited: list | None,
+                 release: Callable[[], None] = lambda: None) -> Iterator[None]:
+        """Run the body, charge its time to ``owner``, then ``release`` (the lock held)."""
         started = self.clock()
         try:
             yield
@@ -187,8 +188,9 @@ class StepGate:
             ended = self.clock()
             with self._lock:
                 self.state.charge(owner, priority, ended - started, ended, self.policy.share_window_s)
+                release()
             if waited is not None:
-                waited.append((0.0, ended - started))
+                waited.append((started - arrived, ended - started))
 
     def _batch_room(self) -> bool:
         """Whether one more batch request may hold a slot: always, but while interactive requests run or wait
