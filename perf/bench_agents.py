@@ -89,10 +89,12 @@ def scenario(url: str, name: str, burst: int, fair: bool) -> dict:
         burst_done = [pool.submit(one_request, url, name, "a blue square", seed, **agent) for seed in range(burst)]
         time.sleep(0.2)  # the burst first: the person comes to a full queue
         person_thread = pool.submit(the_person)
-        for future in burst_done:
-            future.result()
-        burst_s = time.monotonic() - started
-        done.set()
+        try:
+            for future in burst_done:
+                future.result()
+        finally:  # a failed request ends the run (else the person's loop would wait for the burst forever)
+            burst_s = time.monotonic() - started
+            done.set()
         person_thread.result()
     wall = time.monotonic() - started
     return {"p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99), "count": len(latencies),
