@@ -13,6 +13,13 @@ import typer
 if TYPE_CHECKING:  # pragma: no cover
     from machgen.contract.api import FamilyInput
 
+WEBHOOK_SECRET_ENV = "MACHGEN_WEBHOOK_SECRET"
+WEBHOOK_SECRET_HELP = ("Standard Webhooks secret (whsec_...) that signs callbacks and scorer requests; without it jobs "
+                       "cannot ask for them")
+DATABASE_URL_ENV = "MACHGEN_DATABASE_URL"
+DATABASE_URL_HELP = ("PostgreSQL (postgresql://USER@HOST/DB) instead of SQLite: jobs, results, webhooks and keys in it, "
+                     "shared by every API process given the same URL")
+
 app = typer.Typer(help="Serve diffusion pipelines on Triton and call them.", no_args_is_help=True,
                   add_completion=False)
 
@@ -34,6 +41,10 @@ def serve(
                                                                     "port, talking to this server"),
     api_data_dir: Path = typer.Option(Path("machgen-api"), "--api-data-dir", help="the API's jobs and results"),
     api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file", help="the API's keys (machgen api-key)"),
+    api_webhook_secret: Optional[str] = typer.Option(None, "--api-webhook-secret", envvar=WEBHOOK_SECRET_ENV,
+                                                     help=f"the API's {WEBHOOK_SECRET_HELP}"),
+    api_database_url: Optional[str] = typer.Option(None, "--api-database-url", envvar=DATABASE_URL_ENV,
+                                                   help=f"the API's {DATABASE_URL_HELP}"),
     supervisor_metrics_port: int = typer.Option(8003, "--supervisor-metrics-port", min=0,
                                                 help="the supervisor's Prometheus metrics (model recoveries, "
                                                      "server restarts) at /metrics; with --replicas also each "
@@ -67,6 +78,8 @@ def serve(
     drains it: no new request is taken, those in flight finish, then it stops."""
     from machgen.server import Ports, ServerError, TritonServer
     from machgen.supervisor import Supervisor, SupervisorSettings
+
+    _database_url(api_database_url, "--api-database-url")  # before the server starts
 
     def say(line: str) -> None:
         typer.echo(line, err="supervisor:" in line)
@@ -108,7 +121,9 @@ def serve(
 
             threading.Thread(target=stop_api_if_given_up, daemon=True).start()
             _run_api(ApiSettings(triton_url=f"127.0.0.1:{grpc_port}", data_dir=api_data_dir,
-                                 keys_file=api_keys_file), host, api_port)
+                                 keys_file=api_keys_file, webhook_secret=api_webhook_secret,
+                                 database_url=api_database_url),
+                     host, api_port)
             if supervisor.exit_code:
                 raise typer.Exit(supervisor.exit_code)
             return
@@ -201,6 +216,12 @@ def _run_api(settings, host: str, port: int) -> None:
                                   timeout_graceful_shutdown=10)).run()
 
 
+def _database_url(url: str | None, flag: str) -> str | None:
+    if url is not None and not url.startswith(("postgresql://", "postgres://")):
+        raise typer.BadParameter("a PostgreSQL URL: postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE", param_hint=flag)
+    return url
+
+
 @app.command()
 def api(
     triton: str = typer.Option("127.0.0.1:8001", "--triton", help="host:port of Triton's gRPC endpoint"),
@@ -208,10 +229,8 @@ def api(
     port: int = typer.Option(8080, "--port"),
     data_dir: Path = typer.Option(Path("machgen-api"), "--data-dir", help="job records and results"),
     database: Optional[Path] = typer.Option(None, "--database", help="the SQLite file (default: in --data-dir)"),
-    database_url: Optional[str] = typer.Option(None, "--database-url", envvar="MACHGEN_DATABASE_URL",
-                                               help="PostgreSQL (postgresql://USER@HOST/DB) instead of SQLite: jobs, "
-                                                    "results, webhooks and keys in it, shared by every API process "
-                                                    "given the same URL"),
+    database_url: Optional[str] = typer.Option(None, "--database-url", envvar=DATABASE_URL_ENV,
+                                               help=DATABASE_URL_HELP),
     job_lease: float = typer.Option(30.0, "--job-lease-seconds", min=1.0,
                                     help="with --database-url: how long after a process stops renewing its jobs "
                                          "(killed) another one runs them"),
@@ -227,9 +246,8 @@ def api(
     max_latents_mb: float = typer.Option(64.0, "--max-latents-mb", min=0.0,
                                          help="the most latents a job keeps for refines (keep_latents); past it, "
                                               "evenly spaced steps; they expire with its results"),
-    webhook_secret: Optional[str] = typer.Option(None, "--webhook-secret", envvar="MACHGEN_WEBHOOK_SECRET",
-                                                 help="Standard Webhooks secret (whsec_...) that signs callbacks; "
-                                                      "without it jobs cannot ask for one"),
+    webhook_secret: Optional[str] = typer.Option(None, "--webhook-secret", envvar=WEBHOOK_SECRET_ENV,
+                                                 help=WEBHOOK_SECRET_HELP),
     allow_private_callbacks: bool = typer.Option(False, "--allow-private-callbacks",
                                                  help="send webhooks to loopback, private and link-local "
                                                       "addresses too (refused otherwise: request forgery)"),
@@ -247,10 +265,8 @@ def api(
     metrics (/metrics) and a playground page (/)."""
     from machgen.api.app import ApiSettings
 
-    if database_url is not None and not database_url.startswith(("postgresql://", "postgres://")):
-        raise typer.BadParameter("a PostgreSQL URL: postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE",
-                                 param_hint="--database-url")
-    _run_api(ApiSettings(triton_url=triton, data_dir=data_dir, database=database, database_url=database_url,
+    _run_api(ApiSettings(triton_url=triton, data_dir=data_dir, database=database,
+                         database_url=_database_url(database_url, "--database-url"),
                          job_lease_s=job_lease, keys_file=keys_file,
                          max_jobs_per_key=max_jobs_per_key, max_running_per_key=max_running_per_key,
                          max_upload_bytes=int(max_upload_mb * 1024 * 1024),

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from machgen.api.webhooks import new_secret
 from machgen.client import NO_RETRY, GenerationError, MachgenClient, RetryPolicy
 
 from conftest import ADAPTER_RANK, PIPELINE_NAME, ServeProcess, free_port, wait_until
@@ -91,7 +92,8 @@ def served(faults_repository, tmp_path_factory):
     repository = faults_repository
     api = free_port()
     served = Served(repository, "--drain-timeout", str(DRAIN_TIMEOUT_S), "--load-timeout", str(LOAD_TIMEOUT_S),
-                    "--api-port", str(api), "--api-data-dir", str(tmp_path_factory.mktemp("api")))
+                    "--api-port", str(api), "--api-data-dir", str(tmp_path_factory.mktemp("api")),
+                    "--api-webhook-secret", new_secret())
     served.api = api
     try:
         yield served
@@ -155,6 +157,10 @@ def test_ready_with_the_api_beside_it(served):
     wait_until(served.api_answers, what="the API beside the server")
     models = httpx.get(f"http://127.0.0.1:{served.api}/v1/models").json()["data"]
     assert [model["id"] for model in models] == [PIPELINE_NAME]
+    # Its webhook secret reached it: a callback is refused for where it points (loopback), not for want of one.
+    refused = httpx.post(f"http://127.0.0.1:{served.api}/v1/images/generations", timeout=30, json={
+        "model": PIPELINE_NAME, "prompt": "a cat", "num_inference_steps": 2, "callback_url": "http://127.0.0.1:9/"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "callback_refused", refused.text
 
 
 @pytest.mark.parametrize("component", ["denoiser_tail", "public", "stream", "sampler"])
