@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from machgen.contract.specs import is_denoiser
 from machgen.runtime.tensors import as_numpy, concat, mean_abs
 
 POLICY_NAMES = ("none", "fbcache", "magcache")
@@ -361,8 +362,8 @@ class BlocksResidualRecorder:
     def __call__(self, name: str, inputs: dict) -> dict:
         outputs = self.run_component(name, inputs)
         prefix, _, part = name.rpartition("_")
-        if prefix.startswith("denoiser") and part == "head":
+        if is_denoiser(prefix) and part == "head":
             self._first_block = outputs[FIRST_BLOCK_RESIDUAL]
-        elif prefix.startswith("denoiser") and part == "tail":
+        elif is_denoiser(prefix) and part == "tail":
             self.residuals.append(as_numpy(self._first_block + outputs["tail_residual"]))
         return outputs

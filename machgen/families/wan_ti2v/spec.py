@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from machgen.contract.specs import Capabilities, ComponentSpec, TensorSpec
+from machgen.contract.specs import Capabilities, ComponentSpec, TensorSpec, is_denoiser
 from machgen.families.registry import Family, register_family
 from machgen.families.wan.spec import GUIDANCE_SCALE_2
 
@@ -52,4 +52,4 @@ def per_token_timestep_specs(specs: dict[str, ComponentSpec]) -> dict[str, Compo
         return tensor
 
     return {name: replace(spec, inputs=tuple(map(per_token, spec.inputs)), outputs=tuple(map(per_token, spec.outputs)))
-            if name.startswith("denoiser") else spec for name, spec in specs.items()}
+            if is_denoiser(name) else spec for name, spec in specs.items()}
