@@ -1,5 +1,6 @@
 """The sampler's step gate (runtime/scheduling.py): the decision as a pure function, and the gate under threads."""
 
+import contextlib
 import threading
 import time
 
@@ -197,37 +198,46 @@ def test_while_a_person_runs_batch_requests_hold_only_their_share_of_the_slots()
     assert most_beside_person and max(most_beside_person) <= 1, most_beside_person
 
 
-def test_a_call_cancelled_while_it_waits_leaves_and_the_others_go_on():
-    gate = StepGate(SchedulingPolicy(slots=1))
-    cancelled = threading.Event()
+@contextlib.contextmanager
+def slot_held(gate: StepGate, owner: str, priority: str):
+    """A call of ``owner`` in the gate's slot, on a thread, until the block ends."""
     entered, done = threading.Event(), threading.Event()
 
     def holder():
-        with gate.turn("a", "interactive"):
+        with gate.turn(owner, priority):
             entered.set()
             done.wait(5)
 
     thread = threading.Thread(target=holder)
     thread.start()
-    entered.wait(5)
-    waiting_error = []
+    assert entered.wait(5)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(5)
 
-    def waiter():
-        try:
-            with gate.turn("b", "interactive", is_cancelled=cancelled.is_set):
-                pass
-        except GateClosed as err:
-            waiting_error.append(err)
 
-    second = threading.Thread(target=waiter)
-    second.start()
-    time.sleep(0.1)
-    assert gate.waiting() == 1
-    cancelled.set()
-    second.join(5)
-    assert waiting_error and gate.waiting() == 0
-    done.set()
-    thread.join(5)
+def test_a_call_cancelled_while_it_waits_leaves_and_the_others_go_on():
+    gate = StepGate(SchedulingPolicy(slots=1))
+    cancelled = threading.Event()
+    with slot_held(gate, "a", "interactive"):
+        waiting_error = []
+
+        def waiter():
+            try:
+                with gate.turn("b", "interactive", is_cancelled=cancelled.is_set):
+                    pass
+            except GateClosed as err:
+                waiting_error.append(err)
+
+        second = threading.Thread(target=waiter)
+        second.start()
+        time.sleep(0.1)
+        assert gate.waiting() == 1
+        cancelled.set()
+        second.join(5)
+        assert waiting_error and gate.waiting() == 0
     times = []
     with gate.turn("c", "batch", waited=times):
         pass
@@ -238,21 +248,10 @@ def test_an_unslotted_call_runs_beside_full_slots_and_is_charged_to_its_owner():
     """The interactive request that computes its steps in the sampler (ServingOptions.denoiser_nice) holds no
     slot: it runs at once while every slot is taken, and its owner is charged its time as a turn's would be."""
     gate = StepGate(SchedulingPolicy(slots=1))
-    entered, done = threading.Event(), threading.Event()
-
-    def holder():
-        with gate.turn("agent", "batch"):
-            entered.set()
-            done.wait(5)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert entered.wait(5)
     times = []
-    with gate.unslotted("person", "interactive", waited=times):
-        time.sleep(0.05)
-    done.set()
-    thread.join(5)
+    with slot_held(gate, "agent", "batch"):
+        with gate.unslotted("person", "interactive", waited=times):
+            time.sleep(0.05)
     assert len(times) == 1 and times[0][0] < 0.01 and times[0][1] >= 0.05
     assert gate.state.counters[("interactive", "person")] >= 0.05 and gate.state.share("interactive") > 0
 
