@@ -280,9 +280,9 @@ def main() -> int:
 def held_out_prompts(video: bool, count: int) -> list[tuple[str, int]]:
     """The last ``count`` pairs of the trained default's held-out evaluation set."""
     if video:
-        from machgen.builder.moving_shapes import evaluation_prompts
+        from machgen.datasets.moving_shapes import evaluation_prompts
     else:
-        from machgen.builder.shapes import evaluation_prompts
+        from machgen.datasets.shapes import evaluation_prompts
     return [(prompt, seed) for prompt, seed, *_ in evaluation_prompts()[-count:]]
 
 

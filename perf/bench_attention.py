@@ -153,7 +153,7 @@ class TrainedModel:
         return self.defaults.max_frames > 1
 
     def prompts(self, count: int, seed: int | None = None):
-        from machgen.builder import moving_shapes, shapes
+        from machgen.datasets import moving_shapes, shapes
 
         dataset = moving_shapes if self.video else shapes
         return dataset.evaluation_prompts(count) if seed is None else dataset.evaluation_prompts(count, seed=seed)

@@ -157,7 +157,7 @@ def main() -> int:
     parser.add_argument("--record", type=Path, help="write the table into this markdown file")
     args = parser.parse_args()
 
-    from machgen.builder import shapes
+    from machgen.datasets import shapes
     from machgen.builder.build import build_repository
     from machgen.builder.repository import ServingOptions
 

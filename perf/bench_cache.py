@@ -181,7 +181,7 @@ def diffusers_rows(model_dir: Path, prompts):
 
 def holdout_prompts(count: int):
     """``count`` pairs no calibration saw: refused if any is in calibrate's default sets."""
-    from machgen.builder import shapes
+    from machgen.datasets import shapes
     from machgen.builder.calibrate import FIT_PAIRS, FIT_PROMPTS_SEED, HOLDOUT_PAIRS as CALIBRATION_HOLDOUT, \
         HOLDOUT_PROMPTS_SEED
 
@@ -237,7 +237,7 @@ def main() -> int:
     parser.add_argument("--record", type=Path, help="write the table into this markdown file")
     args = parser.parse_args()
 
-    from machgen.builder import shapes
+    from machgen.datasets import shapes
     from machgen.builder.build import build_repository
 
     if args.holdout:

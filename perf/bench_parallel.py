@@ -295,7 +295,7 @@ def quality_table(model_dir: Path, count: int) -> str:
     import numpy as np
 
     from bench_video import holdout_cases
-    from machgen.builder import moving_shapes
+    from machgen.datasets import moving_shapes
     from machgen.builder.build import build_repository
     from machgen.builder.evaluate import psnr, score_motion
     from machgen.parallel.layout import ParallelLayout

@@ -42,7 +42,7 @@ PROMISE = {"psnr_mean": 33.0, "psnr_worst": 26.0, "direction_points": 2.0, "spee
 
 def holdout_cases(count: int, task: str):
     """(prompt, seed, motion) and, for image-to-video, the first frames: pairs no calibration saw."""
-    from machgen.builder import moving_shapes
+    from machgen.datasets import moving_shapes
     from machgen.builder.calibrate import FIT_PAIRS, FIT_PROMPTS_SEED, HOLDOUT_PAIRS, HOLDOUT_PROMPTS_SEED
 
     calibration = {(prompt, seed) for size, generator in ((FIT_PAIRS, FIT_PROMPTS_SEED),
@@ -62,7 +62,7 @@ def holdout_cases(count: int, task: str):
 def summarise(setting: str, clips, reference, seconds, passes, motions, expected=None) -> dict:
     import numpy as np
 
-    from machgen.builder import moving_shapes
+    from machgen.datasets import moving_shapes
     from machgen.builder.evaluate import psnr, score_motion
 
     accuracy = score_motion(clips, motions)

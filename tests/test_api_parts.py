@@ -326,7 +326,7 @@ def test_the_built_in_scorer_reads_what_the_prompt_names_in_a_picture_and_in_a_c
     import numpy as np
 
     from machgen.api.explore import shapes_score
-    from machgen.builder import moving_shapes, shapes
+    from machgen.datasets import moving_shapes, shapes
 
     sample = next(s for s in shapes.batch(20, seed=99) if shapes.detect(s.image) == s.label)
     assert shapes_score(sample.image, shapes.caption(sample.label)) == 1.0

@@ -1,8 +1,8 @@
-"""The moving-shapes dataset and its detector (machgen/builder/moving_shapes.py)."""
+"""The moving-shapes dataset and its detector (machgen/datasets/moving_shapes.py)."""
 
 import numpy as np
 
-from machgen.builder import moving_shapes, shapes
+from machgen.datasets import moving_shapes, shapes
 
 
 def test_clips_are_deterministic_from_their_seed():

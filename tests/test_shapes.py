@@ -1,6 +1,6 @@
 import numpy as np
 
-from machgen.builder import shapes
+from machgen.datasets import shapes
 
 
 def test_dataset_is_deterministic_from_its_seed():

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from machgen.builder import evaluate, moving_shapes
+from machgen.builder import evaluate
+from machgen.datasets import moving_shapes
 
 from conftest import serving
 

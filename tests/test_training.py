@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from machgen.builder import shapes
+from machgen.datasets import shapes
 from machgen.builder.tiny import tiny_clip_tokenizer
 from machgen.builder.training import (ShapesModelConfig, TrainingSettings, assemble_pipeline, refine_vae_decoder,
                                       train_t5_tokenizer, train_transformer, train_vae)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from machgen.builder import moving_shapes
+from machgen.datasets import moving_shapes
 from machgen.builder.video_training import (VideoModelConfig, VideoTrainingSettings, clips_to_tensor,
                                             train_video_model)
 

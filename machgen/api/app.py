@@ -271,8 +271,7 @@ def _check_request(model: ServedModel, inputs: dict[str, Any]) -> None:
     publishes them): a bad field answers 400 naming it before any job exists
     (the server checks again, and its INVALID_ARGUMENT names the field too)."""
     from machgen.contract.api import API_INPUTS, InvalidArgument, input_array, parse_request
-    from machgen.contract.specs import Capabilities, ServedDefaults
-    from machgen.runtime.cache import POLICY_NAMES
+    from machgen.contract.specs import CACHE_POLICY_NAMES, Capabilities, ServedDefaults
 
     if "guidance_is_cfg" not in model.card:
         return  # a card from before cards described the model's own inputs: the server alone checks
@@ -289,7 +288,7 @@ def _check_request(model: ServedModel, inputs: dict[str, Any]) -> None:
                       size_multiple=model.card["size_multiple"],
                       capabilities=Capabilities(tuple(model.card["tasks"]), model.card["guidance_is_cfg"],
                                                 model.card["audio"]),
-                      cache_policies=POLICY_NAMES, frame_multiple=model.card["frame_multiple"],
+                      cache_policies=CACHE_POLICY_NAMES, frame_multiple=model.card["frame_multiple"],
                       family_inputs=tuple(model.inputs.values()), settings=model.card.get("family_settings", {}),
                       adapters=_AnyAdapter)
     except InvalidArgument as err:

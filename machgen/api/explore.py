@@ -106,9 +106,9 @@ def explore_settings(value: Any, n: int, steps: int) -> ExploreSettings:
 
 def shapes_score(media: np.ndarray, prompt: str) -> float:
     """The share of what the prompt says that the trained default models' detectors read in ``media``: of a
-    picture [H, W, 3] its colour, shape and place (builder/shapes.py), of a clip [F, H, W, 3] its colour, shape
-    and direction (builder/moving_shapes.py); of those the prompt names, 0 where no shape is found."""
-    from machgen.builder import moving_shapes, shapes
+    picture [H, W, 3] its colour, shape and place (datasets/shapes.py), of a clip [F, H, W, 3] its colour, shape
+    and direction (datasets/moving_shapes.py); of those the prompt names, 0 where no shape is found."""
+    from machgen.datasets import moving_shapes, shapes
 
     text = f" {prompt.lower().rstrip('.')} "
     media = np.asarray(media)[..., :3]

@@ -243,7 +243,7 @@ def calibrate(
     on a held-out one; store the best as default (of the model, or of one --task)."""
     import tempfile
 
-    from machgen.builder import moving_shapes, shapes
+    from machgen.datasets import moving_shapes, shapes
     from machgen.builder.build import build_repository
     from machgen.builder.calibrate import (CONTROL_GRID, FIT_PAIRS, FIT_PROMPTS_SEED, HOLDOUT_PAIRS,
                                            HOLDOUT_PROMPTS_SEED, THRESHOLD_GRIDS, QualityTargets, makes_video,
@@ -412,7 +412,7 @@ def evaluate(
     """Prompt accuracy on a fixed prompt/seed set of the shapes dataset (a video model: the moving-shapes
     dataset, colour, shape and direction; image-to-video also its first frame)."""
     from machgen.builder import evaluate as ev
-    from machgen.builder import shapes
+    from machgen.datasets import shapes
     from machgen.builder.training import concept_palette
 
     if (model_dir is None) == (url is None):
@@ -445,7 +445,7 @@ def _evaluate_video(model_dir: Path | None, url: str | None, name: str, protocol
     import numpy as np
 
     from machgen.builder import evaluate as ev
-    from machgen.builder import moving_shapes
+    from machgen.datasets import moving_shapes
 
     pictures = round_trips = None
     if task == "image-to-video":

@@ -4,7 +4,7 @@ each image (or clip) back with the detector, count what matches the prompt.
 Two ways to generate, scored identically: diffusers' pipeline on a model
 folder (at the model card's settings), or a served model through Triton
 (sending only prompt and seed, so the served defaults apply). Video models
-(the moving-shapes default, machgen/builder/moving_shapes.py) are scored
+(the moving-shapes default, machgen/datasets/moving_shapes.py) are scored
 on colour, shape and direction of motion; image-to-video also on whether
 the first frame is the given picture through the VAE's round trip.
 """
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from machgen.builder import moving_shapes, shapes
+from machgen.datasets import moving_shapes, shapes
 
 # Image-to-video: the first frame must be the picture's VAE round trip at least this closely.
 FIRST_FRAME_PSNR = 30.0

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from machgen.builder import shapes
+from machgen.datasets import shapes
 
 OPEN_CLIP_VOCAB = "open_clip/bpe_simple_vocab_16e6.txt.gz"
 _CLIP_MERGES = 49152 - 256 - 2  # OpenAI CLIP's vocabulary: 256 bytes x2, merges, 2 specials = 49408

@@ -1,5 +1,5 @@
 """Training a Wan 2.2 TI2V-layout video model on the `moving shapes` dataset
-(machgen/builder/moving_shapes.py), on the CPU or a GPU.
+(machgen/datasets/moving_shapes.py), on the CPU or a GPU.
 
 One model does text-to-video and image-to-video as Wan2.2-TI2V-5B does: a
 WanPipeline with ``expand_timesteps`` (a timestep per token), whose
@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from machgen.builder import moving_shapes
+from machgen.datasets import moving_shapes
 from machgen.builder.training import (Checkpointer, EmaTraining, _budget_left, _progress, _resume_vae_stage,
                                       caption_word_tokenizer, set_cosine_lr)
 

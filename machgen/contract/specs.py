@@ -47,6 +47,10 @@ class ComponentSpec:
     in_sampler: bool = False
 
 
+# The step-reuse policies a request may name (runtime/cache.py implements them; docs/cache-reuse.md).
+CACHE_POLICY_NAMES = ("none", "fbcache", "magcache")
+
+
 def is_denoiser(component: str) -> bool:
     """Whether ``component`` is (a part of) a denoiser: ``denoiser``, ``denoiser_2``, their ``_head``, ``_tail``
     and ``_reuse``. Their calls are the steps (they pass the sampler's step gate; a lone request's rows are

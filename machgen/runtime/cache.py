@@ -43,10 +43,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from machgen.contract.specs import is_denoiser
+from machgen.contract.specs import CACHE_POLICY_NAMES as POLICY_NAMES, is_denoiser
 from machgen.runtime.tensors import as_numpy, concat, mean_abs
 
-POLICY_NAMES = ("none", "fbcache", "magcache")
 # The head's output the cache keeps: the first block's residual (its image output minus its image input).
 FIRST_BLOCK_RESIDUAL = "first_block_residual"
 

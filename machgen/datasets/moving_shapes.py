@@ -2,7 +2,7 @@
 and the detector that reads colour, shape and direction of motion back.
 
 Deterministic from a seed. A clip is ``FRAMES`` frames of 64x64: one filled
-shape of the image dataset (machgen/builder/shapes.py: its shapes and seven
+shape of the image dataset (machgen/datasets/shapes.py: its shapes and seven
 colours) crossing a flat dark background (mild noise, the same in every
 frame) in a straight line at constant speed, to the right, the left, up or
 down, 24-32 px over the clip, wholly inside the frame throughout. Its
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from machgen.builder import shapes
+from machgen.datasets import shapes
 
 FRAMES = 17
 SIZE = shapes.SIZE
