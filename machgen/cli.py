@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 import typer
 
+from machgen.contract.tasks import TASKS, short_task_name
+
 if TYPE_CHECKING:  # pragma: no cover
     from machgen.contract.api import FamilyInput
 
@@ -111,7 +113,7 @@ def serve(
                    + (f"  supervisor metrics {host}:{supervisor_metrics_port}" if metrics else ""))
         typer.echo(f"server log: {server.log_file}")
         if api_port is not None:
-            from machgen.api.app import ApiSettings
+            from machgen.api.settings import ApiSettings
 
             typer.echo(f"API: http://{host}:{api_port}")
 
@@ -263,7 +265,7 @@ def api(
     """The HTTP API over a Triton server's models: OpenAI's /v1/images and
     /v1/videos, jobs with live progress (/v1/jobs/ID/events), webhooks,
     metrics (/metrics) and a playground page (/)."""
-    from machgen.api.app import ApiSettings
+    from machgen.api.settings import ApiSettings
 
     _run_api(ApiSettings(triton_url=triton, data_dir=data_dir, database=database,
                          database_url=_database_url(database_url, "--database-url"),
@@ -346,9 +348,6 @@ class _ProgressDisplay:
 
 # An image model's frames written as MP4 (it reports no frame rate of its own).
 DEFAULT_FPS = 16
-# What each task sends besides the prompt: (needs an --image, needs --reference-image, makes video).
-TASKS = {"t2i": (False, False, False), "i2i": (True, False, False), "t2v": (False, False, True),
-         "i2v": (True, False, True), "r2v": (False, True, True)}
 
 
 # --help is written without a server, so it cannot list a model's own inputs: the model publishes them.
@@ -465,16 +464,18 @@ def generate(
     from machgen.client import GenerationError, MachgenClient, RetryPolicy
 
     if task is not None:
-        if task not in TASKS:
+        if short_task_name(task) is None:
             raise typer.BadParameter(f"{task!r} is not one of {', '.join(TASKS)}", param_hint="--task")
-        needs_image, needs_references, video = TASKS[task]
-        if needs_image != (image is not None):
-            raise typer.BadParameter(f"{task} {'needs' if needs_image else 'takes no'} --image", param_hint="--task")
-        if needs_references != bool(reference_images):
-            raise typer.BadParameter(f"{task} {'needs' if needs_references else 'takes no'} --reference-image",
+        chosen = TASKS[short_task_name(task)]
+        if chosen.needs_image != (image is not None):
+            raise typer.BadParameter(f"{task} {'needs' if chosen.needs_image else 'takes no'} --image",
                                      param_hint="--task")
-        if video != (out.suffix.lower() in (".mp4", ".wav")):
-            raise typer.BadParameter(f"{task} writes {'an .mp4' if video else 'an image'} file", param_hint="--out")
+        if chosen.needs_references != bool(reference_images):
+            raise typer.BadParameter(f"{task} {'needs' if chosen.needs_references else 'takes no'} --reference-image",
+                                     param_hint="--task")
+        if chosen.video != (out.suffix.lower() in (".mp4", ".wav")):
+            raise typer.BadParameter(f"{task} writes {'an .mp4' if chosen.video else 'an image'} file",
+                                     param_hint="--out")
     picture = None if image is None else np.asarray(Image.open(image).convert("RGB"))
     references = (np.stack([np.asarray(Image.open(path).convert("RGB")) for path in reference_images])
                   if reference_images else None)

@@ -256,7 +256,7 @@ class Supervisor:
 
     def _public_models_gone(self, models: list[str], timeout_s: float) -> bool:
         """Whether every one of ``models`` answered all its requests within ``timeout_s``: unloaded, or
-        finalizing (runtime/triton_models.py mark_drained)."""
+        finalizing (runtime/triton_models/backend.py mark_drained)."""
         deadline = time.monotonic() + timeout_s
         while True:
             states = self.server.model_states()

@@ -141,7 +141,7 @@ class TrainedModel:
 
     @classmethod
     def load(cls, model_dir: Path) -> "TrainedModel":
-        from machgen.builder.build import detect_family, load_pipeline, served_defaults
+        from machgen.builder.model_folder import detect_family, load_pipeline, served_defaults
 
         family = detect_family(model_dir)
         exporter = family.exporter()

@@ -122,7 +122,7 @@ def diffusers_rows(model_dir: Path, prompts):
     import torch
     from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
-    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+    from machgen.builder.model_folder import detect_family, load_pipeline, served_defaults
 
     family = detect_family(model_dir)
     pipe = load_pipeline(model_dir, family)

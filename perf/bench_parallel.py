@@ -114,8 +114,8 @@ def decode_by_rows(mesh, height: int, width: int, frames: int) -> dict:
     import diffusers
     import torch
 
-    from machgen.families.wan.export import SplitVaeDecoderFirst, SplitVaeDecoderNext, chunk_layout
-    from machgen.parallel.op import set_mesh, split_sequence
+    from machgen.families.wan.vae_chunks import SplitVaeDecoderFirst, SplitVaeDecoderNext, chunk_layout
+    from machgen.parallel.state import set_mesh, split_sequence
 
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKLWan().eval()

@@ -27,7 +27,8 @@ SECTION = "bench_program_load"
 
 
 def tiny_wan_repository(folder: Path) -> Path:
-    from machgen.builder.build import build_repository, write_tiny_model
+    from machgen.builder.build import build_repository
+    from machgen.builder.model_folder import write_tiny_model
     from machgen.builder.repository import ServingOptions
     from machgen.families.registry import get_family
 

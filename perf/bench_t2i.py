@@ -33,7 +33,8 @@ SECTION = "bench_t2i"
 
 
 def _prepare(args, scratch: Path) -> tuple[Path, Path]:
-    from machgen.builder.build import build_repository, write_tiny_model
+    from machgen.builder.build import build_repository
+    from machgen.builder.model_folder import write_tiny_model
     from machgen.families.registry import get_family
 
     model_dir = args.model_dir
@@ -64,7 +65,7 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from machgen.builder.build import detect_family, load_pipeline
+    from machgen.builder.model_folder import detect_family, load_pipeline
     from machgen.contract.manifest import pipeline_dir
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer

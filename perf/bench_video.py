@@ -86,7 +86,7 @@ def interleaved_rows(model_dir: Path, repository: Path, name: str, prompts, pict
     here: the same eager run 0.9 or 1.2 s a clip some minutes apart) then weighs on every setting alike."""
     import numpy as np
 
-    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+    from machgen.builder.model_folder import detect_family, load_pipeline, served_defaults
     from machgen.builder.evaluate import sample_videos
     from machgen.client import MachgenClient
     from machgen.server import Ports, TritonServer

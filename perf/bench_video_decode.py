@@ -112,7 +112,7 @@ def prepare(folder: Path) -> None:
     import torch
 
     from machgen.builder.export import check_parity, export_onnx
-    from machgen.families.wan.export import vae_chunk_components
+    from machgen.families.wan.vae_chunks import vae_chunk_components
 
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKLWan(base_dim=96, z_dim=16).eval()  # Wan 2.1's VAE configuration

@@ -74,7 +74,8 @@ def stale_times(mesh, tokens: int, heads: int, dim: int, repeats: int, layers: i
     blocks (parallel/stale.py, warmed up: each layer's all-gather has the other layers to arrive), alternating."""
     import torch
 
-    from machgen.parallel.stale import StaleKeys, attending
+    from machgen.parallel.stale import StaleKeys
+    from machgen.parallel.state import attending
     from machgen.parallel.usp import sequence_parallel_attention
 
     if device == "cuda":
@@ -105,7 +106,7 @@ def values_first_times(mesh, tokens: int, heads: int, dim: int, repeats: int, la
     import torch
     import torch.nn.functional as F
 
-    from machgen.parallel.op import split_sequence
+    from machgen.parallel.state import split_sequence
     from machgen.parallel.values_first import values_first
 
     if device == "cuda":

@@ -141,7 +141,8 @@ def chaos(server, every_s: float, stop: threading.Event, rng: random.Random, log
 
 
 def build_tiny(work: Path) -> tuple[Path, str]:
-    from machgen.builder.build import build_repository, write_tiny_model
+    from machgen.builder.build import build_repository
+    from machgen.builder.model_folder import write_tiny_model
     from machgen.builder.repository import ServingOptions
     from machgen.families.registry import get_family
 

@@ -42,7 +42,7 @@ def component_onnx(repository: Path, component: str, pipeline: str = PIPELINE_NA
 
 def write_tiny(tmp_path_factory, family: str) -> Path:
     """A tiny random-weight model folder of ``family``, as `machgen-build tiny` writes it."""
-    from machgen.builder.build import write_tiny_model
+    from machgen.builder.model_folder import write_tiny_model
     from machgen.families.registry import get_family
 
     return write_tiny_model(get_family(family), tmp_path_factory.mktemp("models") / f"tiny-{family}")
@@ -51,7 +51,7 @@ def write_tiny(tmp_path_factory, family: str) -> Path:
 def runtime_for(model_dir: Path, run_component):
     """The family runtime of a tiny model folder over ``run_component`` (a
     closed-form fake, say), with the settings its build would record: no export."""
-    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+    from machgen.builder.model_folder import detect_family, load_pipeline, served_defaults
     from machgen.contract.manifest import load_object
 
     family = detect_family(model_dir)
@@ -264,16 +264,37 @@ def one_at_a_time(tmp_path_factory, name: str):
 def session_export_cache(tmp_path_factory):
     """One export cache for every build of the run, shared by its xdist workers
     (machgen/builder/export_cache.py): the tiny Wan models share their VAE and text encoder, the LoRA and
-    sparse-attention builds of the tiny Flux its text encoders and VAE. Never the developer's own cache."""
+    sparse-attention builds of the tiny Flux its text encoders and VAE. Never the developer's own cache.
+
+    The builds' ONNX files come from the TorchScript-based exporter where it applies (builder/export.py
+    export_torchscript; tens of times faster on these models, perf/RESULTS.md "ONNX export"), unless the run
+    names an exporter itself: MACHGEN_ONNX_EXPORTER=dynamo runs every build as a user's runs by default."""
+    from machgen.builder.export import ONNX_EXPORTER_ENV
     from machgen.builder.export_cache import CACHE_ENV
 
-    previous = os.environ.get(CACHE_ENV)
+    saved = {name: os.environ.get(name) for name in (CACHE_ENV, ONNX_EXPORTER_ENV)}
     os.environ[CACHE_ENV] = str(session_root(tmp_path_factory) / "export-cache")
+    os.environ.setdefault(ONNX_EXPORTER_ENV, "torchscript")
     yield
-    if previous is None:
-        del os.environ[CACHE_ENV]
-    else:
-        os.environ[CACHE_ENV] = previous
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+# The tests of the dynamo exporter's own translations, which call export_onnx themselves: the exporter they test.
+DYNAMO_EXPORTER_TESTS = {
+    "test_export.py": ("test_a_squeeze_of_an_axis_that_is_not_one_exports_as_torch_means_it",
+                       "test_interleaved_writes_of_the_last_axis_export_as_pairs_with_the_same_values")}
+
+
+@pytest.fixture(autouse=True)
+def dynamo_exporter_where_tested(request, monkeypatch):
+    if request.node.originalname in DYNAMO_EXPORTER_TESTS.get(request.node.path.name, ()):
+        from machgen.builder.export import ONNX_EXPORTER_ENV
+
+        monkeypatch.setenv(ONNX_EXPORTER_ENV, "dynamo")
 
 
 @pytest.fixture(scope="session")
@@ -562,6 +583,7 @@ def runtime_factory(tiny_flux_dir):
 
 
 SESSION_REPOSITORIES = {"built_repository", "variant_repository"}
+SESSION_SERVERS = {"triton_server", "variant_server", "api_server", "postgres_server"}
 
 
 # A fixture named *_repository builds one (and exports, or copies from the export cache), one named local* runs
@@ -583,10 +605,14 @@ MANY_PROCESSES = ("test_faults", "test_parallel", "test_parallel_wan", "test_par
 
 def pytest_xdist_make_scheduler(config, log):
     """`make test`'s --dist loadfile, with MANY_PROCESSES as one file (xdist's loadgroup would do it with marks,
-    but xdist 3.8 renames a test by a field pytest 9 no longer reads)."""
+    but xdist 3.8 renames a test by a field pytest 9 no longer reads), handed out in the order of the collection
+    (pytest_collection_modifyitems: the longest first), not xdist's own (the most tests first: a module of a
+    few tests and a long build came last, and one worker waited on it)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
 
     class ModulesAndOneGroup(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -597,12 +623,24 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(items):
-    # The modules that build the most repositories first, so that the xdist workers of `make test` (a module
-    # each at a time) finish together rather than one waiting on the other's last long module.
+    # The longest first, so that the xdist workers of `make test` (a module each at a time) finish together
+    # rather than one waiting on the other's last long module: the MANY_PROCESSES group (about half a worker's
+    # time), then the modules that build the most repositories, start the most servers of their own, have the
+    # most tests marked export or integration by themselves, the most tests.
     builds: dict = {}
+    servers: dict = {}
+    marked: dict = {}
+    tests: dict = {}
     for item in items:
+        fixtures = getattr(item, "fixturenames", ())
         builds.setdefault(item.path, set()).update(_builds(item))
-    items.sort(key=lambda item: -len(builds[item.path]))
+        servers.setdefault(item.path, set()).update(name for name in fixtures if name.endswith("_server")
+                                                     and name not in SESSION_SERVERS)
+        heavy = bool(item.get_closest_marker("export") or item.get_closest_marker("integration"))
+        marked[item.path] = marked.get(item.path, 0) + heavy
+        tests[item.path] = tests.get(item.path, 0) + 1
+    items.sort(key=lambda item: (item.path.stem not in MANY_PROCESSES, -len(builds[item.path]),
+                                 -len(servers[item.path]), -marked[item.path], -tests[item.path], str(item.path)))
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if any(name.endswith("_server") for name in fixtures):

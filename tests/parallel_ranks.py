@@ -41,8 +41,9 @@ def stale_attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
     """This rank's output chunks of a stale layout's sequence attention over STALE_CALLS with seeded inputs
     0, 1, ... (call 1's input 1 % off call 0's, call 2 of other shapes, call 3 its input tripled, then calls of
     the batches of calls 1 and 3 alternating, each 1 % on), and whether each reused earlier blocks."""
-    from machgen.parallel.op import sequence_attention, set_mesh, split_sequence
-    from machgen.parallel.stale import StaleBatches, attending
+    from machgen.parallel.op import sequence_attention
+    from machgen.parallel.stale import StaleBatches
+    from machgen.parallel.state import attending, set_mesh, split_sequence
 
     set_mesh(mesh)
     stale, results = StaleBatches(mesh.layout.stale), []
@@ -107,7 +108,8 @@ def sparse_attention_chunks(mesh, batch: int, tokens: int, heads: int, dim: int,
     """This rank's output chunk of machgen::sequence_sparse_attention (``attributes``: the sparse op's) on
     its cfg group's rows of a joint sequence led by ``leading`` tokens."""
     from machgen.parallel.cfg import split_rows
-    from machgen.parallel.op import sequence_sparse_attention, set_mesh, split_sequence
+    from machgen.parallel.op import sequence_sparse_attention
+    from machgen.parallel.state import set_mesh, split_sequence
 
     set_mesh(mesh)
     q, k, v = (joint_chunk(split_rows(t, mesh.cfg_group), mesh, leading)
@@ -121,10 +123,10 @@ def sharded_denoiser_parts(mesh, model_dir: str):
     their sample inputs, with this rank's chunk of the sequence."""
     from pathlib import Path
 
-    from machgen.builder.build import detect_family, load_pipeline
+    from machgen.builder.model_folder import detect_family, load_pipeline
     from machgen.parallel.layout import SEQUENCE_MARKER
-    from machgen.parallel.op import set_mesh, split_sequence
-    from machgen.parallel.program import sequence_marker
+    from machgen.parallel.rank_programs import sequence_marker
+    from machgen.parallel.state import set_mesh, split_sequence
 
     family = detect_family(Path(model_dir))
     exporter = family.exporter()
@@ -148,7 +150,7 @@ def assert_sharded_parts_equal_whole(model_dir, layout, tolerance: float = 1e-5)
 
     import numpy as np
 
-    from machgen.builder.build import detect_family, load_pipeline
+    from machgen.builder.model_folder import detect_family, load_pipeline
     from machgen.parallel.ranks import run_on_ranks
 
     family = detect_family(model_dir)
@@ -170,7 +172,8 @@ def assert_sharded_parts_equal_whole(model_dir, layout, tolerance: float = 1e-5)
 
 def tiny_video_vae(family: str):
     """A tiny video family's VAE (Wan 2.1's, Wan 2.2 TI2V's patchified one, LTX-2's), the same weights on
-    every rank, and the family's export module (its decoder classes, whole and split by rows)."""
+    every rank, and the module of the family's decoder classes, whole and split by rows (Wan's vae_chunks,
+    else its export module)."""
     import importlib
 
     torch.manual_seed(0)
@@ -181,14 +184,15 @@ def tiny_video_vae(family: str):
     else:
         tiny = importlib.import_module(f"machgen.families.{family.replace('-', '_')}.tiny")
         vae = getattr(tiny, f"tiny_{family.replace('-', '_')}")()[0].vae
-    return vae.eval(), importlib.import_module(f"machgen.families.{family.replace('-', '_')}.export")
+    classes = "vae_chunks" if family == "wan" else "export"
+    return vae.eval(), importlib.import_module(f"machgen.families.{family.replace('-', '_')}.{classes}")
 
 
 def decode(family: str, vae, exporter, latents, split: bool):
     """The frames the family's served decoder makes of ``latents`` (``split``: its classes split by rows;
     Wan's chunk by chunk with the flat cache, LTX-2's in one call), and the most elements any convolution
     read in one call."""
-    from machgen.families.wan.export import chunk_layout
+    from machgen.families.wan.vae_chunks import chunk_layout
 
     widest = [0]
 
@@ -218,7 +222,7 @@ def decode(family: str, vae, exporter, latents, split: bool):
 def decoded_by_rows(mesh, family: str, latent_shape: tuple[int, ...]):
     """This rank's band of rows of the video its family's split decoder makes of seeded latents, and the
     most elements a convolution read on this rank."""
-    from machgen.parallel.op import set_mesh, split_sequence
+    from machgen.parallel.state import set_mesh, split_sequence
 
     vae, exporter = tiny_video_vae(family)
     latents = torch.randn(*latent_shape, generator=torch.Generator().manual_seed(5))
@@ -269,28 +273,28 @@ def two_layer_program(heads: int, dim: int, batch: int, tokens: int):
 def values_first_chunks(mesh, batch: int, tokens: int, heads: int, dim: int):
     """This rank's output chunk of two_layer_program rewritten values first, of its cfg group's rows, and how
     many values exchanges it started."""
-    from machgen.parallel import values_first
+    from machgen.parallel import state, values_first
     from machgen.parallel.cfg import split_rows
-    from machgen.parallel.op import set_mesh, split_sequence
+    from machgen.parallel.state import set_mesh, split_sequence
 
     set_mesh(mesh)
     module = two_layer_program(heads, dim, batch, tokens)
     assert values_first.values_first(module) == 2
     inputs = [sequence_chunk(split_rows(t, mesh.cfg_group), mesh) for t in two_layer_inputs(batch, tokens, heads, dim)]
-    first = next(values_first._tickets)
+    first = next(state._tickets)
     with torch.no_grad(), split_sequence(True):
         output = module(*inputs)
-    assert not values_first._in_flight  # every exchange was taken by its attention
-    return output, next(values_first._tickets) - first - 1
+    assert not state.values_in_flight()  # every exchange was taken by its attention
+    return output, next(state._tickets) - first - 1
 
 
 def values_first_call_failing_after_a_send(mesh, batch: int, tokens: int, heads: int, dim: int):
-    """two_layer_program rewritten values first, called under values_first.one_call where the second
+    """two_layer_program rewritten values first, called under state.one_call where the second
     attention fails after its values left but before it takes them: (exchanges in flight when the call
     failed, exchanges in flight after one_call ended)."""
-    from machgen.parallel import values_first
+    from machgen.parallel import state, values_first
     from machgen.parallel.cfg import split_rows
-    from machgen.parallel.op import set_mesh, split_sequence
+    from machgen.parallel.state import set_mesh, split_sequence
 
     set_mesh(mesh)
     module = two_layer_program(heads, dim, batch, tokens)
@@ -307,12 +311,12 @@ def values_first_call_failing_after_a_send(mesh, batch: int, tokens: int, heads:
     values_first._received = fails_the_second
     left_by_the_failure = None
     try:
-        with values_first.one_call():
+        with state.one_call():
             try:
                 with torch.no_grad(), split_sequence(True):
                     module(*inputs)
             except RuntimeError:
-                left_by_the_failure = len(values_first._in_flight)
+                left_by_the_failure = state.values_in_flight()
     finally:
         values_first._received = received
-    return left_by_the_failure, len(values_first._in_flight)
+    return left_by_the_failure, state.values_in_flight()

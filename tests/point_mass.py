@@ -7,7 +7,7 @@ shifted sigma schedule, the last step (sigma = 0) lands exactly on mu.
 
 import numpy as np
 
-from machgen.contract.api import GenerationRequest
+from machgen.contract.request import GenerationRequest
 from machgen.runtime.family import RequestState
 from machgen.runtime.sampler import Sampler
 from machgen.runtime.tensors import as_numpy

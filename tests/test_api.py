@@ -4,8 +4,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from machgen.contract.api import API_INPUTS, InvalidArgument, input_array, parse_request
+from machgen.contract.api import API_INPUTS, input_array
+from machgen.contract.request import parse_request
 from machgen.contract.specs import Capabilities, ServedDefaults
+from machgen.contract.validation import InvalidArgument
 
 DEFAULTS = ServedDefaults(height=64, width=64, num_inference_steps=4, guidance_scale=3.5, true_cfg_scale=1.0,
                           negative_prompt=None, max_sequence_length=32, max_height=256, max_width=256,
@@ -73,7 +75,7 @@ def test_bad_inputs_are_named(inputs, field, words):
 
 @pytest.mark.parametrize("field", ["stg_scale", "audio_guidance_rescale"])  # LTX-2's guidance, refused elsewhere
 def test_another_familys_input_is_refused_by_name(field):
-    from machgen.contract.api import check_option_names
+    from machgen.contract.request import check_option_names
     from machgen.families.registry import family_inputs
 
     with pytest.raises(InvalidArgument) as err:
@@ -204,7 +206,7 @@ def test_bad_guidance_inputs_are_named(guidance_is_cfg, experts, values, field, 
 
 
 def test_family_input_parsers_name_the_field():
-    from machgen.contract.api import fraction_input, guidance_scale_input, indices_input
+    from machgen.contract.validation import fraction_input, guidance_scale_input, indices_input
 
     assert indices_input("stg_blocks", np.array([3, 0], dtype=np.int32), 4) == (3, 0)
     assert indices_input("stg_blocks", np.array([], dtype=np.int32), 4) == ()

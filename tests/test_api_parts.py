@@ -6,7 +6,7 @@ import time
 import pytest
 
 from machgen.api.keys import KeyRing, add_key, read_keys
-from machgen.api.schemas import ApiError, parse_size, typed
+from machgen.api.schemas import ApiError, TextValue, parse_size, typed
 from machgen.api.store import Job, JobStore
 from machgen.api.webhooks import new_secret, signed_headers
 
@@ -69,9 +69,11 @@ def test_webhook_headers_verify_with_the_standardwebhooks_package():
 
 def test_request_fields_are_typed_and_sizes_read_as_width_by_height():
     assert parse_size("96x32", {}) == (96, 32) and parse_size(None, {"width": 8, "height": 4}) == (8, 4)
-    assert typed("seed", "12", int) == 12 and typed("strength", 0.5, float) == 0.5
-    assert typed("stream", "true", bool) is True
-    for name, value, kind in [("seed", 1.5, int), ("seed", True, int), ("steps", "x", int),
+    # A form's text (TextValue) is read as its field's type; JSON's text is not a number (OpenAI's schemas).
+    assert typed("seed", TextValue("12"), int) == 12 and typed("strength", 0.5, float) == 0.5
+    assert typed("stream", TextValue("true"), bool) is True
+    for name, value, kind in [("seed", 1.5, int), ("seed", True, int), ("steps", "x", int), ("n", "2", int),
+                              ("strength", "0.5", float), ("stream", "true", bool),
                               ("guidance_scale", float("nan"), float), ("prompt", 3, str)]:
         with pytest.raises(ApiError) as error:
             typed(name, value, kind)
@@ -186,7 +188,8 @@ def test_framework_validation_errors_are_openais_error_object(tmp_path):
     """A route's typed parameter that FastAPI itself refuses answers 400 in OpenAI's shape, not 422."""
     from fastapi.testclient import TestClient
 
-    from machgen.api.app import ApiSettings, create_app
+    from machgen.api.app import create_app
+    from machgen.api.settings import ApiSettings
 
     app = create_app(ApiSettings(data_dir=tmp_path))
 

@@ -7,15 +7,21 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from machgen.contract.specs import CACHE_POLICY_NAMES
 from machgen.runtime.cache import (
+    CACHE_POLICIES,
+    FIRST_BLOCK_RESIDUAL,
     BlocksResidualRecorder,
     CacheControls,
     CacheSettings,
+    FirstBlockCache,
     FirstBlockCacheConfig,
     FirstBlockCacheState,
     MagCacheConfig,
+    MagCache,
     MagCacheState,
     StepCache,
+    StepPlan,
     first_block_cache_computes,
     magcache_computes,
     magnitude_ratios,
@@ -57,6 +63,46 @@ def test_magcache_ratios_resample_to_other_step_counts():
     config = MagCacheConfig(magnitude_ratios=(1.0, 0.5, 0.25))
     assert [config.ratio(step, 5) for step in range(5)] == [1.0, 0.5, 0.5, 0.25, 0.25]
     assert config.ratio(2, 3) == 0.25
+
+
+def test_the_runtime_has_a_policy_class_for_each_name_the_api_takes():
+    assert tuple(CACHE_POLICIES) == CACHE_POLICY_NAMES
+    assert all(policy.name == name for name, policy in CACHE_POLICIES.items())
+    # A policy's default threshold is its Config's; MagCache is served only with calibrated ratios.
+    assert dict(CacheSettings().thresholds) == {"fbcache": 0.2, "magcache": 0.1}
+    assert CacheSettings().available() == ("none", "fbcache")
+    assert CacheSettings(magnitude_ratios=(1.0, 0.9)).available() == CACHE_POLICY_NAMES
+
+
+def test_fbcache_through_the_policy_interface():
+    settings = CacheSettings(controls={"fbcache": CONTROLS})
+    policy = FirstBlockCache.configured(None, settings)
+    assert (policy.threshold, policy.controls) == (0.2, CONTROLS)
+    assert FirstBlockCache.configured(0.5, settings).threshold == 0.5
+    assert policy.plan(5, 10) is StepPlan.INSPECT and policy.kept_rows() == 0
+    head = {FIRST_BLOCK_RESIDUAL: np.full((2, 4, 2), 2.0)}
+    policy.computed(head, np.ones((2, 4, 2)))
+    assert policy.kept_rows() == 2
+    assert not policy.inspect(5, 10, {FIRST_BLOCK_RESIDUAL: np.full((1, 4, 2), 2.1)})
+    policy.skipped(5, 10)
+    assert policy.state.consecutive_skips == 1
+    np.testing.assert_array_equal(policy.blocks_residual({FIRST_BLOCK_RESIDUAL: np.full((1, 4, 2), 2.1)}, 1),
+                                  np.full((1, 4, 2), 3.1))  # this step's first block, the kept tail
+    policy.state.reset()
+    assert policy.kept_rows() == 0 and policy.inspect(5, 10, head)
+
+
+def test_magcache_through_the_policy_interface():
+    settings = CacheSettings(magnitude_ratios=(1.0,) * 4 + (0.9,) * 6, controls={"magcache": CONTROLS})
+    policy = MagCache.configured(0.15, settings)
+    assert policy.plan(5, 10) is StepPlan.COMPUTE  # nothing kept yet
+    policy.computed({FIRST_BLOCK_RESIDUAL: np.full((1, 3), 1.0)}, np.full((1, 3), 2.0))
+    assert policy.plan(5, 10) is StepPlan.REUSE and policy.kept_rows() == 1
+    policy.skipped(5, 10)
+    np.testing.assert_allclose(policy.blocks_residual(None, 1), np.full((1, 3), 2.7))  # scaled by the ratio 0.9
+    assert policy.plan(6, 10) is StepPlan.COMPUTE  # 0.1 + |1 - 0.81| > 0.15
+    policy.state.reset()
+    assert policy.kept_rows() == 0 and not policy.state.has_residual
 
 
 @pytest.fixture

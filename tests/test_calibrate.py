@@ -49,7 +49,7 @@ def test_the_mean_bound_is_a_prediction_bound_for_the_held_out_mean():
 def test_a_sparse_build_reports_no_expected_psnr_that_dense_attention_measured(model):
     from pathlib import Path
 
-    from machgen.builder.build import model_cache_settings
+    from machgen.builder.model_folder import model_cache_settings
     from machgen.builder.calibrate import calibration_summary
 
     folder = Path(__file__).resolve().parents[1] / "models" / model
@@ -70,7 +70,7 @@ def test_a_sparse_build_reports_no_expected_psnr_that_dense_attention_measured(m
 
 def test_cache_settings_of_another_task_are_stored_beside_the_models_and_run_by_its_requests():
     from machgen.builder.calibrate import with_task
-    from machgen.contract.api import GenerationRequest
+    from machgen.contract.request import GenerationRequest
     from machgen.runtime.sampler import measured_by_calibration, request_task
 
     text = CacheSettings("magcache", {"magcache": 0.1}, (1.0, 0.9), calibration={"task": "text-to-video"})

@@ -1,13 +1,17 @@
-"""`machgen generate`'s model inputs: options as the served model publishes them."""
+"""`machgen generate`'s model inputs: options as the served model publishes them; the CLIs' task names."""
 
 import json
+import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import typer
 
 from machgen.cli import _family_options
-from machgen.contract.api import InvalidArgument, published_inputs
+from machgen.contract.tasks import TASKS, long_task_name, short_task_name
+from machgen.contract.api import published_inputs
+from machgen.contract.validation import InvalidArgument
 
 
 def published(family: str):
@@ -116,3 +120,117 @@ def test_serve_verbose_asks_the_sampler_to_log_every_step(tmp_path):
     quiet, verbose = TritonServer(tmp_path).environment(), TritonServer(tmp_path, verbose=True).environment()
     assert STEP_LOG_ENV not in quiet and verbose[STEP_LOG_ENV] == "1"
     assert quiet[STOP_FILE_ENV] and verbose[STOP_FILE_ENV]
+
+
+# Each task by its short name (what every CLI's --help documents) and its long name (the manifests', accepted too).
+SPELLINGS = [(short, task.name) for short, task in TASKS.items()]
+
+
+def unboxed(output: str) -> str:
+    """A CLI's output with typer's error box taken away and its lines joined."""
+    return " ".join(re.sub("[│╭╮╰╯─]", " ", output).split())
+
+
+def test_every_task_is_named_short_or_long_and_either_name_gives_both():
+    assert [short for short, _ in SPELLINGS] == ["t2i", "i2i", "t2v", "i2v", "r2v"]
+    for short, long in SPELLINGS:
+        assert short_task_name(short) == short_task_name(long) == short
+        assert long_task_name(short) == long_task_name(long) == long
+    assert short_task_name("video") is None and long_task_name("video") == "video" and long_task_name(None) is None
+
+
+@pytest.mark.parametrize("spelling", ["short", "long"])
+def test_generate_takes_either_name_of_a_task(spelling, tmp_path):
+    """machgen generate --task checks a task's inputs by either name, before it reaches for a server."""
+    from typer.testing import CliRunner
+
+    from machgen.cli import app
+
+    def refusal(task: str, out: str, *extra: str) -> str:
+        result = CliRunner().invoke(app, ["generate", "--prompt", "x", "--model", "m", "--url", "127.0.0.1:1",
+                                          "--task", task, "--out", str(tmp_path / out), *extra])
+        assert result.exit_code == 2
+        return unboxed(result.output)
+
+    def named(short: str) -> str:
+        return short if spelling == "short" else TASKS[short].name
+
+    assert f"{named('t2v')} writes an .mp4 file" in refusal(named("t2v"), "clip.png")
+    assert f"{named('t2i')} writes an image file" in refusal(named("t2i"), "image.mp4")
+    assert f"{named('i2v')} needs --image" in refusal(named("i2v"), "clip.mp4")
+    assert f"{named('r2v')} needs --reference-image" in refusal(named("r2v"), "clip.mp4")
+    assert "'video' is not one of t2i, i2i, t2v, i2v, r2v" in refusal("video", "clip.mp4")
+
+
+@pytest.mark.parametrize("task, expected", [("t2v", "text-to-video"), ("text-to-video", "text-to-video"),
+                                            ("i2v", "image-to-video"), ("image-to-video", "image-to-video")])
+def test_eval_takes_either_name_of_a_video_task(task, expected, monkeypatch):
+    from typer.testing import CliRunner
+
+    from machgen.builder import cli
+
+    evaluated = []
+    monkeypatch.setattr(cli, "_evaluate_video", lambda model_dir, url, name, protocol, task, *rest:
+                        evaluated.append(task))
+    result = CliRunner().invoke(cli.app, ["eval", "--url", "127.0.0.1:1", "--task", task])
+    assert result.exit_code == 0, result.output
+    assert evaluated == [expected]
+
+
+@pytest.mark.parametrize("task", ["t2i", "text-to-image"])
+def test_eval_takes_either_name_of_text_to_image(task, monkeypatch):
+    from typer.testing import CliRunner
+
+    from machgen.builder import cli, evaluate
+
+    asked = []
+
+    def served(url, name, prompts, protocol, **options):
+        asked.append(len(prompts))
+        return np.zeros((len(prompts), 64, 64, 3), np.uint8)
+
+    monkeypatch.setattr(evaluate, "generate_served", served)
+    result = CliRunner().invoke(cli.app, ["eval", "--url", "127.0.0.1:1", "--count", "2", "--task", task])
+    assert result.exit_code == 0, result.output
+    assert asked == [2] and json.loads(result.output)["count"] == 2
+    refused = CliRunner().invoke(cli.app, ["eval", "--url", "127.0.0.1:1", "--task", "i2i"])
+    assert refused.exit_code == 2 and "no evaluation set for 'i2i'" in unboxed(refused.output)
+
+
+@pytest.mark.parametrize("task, expected", [("t2v", "text-to-video"), ("text-to-video", "text-to-video"),
+                                            ("i2v", "image-to-video"), ("image-to-video", "image-to-video")])
+def test_calibrate_takes_either_name_of_a_task(task, expected, monkeypatch, tmp_path):
+    """machgen-build calibrate --task fits the task named either way (the pipeline and the fit are stand-ins:
+    what is checked is which task reaches the fit)."""
+    from typer.testing import CliRunner
+
+    from machgen.builder import calibrate, cli
+    from machgen.runtime import local
+
+    class Pipeline:
+        manifest = SimpleNamespace(tasks=("text-to-video", "image-to-video"))
+        sampler = SimpleNamespace(cache_settings=None)
+
+        def __init__(self, repository, name):
+            pass
+
+    fitted = []
+
+    def fit(pipeline, prompts, holdout, targets, task=None, **options):
+        fitted.append((task, len(prompts[0])))
+        return "fitted", []
+
+    monkeypatch.setattr(cli, "find_pipeline_dir", lambda repository, name: repository)
+    monkeypatch.setattr(cli, "PipelineManifest", SimpleNamespace(read=lambda folder: SimpleNamespace(name="wan")))
+    monkeypatch.setattr(local, "LocalPipeline", Pipeline)
+    monkeypatch.setattr(calibrate, "calibrate", fit)
+    monkeypatch.setattr(calibrate, "with_task", lambda model, fitted, task, first_task: fitted)
+    monkeypatch.setattr(calibrate, "write_settings", lambda target, name, settings: target / "pipeline.json")
+    arguments = ["calibrate", str(tmp_path), "--count", "2", "--holdout-count", "2", "--task"]
+    result = CliRunner().invoke(cli.app, [*arguments, task])
+    assert result.exit_code == 0, result.output
+    # a task from a picture: each pair with one (prompt, seed, picture)
+    assert fitted == [(expected, 3 if expected.startswith("image-to-") else 2)]
+    refused = CliRunner().invoke(cli.app, [*arguments, "t2i"])
+    assert refused.exit_code == 2
+    assert "--task: 't2i' is not a task of this model (t2v, i2v)" in unboxed(refused.output)

@@ -1,5 +1,6 @@
-"""The README stays short and the docs stay connected: a page nobody links to, or a link to a file or heading that
-moved, is found here rather than by a reader. Text only: no export, no server (the fast tier)."""
+"""The README stays short and the docs stay connected: a page nobody links to, a link to a file or heading that
+moved, or a command-line option no page documents is found here rather than by a reader. Text and the CLIs'
+option tables only: no export, no server (the fast tier)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-README_MAX_LINES = 350
+README_MAX_LINES = 120
+CLI_PAGE = DOCS / "cli.md"
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
 # [text](target) and ![alt](target), with an optional "title"; the text may hold one level of brackets.
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+# A command's section of docs/cli.md: "## `machgen-build lora add REPOSITORY ADAPTER_DIR`", its words lower case.
+CLI_SECTION = re.compile(r"^## `(machgen[\w-]*(?: [a-z][\w-]*)*)[^`\n]*`\n(.*?)(?=^## |\Z)", re.M | re.S)
 
 
 def pages() -> list[Path]:
@@ -100,3 +104,56 @@ def test_the_link_check_finds_what_is_broken(tmp_path):
         "[gone](missing.md) [gone](there.md#no-such-part) ![gone](docs/picture.png) [gone](#nowhere)\n")
     assert [entry.split(" ")[0] for entry in broken_links(page)] == [
         "missing.md", "there.md#no-such-part", "docs/picture.png", "#nowhere"]
+
+
+def cli_commands() -> dict[str, list[str]]:
+    """Every command of ``machgen`` and ``machgen-build`` (walked from their Typer apps, subcommands of a group
+    included) with every spelling of each of its options."""
+    from typer.main import get_command
+
+    from machgen.builder.cli import app as build_app
+    from machgen.cli import app as serve_app
+
+    def walk(command, words):
+        if hasattr(command, "commands"):  # a group: `machgen-build lora`
+            for name, sub in command.commands.items():
+                yield from walk(sub, [*words, name])
+        else:
+            yield " ".join(words), [spelling for param in command.params if param.param_type_name == "option"
+                                    for spelling in (*param.opts, *param.secondary_opts)]
+
+    return {line: options for program, app in (("machgen", serve_app), ("machgen-build", build_app))
+            for line, options in walk(get_command(app), [program])}
+
+
+def undocumented_options(page: str, commands: dict[str, list[str]]) -> list[str]:
+    """Each command with no section of ``page``, and each option its section does not name."""
+    sections = {match[1]: match[2] for match in CLI_SECTION.finditer(page)}
+    missing = []
+    for line, options in commands.items():
+        if line not in sections:
+            missing.append(f"{line} (no section)")
+            continue
+        missing += [f"{line} {option}" for option in options
+                    if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", sections[line])]
+    return missing
+
+
+def test_every_option_of_every_command_is_in_the_cli_page():
+    commands = cli_commands()
+    assert {"machgen serve", "machgen generate", "machgen-build build", "machgen-build lora add"} <= set(commands)
+    assert not undocumented_options(CLI_PAGE.read_text(), commands), \
+        f"docs/cli.md does not document: {undocumented_options(CLI_PAGE.read_text(), commands)}"
+
+
+def test_the_option_check_finds_what_is_missing():
+    commands = {"machgen serve": ["--host", "--progress", "--no-progress"], "machgen-build lora add": ["--name"]}
+    page = ("## `machgen serve REPOSITORY`\n\n| `--host ADDRESS` | `--progress/--no-progress` |\n\n"
+            "## `machgen-build lora add REPOSITORY ADAPTER_DIR`\n\n| `--name NAME` |\n")
+    assert undocumented_options(page, commands) == []
+    assert undocumented_options(page.replace("--host ADDRESS", "--hostname"), commands) == ["machgen serve --host"]
+    assert undocumented_options(page.replace("lora add", "lora put"), commands) == [
+        "machgen-build lora add (no section)"]
+    # an option named only in another command's section is not documented for this one
+    assert undocumented_options(page.replace("--name NAME", "").replace("--host ADDRESS", "--host --name"),
+                                commands) == ["machgen-build lora add --name"]

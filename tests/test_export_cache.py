@@ -18,7 +18,7 @@ def _same_tree(left, right) -> bool:
 
 
 def _components(model_dir):
-    from machgen.builder.build import detect_family, load_pipeline
+    from machgen.builder.model_folder import detect_family, load_pipeline
 
     family = detect_family(model_dir)
     return {c.spec.name: c for c in family.exporter().components(load_pipeline(model_dir, family))}

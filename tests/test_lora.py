@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from machgen.builder.training import LoraSettings, concept_palette, train_lora
+from machgen.builder.lora_training import LoraSettings, concept_palette, train_lora
 from machgen.runtime.onnx_runner import OnnxSession
 
 

@@ -420,8 +420,10 @@ def test_the_store_keeps_the_most_recently_used_and_reads_a_replaced_adapter_aga
 
 
 def test_the_api_checks_adapters_against_the_model():
-    from machgen.contract.api import API_INPUTS, InvalidArgument, input_array, parse_request
+    from machgen.contract.api import API_INPUTS, input_array
+    from machgen.contract.request import parse_request
     from machgen.contract.specs import Capabilities, ServedDefaults
+    from machgen.contract.validation import InvalidArgument
 
     defaults = ServedDefaults(height=64, width=64, num_inference_steps=4, guidance_scale=3.5)
 

@@ -134,7 +134,7 @@ def test_first_block_cache_skips_steps_of_video_and_sound(local_ltx2):
 
 
 def test_requests_are_validated_against_the_model(local_ltx2):
-    from machgen.contract.api import InvalidArgument
+    from machgen.contract.validation import InvalidArgument
 
     for options, field in [({"stg_blocks": [2]}, "stg_blocks"), ({"stg_blocks": [1, 1]}, "stg_blocks"),
                            ({"guidance_rescale": 1.5}, "guidance_rescale"), ({"audio_stg_scale": -1.0},
@@ -379,7 +379,7 @@ def test_in_process_image_to_video_and_sound_equal_diffusers(local_ltx2_i2v, tin
 
 
 def test_image_to_video_needs_its_picture_at_the_video_size(local_ltx2_i2v):
-    from machgen.contract.api import InvalidArgument
+    from machgen.contract.validation import InvalidArgument
 
     for options, field in [({}, "image"), ({"image": picture(48, 32, 0)}, "image"),
                            ({"image": picture(32, 64, 0), "height": 64}, "image")]:
@@ -448,7 +448,7 @@ def test_head_and_tail_equal_the_transformer_for_every_pass(layout):
 
 
 def test_every_input_axis_has_a_tensorrt_profile(ltx2_pipeline, tiny_ltx2_dir):
-    from machgen.builder.build import served_defaults
+    from machgen.builder.model_folder import served_defaults
     from machgen.builder.tensorrt_engine import shape_profile
     from machgen.families.registry import get_family
 
@@ -531,7 +531,7 @@ def test_sparse_attention_takes_the_video_self_attention_only(sparse_ltx2_reposi
 
 def test_served_sparse_clip_equals_diffusers_with_the_operator(sparse_ltx2_repository, tiny_ltx2_dir,
                                                                ltx2_pipeline):
-    from machgen.builder.build import detect_family, served_defaults
+    from machgen.builder.model_folder import detect_family, served_defaults
     from machgen.runtime.local import LocalPipeline
     from machgen.plugins.ops import attention_swapped
 

@@ -109,6 +109,19 @@ def test_a_streamed_image_request_sends_its_partial_images_then_the_image(api_se
     assert steps == [1, 2, 3, 4]
 
 
+def test_a_served_models_own_inputs_are_in_v1_models_as_its_card_publishes_them(api_server, triton_server):
+    """GET /v1/models and /v1/models/{name} list the model's own inputs as ``machgen inputs`` reads them (the
+    tiny Flux has none of its own; test_api_routes.py checks a model that has)."""
+    with MachgenClient(triton_server.grpc_url) as triton:
+        card = triton.model_card(PIPELINE_NAME)
+        published = triton.published_inputs(PIPELINE_NAME)
+    one = httpx.get(f"{api_server.url}/v1/models/{PIPELINE_NAME}", headers=auth(api_server), timeout=30).json()
+    listed = httpx.get(f"{api_server.url}/v1/models", headers=auth(api_server), timeout=30).json()["data"]
+    assert one in listed and one["id"] == PIPELINE_NAME and one["kind"] == "image"
+    assert one["inputs"] == card["inputs"]
+    assert [entry["name"] for entry in one["inputs"]] == list(published)
+
+
 def test_bad_requests_get_openais_error_body_with_the_field(api_server):
     import openai
 

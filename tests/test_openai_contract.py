@@ -207,6 +207,15 @@ def test_each_field_openai_defines_is_refused_by_name_outside_openais_values(api
     assert_openai_error(send({"output_compression": 50}), 400, "output_compression")  # png is lossless
 
 
+def test_what_openais_schemas_refuse_is_refused_naming_the_field(api_server):
+    """OpenAI's schemas type ``n`` an integer (JSON's "2" is refused; a multipart edit's text is read as one)
+    and allow prompts of at most 32,000 characters. Videos' prompt: test_api_routes.py (no video model here)."""
+    assert_openai_error(generate(api_server, n="2"), 400, "n", "invalid_value")
+    assert_openai_error(generate(api_server, prompt="a" * 32001), 400, "prompt", "string_above_max_length")
+    assert_openai_error(edit(api_server, {"prompt": "a" * 32001}), 400, "prompt", "string_above_max_length")
+    assert_openai_error(edit(api_server, {"n": "2", "output_compression": 50}), 400, "output_compression")  # n read
+
+
 def test_every_error_is_openais_error_object(api_server):
     import openai
 

@@ -133,7 +133,7 @@ def test_values_first_sends_v_before_q_and_k_are_projected_and_attends_as_before
 
 
 def test_a_call_that_fails_between_a_send_and_its_attention_leaves_no_exchange_in_flight():
-    """A rank's call (serve_programs runs each under values_first.one_call) that fails after a layer's values
+    """A rank's call (RankPrograms runs each under state.one_call) that fails after a layer's values
     left and before its attention took them: the exchange is dropped when the call ends, not kept until the
     rank process ends."""
     from machgen.parallel.ranks import run_on_ranks

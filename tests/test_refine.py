@@ -148,7 +148,7 @@ def test_a_stop_step_gives_the_clean_image_its_prediction_points_to(local, defau
     ({"stop_step": 1, "start_step": 1, "start_latents": np.zeros(4096, np.float32)}, "stop_step"),
 ])
 def test_bad_trajectory_inputs_are_refused_naming_the_field(local, defaults, options, field):
-    from machgen.contract.api import InvalidArgument
+    from machgen.contract.validation import InvalidArgument
 
     assert defaults["num_inference_steps"] == 4  # the steps the cases name
     with pytest.raises(InvalidArgument) as refused:

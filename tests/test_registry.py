@@ -45,9 +45,17 @@ def test_listing_families_and_cli_start_do_not_import_heavy_packages():
     assert out.stdout.strip() == ""
 
 
+def test_listing_families_imports_nothing_of_the_build():
+    """The registry is a light path: its families' build-time halves are named, not imported."""
+    listing = "import sys\nfrom machgen.families.registry import all_families\nall_families()\nprint(*sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, check=True).stdout.split()
+    assert [name for name in loaded if name == "torch" or name.startswith("machgen.builder")] == []
+
+
 # Every module Triton's Python models or the in-process pipeline load: the models, the sampler with every
 # family's runtime, the components' runners and the in-process pipeline.
-RUN_TIME = ["machgen.runtime.triton_models", "machgen.runtime.local", "machgen.runtime.torch_runner",
+RUN_TIME = ["machgen.runtime.triton_models.components", "machgen.runtime.triton_models.relays",
+            "machgen.runtime.triton_models.sampler", "machgen.runtime.local", "machgen.runtime.torch_runner",
             "machgen.runtime.onnx_runner", "machgen.plugins.ops", *(f.runtime.partition(":")[0] for f in all_families())]
 # What exists only to build: export, repository writing, training, engines, tiny test models.
 BUILD_TIME = ("machgen.builder", *(f"{f.export.partition(':')[0]}" for f in all_families()),

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from machgen.builder.build import components_to_export, load_pipeline, served_defaults
+from machgen.builder.build import components_to_export
+from machgen.builder.model_folder import load_pipeline, served_defaults
 from machgen.builder.repository import ServingOptions, render_repository
 from machgen.contract.manifest import pipeline_dir
 from machgen.families.registry import get_family

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from machgen.builder import evaluate, shapes
+from machgen.builder import evaluate
+from machgen.datasets import shapes
 
 from conftest import serving
 
@@ -95,7 +96,7 @@ def test_stats_report_the_quality_calibration_measured_on_held_out_prompts(shape
 @pytest.mark.parametrize("adapters", [{"orange": 1.0}, {"gray": 1.0}, {"orange": 0.7, "gray": 0.4}],
                          ids=["orange", "gray", "orange0.7+gray0.4"])
 def test_committed_adapters_served_per_request_equal_diffusers(adapters, shapes_server):
-    from machgen.builder.training import concept_palette
+    from machgen.builder.lora_training import concept_palette
 
     concept = next(iter(adapters))
     prompts = shapes.evaluation_prompts(8, colours=(concept,))

@@ -23,7 +23,7 @@ MAX_PIXEL_DIFF = 2
 
 
 def test_model_folder_is_small_safetensors_and_wan_ti2v():
-    from machgen.builder.build import detect_family
+    from machgen.builder.model_folder import detect_family
 
     files = [p for p in MODEL_DIR.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) <= 30 * 2**20

@@ -63,7 +63,7 @@ def test_served_sparse_pipeline_equals_diffusers_with_the_operator(sparse_reposi
                                                                    tiny_flux_pipeline, monkeypatch):
     import torch
 
-    from machgen.builder.build import detect_family, served_defaults
+    from machgen.builder.model_folder import detect_family, served_defaults
     from machgen.runtime.local import LocalPipeline
     from machgen.plugins import reference
     from machgen.plugins.ops import attention_swapped
@@ -116,7 +116,7 @@ def test_tensorrt_form_of_the_tail_equals_the_tail_running_the_kernels(sparse_re
     import torch
 
     from conftest import run_tensorrt_form
-    from machgen.builder.build import served_defaults
+    from machgen.builder.model_folder import served_defaults
     from machgen.builder.tensorrt_engine import _lowered_for_tensorrt
     from machgen.families.registry import get_family
     from machgen.plugins import reference, triton_kernel

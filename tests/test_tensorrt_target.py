@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from machgen.builder.build import served_defaults
+from machgen.builder.model_folder import served_defaults
 from machgen.builder.repository import TargetServing, render_repository
 from machgen.builder.tensorrt_engine import shape_profile
 from machgen.contract.engines import EngineMetadata, EngineMismatch, check_engine

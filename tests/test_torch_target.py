@@ -115,7 +115,8 @@ def test_served_torch_target_applies_adapters_as_diffusers(torch_repository, tor
 def test_sparse_attention_stays_an_op_in_the_torch_program(tiny_flux_pipeline, tmp_path):
     """--attention sparse-fp8 on the torch target: the program calls
     machgen::sparse_attention (the Triton kernel on CUDA, the reference here)."""
-    from machgen.builder.build import AttentionOptions, served_defaults
+    from machgen.builder.build import AttentionOptions
+    from machgen.builder.model_folder import served_defaults
     from machgen.builder.export import check_parity, export_torch
     from machgen.families.registry import get_family
     from machgen.plugins.ops import attention_swapped

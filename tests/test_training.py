@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from machgen.datasets import shapes
+from machgen.builder.caption_tokenizers import train_t5_tokenizer
 from machgen.builder.tiny import tiny_clip_tokenizer
 from machgen.builder.training import (ShapesModelConfig, TrainingSettings, assemble_pipeline, refine_vae_decoder,
-                                      train_t5_tokenizer, train_transformer, train_vae)
+                                      train_transformer, train_vae)
+from machgen.datasets import shapes
 
 TINY = ShapesModelConfig(vae_channels=(8, 16, 16), latent_channels=4, transformer_heads=2, head_dim=16,
                          double_blocks=1, single_blocks=1, text_dim=32)

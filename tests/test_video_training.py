@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from machgen.builder.vae_clips import clips_to_tensor
+from machgen.builder.video_training import VideoModelConfig, VideoTrainingSettings, train_video_model
 from machgen.datasets import moving_shapes
-from machgen.builder.video_training import (VideoModelConfig, VideoTrainingSettings, clips_to_tensor,
-                                            train_video_model)
 
 TINY = VideoModelConfig(vae_base_dim=8, latent_channels=8, heads=2, head_dim=16, layers=1, ffn_dim=32, text_dim=32)
 
@@ -53,7 +53,7 @@ def test_a_rerun_resumes_both_stages_from_their_checkpoints(trained):
 def test_the_folder_is_wan_ti2v_for_diffusers_and_for_machgen(trained):
     import diffusers
 
-    from machgen.builder.build import detect_family
+    from machgen.builder.model_folder import detect_family
 
     out, _, _ = trained
     model = out / "model"
@@ -107,7 +107,7 @@ def test_every_caption_reaches_the_text_encoder_whole_a_token_a_word():
     """The captions tokenized as WanPipeline tokenizes them at the model's max_sequence_length keep every word,
     each one token (cut, the direction -- the caption's last words -- never reached the model); a word the
     captions lack still tokenizes, a letter at a time, without <unk>."""
-    from machgen.builder.training import caption_word_tokenizer
+    from machgen.builder.caption_tokenizers import caption_word_tokenizer
 
     tokenizer = caption_word_tokenizer(moving_shapes.all_captions())
     for caption in moving_shapes.all_captions():

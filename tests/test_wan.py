@@ -150,7 +150,7 @@ def test_magcache_calibration_records_both_experts(local_wan):
 
 
 def test_video_requests_are_validated_against_the_model(local_wan):
-    from machgen.contract.api import InvalidArgument
+    from machgen.contract.validation import InvalidArgument
 
     for options, field in [({"num_frames": 8}, "num_frames"), ({"num_frames": 21}, "num_frames"),
                            ({"true_cfg_scale": 3.0}, "true_cfg_scale"), ({"height": 40}, "height"),
@@ -233,7 +233,7 @@ def test_in_process_image_to_video_equals_diffusers(wan_i2v_repository, tiny_wan
 
 
 def test_image_to_video_needs_its_picture(wan_i2v_repository):
-    from machgen.contract.api import InvalidArgument
+    from machgen.contract.validation import InvalidArgument
     from machgen.runtime.local import LocalPipeline
 
     local = LocalPipeline(wan_i2v_repository, I2V_NAME)

@@ -76,7 +76,7 @@ def max_diff(ours: np.ndarray, theirs: np.ndarray) -> int:
 
 
 def test_the_folder_is_served_by_its_own_family(tiny_ti2v_dir):
-    from machgen.builder.build import detect_family
+    from machgen.builder.model_folder import detect_family
 
     family = detect_family(tiny_ti2v_dir)
     assert family.name == "wan-ti2v" and family.capabilities.tasks == ("text-to-video", "image-to-video")
@@ -134,8 +134,8 @@ def test_image_to_video_is_calibrated_apart_and_its_requests_run_and_report_its_
     from typer.testing import CliRunner
 
     from machgen.builder.cli import app
-    from machgen.contract.api import InvalidArgument
     from machgen.contract.manifest import pipeline_dir
+    from machgen.contract.validation import InvalidArgument
     from machgen.runtime.local import LocalPipeline
 
     repository = tmp_path / "repository"
@@ -190,7 +190,7 @@ def test_image_to_video_is_calibrated_apart_and_its_requests_run_and_report_its_
 
 
 def test_requests_are_validated_against_the_model(local_ti2v):
-    from machgen.contract.api import InvalidArgument
+    from machgen.contract.validation import InvalidArgument
 
     for options, field in [({"num_frames": 8}, "num_frames"), ({"height": 48}, "height"),
                            ({"guidance_scale_2": 2.0}, "guidance_scale_2"), ({"image": picture(48, 64, 0)}, "image"),

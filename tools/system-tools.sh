@@ -38,23 +38,39 @@ if [ "$(id -u)" -ne 0 ]; then
         exit 0
     fi
 fi
+# Debian's packages start their services (PostgreSQL's cluster, Prometheus, HAProxy) where an init system runs; the
+# tests start their own, in temporary folders on free ports. So services are kept from starting during the install:
+# invoke-rc.d and deb-systemd-invoke ask /usr/sbin/policy-rc.d first, and exit status 101 means "not allowed". A
+# policy already there is set aside and put back afterwards; no process that is already running is touched.
+policy=/usr/sbin/policy-rc.d
+saved="$policy.machgen-saved"
+deny_service_starts() {
+    [ -e "$policy" ] && [ ! -e "$saved" ] && $sudo mv "$policy" "$saved"
+    printf '#!/bin/sh\n# Written by machgen tools/system-tools.sh for the length of one apt-get install.\nexit 101\n' \
+        | $sudo tee "$policy" >/dev/null && $sudo chmod 755 "$policy"
+}
+allow_service_starts() {
+    $sudo rm -f "$policy"
+    [ -e "$saved" ] && $sudo mv "$saved" "$policy"
+    return 0
+}
+
 log="$(mktemp)"
 if ! $sudo apt-get update -qq >"$log" 2>&1; then
     echo "system-tools: apt-get update failed (no network to the package registry?): ${missing[*]} not" \
          "installed; $skipping. Its last line: $(tail -n 1 "$log")" >&2
-elif ! $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
-        >>"$log" 2>&1; then
-    echo "system-tools: apt-get install ${missing[*]} failed; $skipping. Its last line: $(tail -n 1 "$log")" >&2
 else
-    echo "system-tools: installed ${missing[*]} for the tests."
-    # Debian's packages start their services where an init system runs; the tests start their own, in temporary
-    # folders on free ports.
-    pkill -x prometheus 2>/dev/null || true
-    if command -v pg_ctlcluster >/dev/null 2>&1; then
-        for cluster in /etc/postgresql/*/main; do
-            [ -d "$cluster" ] && $sudo pg_ctlcluster "$(basename "$(dirname "$cluster")")" main stop 2>/dev/null
-        done
+    trap allow_service_starts EXIT
+    trap 'exit 130' INT TERM  # so that the EXIT trap puts the policy back
+    deny_service_starts
+    if ! $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+            >>"$log" 2>&1; then
+        echo "system-tools: apt-get install ${missing[*]} failed; $skipping. Its last line: $(tail -n 1 "$log")" >&2
+    else
+        echo "system-tools: installed ${missing[*]} for the tests (their services left stopped)."
     fi
+    allow_service_starts
+    trap - EXIT
 fi
 rm -f "$log"
 exit 0

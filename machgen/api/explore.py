@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from machgen.api.media import data_url
 from machgen.api.schemas import ApiError, invalid, typed
 
 DEFAULT_SCORER_TIMEOUT_S = 10.0
@@ -190,8 +191,6 @@ async def score(settings: ExploreSettings, job_id: str, media: list[np.ndarray],
         scorer = BUILTIN[settings.scorer]
         return await asyncio.to_thread(lambda: [float(scorer(early, prompt)) for early, prompt in
                                                 zip(media, prompts)]), None
-    from machgen.api.jobs import data_url
-
     field = "video" if media and np.asarray(media[0]).ndim == 4 else "image"
     media_type = "video/mp4" if field == "video" else "image/png"
     variants = [{"index": index, "prompt": prompt, "seed": seed, field: data_url(file, media_type)}

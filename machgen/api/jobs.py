@@ -6,8 +6,6 @@ job's results folder, and the job's end a webhook when it asked for one."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import logging
 import random
 import time
@@ -17,6 +15,9 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
+from machgen.api.explore import EARLY_FILE, LATENTS_FILE, ExploreSettings, latents_file, ranking, score
+from machgen.api.media import data_url, mp4_bytes, picture_bytes, png_bytes, preview_picture
+from machgen.api.schemas import job_object, public_object
 from machgen.api.store import Job, JobStore, pack_inputs, unpack_inputs
 from machgen.api.triton import ServedModel, StepReport, TritonFailure, TritonModels
 from machgen.api.webhooks import WebhookSender
@@ -30,48 +31,10 @@ def new_job_id(kind: str) -> str:
     return f"{'video' if kind == 'video' else 'img'}_{uuid.uuid4().hex}"
 
 
-def png_bytes(picture: np.ndarray) -> bytes:
-    return picture_bytes(picture, "png")
-
-
-def picture_bytes(picture: np.ndarray, output_format: str, compression: int | None = None) -> bytes:
-    """``picture`` as OpenAI's ``output_format`` (png, jpeg or webp); ``compression`` is OpenAI's
-    output_compression, 0-100, the encoder's quality (100, the default: a lossless WebP, JPEG's best)."""
-    from PIL import Image
-
-    quality = 100 if compression is None else compression
-    options = {"png": {"format": "PNG"}, "jpeg": {"format": "JPEG", "quality": quality},
-               "webp": {"format": "WEBP", "quality": quality, "lossless": quality == 100}}[output_format]
-    buffer = io.BytesIO()
-    Image.fromarray(picture).save(buffer, **options)
-    return buffer.getvalue()
-
-
-def data_url(file: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64," + base64.b64encode(file).decode()
-
-
-def mp4_bytes(frames: np.ndarray, fps: int, audio: np.ndarray | None = None, sample_rate: int | None = None) -> bytes:
-    import tempfile
-    from pathlib import Path
-
-    from machgen.client.video import write_mp4
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "video.mp4"
-        write_mp4(frames, path, fps=fps, audio=audio, sample_rate=sample_rate)
-        return path.read_bytes()
-
-
 def result_stem(name: str, index: int) -> str:
     """The file name (without extension) of a video job's ``index``-th video or thumbnail: ``name`` for the
     first (OpenAI's one video), ``name-INDEX`` for an explore's others."""
     return name if index == 0 else f"{name}-{index}"
-
-
-def preview_picture(preview: np.ndarray) -> np.ndarray:
-    """A preview's frames side by side (a video's few frames in one picture)."""
-    return preview[0] if len(preview) == 1 else np.concatenate(list(preview), axis=1)
 
 
 class JobEvents:
@@ -337,8 +300,6 @@ class JobManager:
         job.completed_at = int(time.time())
         webhook = None
         if job.request.get("callback_url") and self.webhooks.policy is not None:
-            from machgen.api.schemas import public_object
-
             public = public_object(job)  # a video's status is one of OpenAI's: cancelled is failed
             webhook = (job.request["callback_url"], f"{job.kind}.{public['status']}", public)
         try:
@@ -354,8 +315,6 @@ class JobManager:
         self.webhooks.queued()
         self.metrics.finished.labels(job.status).inc()
         self.metrics.observe_end(job, running.started)
-        from machgen.api.schemas import job_object
-
         self._finished_events[job.id] = running.events
         while len(self._finished_events) > 256:
             self._finished_events.pop(next(iter(self._finished_events)))
@@ -390,8 +349,6 @@ class JobManager:
         """Every variant to the plan's step (its early image and latents there), scored; the best continue from
         those latents. The continued variants' results, best first; the job's request records every variant's
         rank, score and cost (``explored``)."""
-        from machgen.api.explore import EARLY_FILE, ExploreSettings, ranking, score
-
         job = running.job
         plan = ExploreSettings(**job.request["explore"])
         at = plan.at_step
@@ -511,8 +468,6 @@ class JobManager:
     def _latents_files(self, job: Job, results: list[dict[str, Any]]) -> dict[str, bytes]:
         """The kept latents (keep_latents) of each result, within the job's share of --max-latents-mb; what
         was kept is listed in the job's ``latents``."""
-        from machgen.api.explore import LATENTS_FILE, latents_file
-
         files, listed = {}, []
         for index, result in enumerate(results):
             if result.get("trajectory") is None:
@@ -553,8 +508,6 @@ class StoredEvents:
             if job is None:
                 return
             if job.finished and not await asyncio.to_thread(self.store.events_after, self.job_id, seen):
-                from machgen.api.schemas import job_object
-
                 yield job.status, job_object(job)  # its events expired with its results
                 return
             await asyncio.sleep(self.poll_s)

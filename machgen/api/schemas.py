@@ -39,6 +39,8 @@ _UNSUPPORTED = {
 }
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
 MAX_VARIANTS = 10
+# OpenAI's longest prompt, of images (its GPT image models') and of videos.
+MAX_PROMPT_CHARACTERS = 32000
 SEED_LIMIT = 2**63
 
 
@@ -85,24 +87,33 @@ def bounded(name: str, value: Any, low: int, high: int) -> int:
     return number
 
 
+class TextValue(str):
+    """A value given as text, a form's field or a query parameter, which its field's type reads ("2" is 2 where
+    the field is an integer). A JSON value has its own type: "2" for an integer is refused, as OpenAI's
+    schemas refuse it."""
+
+
 def typed(name: str, value: Any, kind: type) -> Any:
-    """A field's value as ``kind``: JSON's own types, or a form's text converted."""
+    """A field's value as ``kind``: JSON's own types, or a TextValue converted."""
     if kind is str:
         if not isinstance(value, str):
             raise invalid(name, f"'{name}' must be a string")
-        return value
+        return str(value)
     if kind is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        if isinstance(value, TextValue) and value.lower() in ("true", "false", "1", "0"):
             return value.lower() in ("true", "1")
         raise invalid(name, f"'{name}' must be true or false")
     if isinstance(value, bool):
         raise invalid(name, f"'{name}' must be a number")
+    wanted = "an integer" if kind is int else "a number"
+    if isinstance(value, str) and not isinstance(value, TextValue):
+        raise invalid(name, f"'{name}' must be {wanted} (a JSON number), not the string {value[:40]!r}")
     try:
         number = kind(value) if isinstance(value, str) else value
     except ValueError:
-        raise invalid(name, f"'{name}' must be {'an integer' if kind is int else 'a number'}") from None
+        raise invalid(name, f"'{name}' must be {wanted}") from None
     if kind is int and not (isinstance(number, int) or (isinstance(number, float) and number.is_integer())):
         raise invalid(name, f"'{name}' must be an integer")
     if not isinstance(number, (int, float)) or (isinstance(number, float) and not math.isfinite(number)):

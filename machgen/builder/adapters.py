@@ -191,7 +191,7 @@ def read_adapter(adapter_dir: Path, settings: AdapterSettings, load_state: Calla
     ``load_state(folder)`` is the family's diffusers loader
     (``lora_state_dict``: converts other trainers' key formats), ``prefix``
     the adapted model's (``transformer.``). Raises ValueError."""
-    from machgen.builder.build import refuse_pickled_weights
+    from machgen.builder.model_folder import refuse_pickled_weights
 
     adapter_dir = Path(adapter_dir)
     refuse_pickled_weights(adapter_dir)

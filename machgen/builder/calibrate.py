@@ -318,7 +318,7 @@ def _summary_line(settings: CacheSettings) -> str:
 def write_settings(target: Path, name: str | None, settings: CacheSettings) -> Path:
     """Store ``settings`` as the default: in a model folder's machgen.json (every
     later build takes it) or in a repository's generated manifest."""
-    from machgen.builder.build import SERVING_FILE
+    from machgen.builder.model_folder import SERVING_FILE
 
     if not (target / "model_index.json").is_file():
         folder = find_pipeline_dir(target, name)

@@ -8,6 +8,7 @@ import typer
 
 from machgen.builder.build import TARGETS, AttentionOptions, TargetOptions
 from machgen.builder.repository import ServingOptions
+from machgen.contract.tasks import long_task_name, short_task_name
 from machgen.contract.manifest import PipelineManifest, find_pipeline_dir
 from machgen.families.registry import all_families, family_inputs, family_names
 
@@ -40,7 +41,7 @@ def tiny(
     out: Path = typer.Argument(..., help="folder to write the diffusers pipeline into"),
 ) -> None:
     """Write a tiny deterministic random-weight pipeline folder (for tests and demos)."""
-    from machgen.builder.build import write_tiny_model
+    from machgen.builder.model_folder import write_tiny_model
     from machgen.families.registry import get_family
 
     try:
@@ -229,9 +230,10 @@ def calibrate(
     policies: list[str] = typer.Option(None, "--policy",
                                        help="a cache policy to fit, repeatable (default: fbcache and magcache)"),
     task: str = typer.Option(None, "--task",
-                             help="the requests to fit the settings for, one of the model's tasks (default: its "
-                                  "first); another task's settings are served to its requests only, beside the "
-                                  "first's. A task from a picture (image-to-video) runs each pair from one"),
+                             help="the requests to fit the settings for, one of the model's tasks: t2i, i2i, t2v, "
+                                  "i2v or r2v (default: its first); another task's settings are served to its "
+                                  "requests only, beside the first's. A task from a picture (i2i, i2v) runs each "
+                                  "pair from one"),
     pictures: Path = typer.Option(None, "--pictures", exists=True, file_okay=False,
                                   help="a task from a picture: the fit pairs' pictures, one image file per prompt in "
                                        "name order (default for a video model: first frames of moving-shapes "
@@ -305,9 +307,11 @@ def calibrate(
             raise typer.BadParameter(str(err), param_hint="--name") from None
         pipeline = LocalPipeline(repository, pipeline_name)
         tasks = pipeline.manifest.tasks
-        if task is not None and task not in tasks:
-            raise typer.BadParameter(f"{task!r} is not a task of this model ({', '.join(tasks)})", param_hint="--task")
-        chosen_task = task or tasks[0]
+        if task is not None and long_task_name(task) not in tasks:
+            raise typer.BadParameter(f"{task!r} is not a task of this model "
+                                     f"({', '.join(short_task_name(each) or each for each in tasks)})",
+                                     param_hint="--task")
+        chosen_task = long_task_name(task) or tasks[0]
         video = makes_video(pipeline)
         prompts, holdout = prompt_sets(video)
         if chosen_task.startswith("image-to-"):
@@ -361,7 +365,7 @@ def train(
         typer.echo(f"trained: {record['transformer_steps']} transformer steps; model in {out / 'model'}")
         return
     if lora:
-        from machgen.builder.training import LoraSettings, train_lora
+        from machgen.builder.lora_training import LoraSettings, train_lora
 
         if base is None:
             raise typer.BadParameter("--lora needs --base MODEL_DIR", param_hint="--base")
@@ -400,10 +404,10 @@ def evaluate(
                                                          "instead of the dataset's"),
     read_with: str = typer.Option(None, "--read-with", help="read colours against the dataset palette plus this "
                                                           "concept's colour (default: --concept's)"),
-    task: str = typer.Option(None, "--task", help="text-to-image, text-to-video or image-to-video (default: "
-                                                  "MODEL_DIR's first task; with --url, text-to-image)"),
+    task: str = typer.Option(None, "--task", help="t2i, t2v or i2v (default: MODEL_DIR's first task; with --url, "
+                                                  "t2i)"),
     round_trip_model: Path = typer.Option(None, "--vae-from", exists=True, file_okay=False,
-                                          help="image-to-video with --url: the model folder whose VAE makes the "
+                                          help="i2v with --url: the model folder whose VAE makes the "
                                                "first frame the served clip is checked against"),
     cache_policy: str = typer.Option(None, "--cache-policy", help="with --url: ask for this cache policy (none: "
                                                                   "every step computed) instead of the model's "
@@ -413,23 +417,24 @@ def evaluate(
     dataset, colour, shape and direction; image-to-video also its first frame)."""
     from machgen.builder import evaluate as ev
     from machgen.datasets import shapes
-    from machgen.builder.training import concept_palette
+    from machgen.builder.lora_training import concept_palette
 
     if (model_dir is None) == (url is None):
         raise typer.BadParameter("give a MODEL_DIR or --url, not both")
     if cache_policy is not None and url is None:
         raise typer.BadParameter("a cache policy is asked of a served model: give --url", param_hint="--cache-policy")
     served_options = {"cache_policy": cache_policy} if cache_policy is not None else {}
-    if task is None and model_dir is not None:
-        from machgen.builder.build import detect_family
+    chosen_task = long_task_name(task)
+    if chosen_task is None and model_dir is not None:
+        from machgen.builder.model_folder import detect_family
 
-        task = detect_family(model_dir).capabilities.tasks[0]
-    if task in ("text-to-video", "image-to-video"):
-        _evaluate_video(model_dir, url, name, protocol, task, count or 84, grid, round_trip_model or model_dir,
-                        served_options)
+        chosen_task = detect_family(model_dir).capabilities.tasks[0]
+    if chosen_task in ("text-to-video", "image-to-video"):
+        _evaluate_video(model_dir, url, name, protocol, chosen_task, count or 84, grid,
+                        round_trip_model or model_dir, served_options)
         return
-    if task not in (None, "text-to-image"):
-        raise typer.BadParameter(f"no evaluation set for {task!r}", param_hint="--task")
+    if chosen_task not in (None, "text-to-image"):
+        raise typer.BadParameter(f"no evaluation set for {task or chosen_task!r}", param_hint="--task")
     palette = concept_palette(read_with or concept) if (read_with or concept) else shapes.PALETTE
     colours = (concept,) if concept else tuple(shapes.PALETTE)
     prompts = shapes.evaluation_prompts(count or 70, colours=colours)

@@ -48,7 +48,7 @@ def generate_with_diffusers(model_dir: Path, prompts, chunk: int = 35, lora: Pat
     (``adapters``: folder and weight each, as set_adapters weighs them)."""
     import torch
 
-    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+    from machgen.builder.model_folder import detect_family, load_pipeline, served_defaults
 
     family = detect_family(model_dir)
     pipe = load_pipeline(model_dir, family)
@@ -170,7 +170,7 @@ def video_round_trips(model_dir: Path, pictures: np.ndarray) -> np.ndarray:
     first frame is."""
     import diffusers
 
-    from machgen.builder.video_training import decode_latents, encode_clips
+    from machgen.builder.vae_clips import decode_latents, encode_clips
 
     vae = diffusers.AutoencoderKLWan.from_pretrained(model_dir / "vae")
     return decode_latents(vae, encode_clips(vae, np.asarray(pictures)[:, None]))[:, 0]
@@ -181,7 +181,7 @@ def generate_videos_with_diffusers(model_dir: Path, prompts, pictures=None, seco
     """Clips [N, F, H, W, 3] from diffusers' WanPipeline (or, with
     ``pictures``, WanImageToVideoPipeline on the same folder) at the model
     card's settings (machgen.json); ``seconds`` gets each clip's time."""
-    from machgen.builder.build import detect_family, load_pipeline, served_defaults
+    from machgen.builder.model_folder import detect_family, load_pipeline, served_defaults
 
     family = detect_family(model_dir)
     pipe = load_pipeline(model_dir, family)

@@ -1,24 +1,30 @@
 """Export of one component (ONNX, or a torch.export program for the
 ``torch`` target), and its parity check against the torch module.
 
-The dynamo exporter is the one that works for these models (the legacy one
-fails on ``aten::rms_norm`` and bakes batch sizes in); it must be traced with
-batch >= 2, or the batch axis is specialised to 1. The torch target uses the
-same trace (torch.export), saved as a program instead of converted.
+The dynamo exporter is the one that works for every component: torch.export
+proves each named axis symbolic (traced with batch >= 2, or the batch axis is
+specialised to 1). The torch target uses the same trace, saved as a program
+instead of converted. The TorchScript-based exporter is tens of times faster
+(perf/RESULTS.md, "ONNX export"), but a trace can bake in a value it read
+from a tensor; ``MACHGEN_ONNX_EXPORTER=torchscript`` (the test suite's
+setting) takes it where it traced without doing so and reproduces torch,
+and the dynamo exporter everywhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from machgen.builder.family_export import ExportableComponent
+from machgen.contract.adapters import RANK_AXIS, ROWS_AXIS
 from machgen.contract.specs import ComponentSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,6 +33,22 @@ if TYPE_CHECKING:  # pragma: no cover
 # Files above this size keep their weights in an external data file (the
 # protobuf limit is 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
+ONNX_EXPORTER_ENV = "MACHGEN_ONNX_EXPORTER"
+ONNX_EXPORTERS = ("dynamo", "torchscript")
+# The opset from which the TorchScript exporter's added translations hold (export_torchscript).
+TORCHSCRIPT_TRANSLATIONS_OPSET = 18
+# Axes that are empty in some calls (a denoiser call without adapters: no rows, a bank of rank 0), which no
+# sample shows: the TorchScript exporter's reshapes of an empty tensor fail where torch's do not (seen: Flux's
+# adapted denoiser), so components with them keep the dynamo exporter.
+_EMPTY_AXES = (ROWS_AXIS, RANK_AXIS)
+
+
+def onnx_exporter(setting: str | None = None) -> str:
+    """The ONNX exporter a build uses: ``setting``, else $MACHGEN_ONNX_EXPORTER, else dynamo."""
+    chosen = setting or os.environ.get(ONNX_EXPORTER_ENV) or "dynamo"
+    if chosen not in ONNX_EXPORTERS:
+        raise ValueError(f"ONNX exporter {chosen!r} is not one of {', '.join(ONNX_EXPORTERS)}")
+    return chosen
 
 
 class ParityError(RuntimeError):
@@ -98,9 +120,11 @@ def _tracing() -> Iterator[None]:
 
 
 def export_onnx(component: ExportableComponent, path: Path,
-                attention: "SparseAttentionConfig | None" = None) -> int:
+                attention: "SparseAttentionConfig | None" = None, exporter: str | None = None) -> int:
     """Export ``component`` to ``path`` (ONNX, opset chosen by the exporter):
-    its ``trace`` in float32 on the CPU, converted.
+    its ``trace`` in float32 on the CPU, converted; with ``exporter``
+    torchscript (``onnx_exporter``), the TorchScript exporter's file where it
+    applies (``export_torchscript``).
 
     With ``attention``, the module is expected to call the SparseAttention
     op (plugins/ops.attention_swapped): each call becomes a
@@ -112,6 +136,9 @@ def export_onnx(component: ExportableComponent, path: Path,
 
     from machgen.plugins import ops
 
+    # The TorchScript exporter has no translation of the SparseAttention op: a module calling it falls through.
+    if onnx_exporter(exporter) == "torchscript" and export_torchscript(component, path):
+        return 0
     spec = component.spec
     # torch.export first, then the conversion of its program: the exporter's own trace leaves some shapes
     # unproved that torch.export proves (LTX's attention mask view: (b*h*t)//(b*h*t)).
@@ -137,6 +164,137 @@ def export_onnx(component: ExportableComponent, path: Path,
     onnx.save_model(model, os.fspath(path), save_as_external_data=size > EXTERNAL_DATA_BYTES,
                     location=path.name + ".data")
     return nodes
+
+
+def export_torchscript(component: ExportableComponent, path: Path) -> bool:
+    """Export ``component`` to ``path`` with the TorchScript-based exporter,
+    every named axis dynamic; False (the file then meaningless) where it does
+    not apply: an input has an axis that can be empty (``_EMPTY_AXES``), the
+    exporter fails (an op it cannot translate: the SparseAttention op, say),
+    the trace read a value out of a tensor (a TracerWarning other than a
+    condition's: that value is then a constant of the file), or the file
+    differs from torch on the parity check's inputs (``check_parity``, which
+    the build runs again) or on them at other sizes (``_at_other_sizes``).
+    A trace can fix a size silently, without a warning: Wan's and Flux's
+    denoisers fix the batch, which the first row alone shows. Unlike
+    torch.export's, nothing proves the other sizes right: hence dynamo by
+    default."""
+    import onnx
+    import torch
+    from torch.onnx import _constants
+    from torch.onnx._internal.exporter import _constants as dynamo_constants
+
+    spec = component.spec
+    if sum(t.numel() * t.element_size() for t in component.module.state_dict().values()) > EXTERNAL_DATA_BYTES:
+        return False  # kept for the dynamo path, which writes the weights to an external data file
+    if any(size in _EMPTY_AXES for t in spec.inputs for size in t.shape):
+        return False
+    _register_torchscript_translations()
+    names = [t.name for t in spec.inputs]
+    # Positional, in the spec's order: the exporter orders keyword inputs by the forward's signature.
+    module = _positional(component.module, names)
+    inputs = tuple(component.sample_inputs[name] for name in names)
+    dynamic_axes = {t.name: {axis: size for axis, size in enumerate(t.shape) if isinstance(size, str)}
+                    for t in spec.inputs + spec.outputs}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        try:
+            torch.onnx.export(module, inputs, os.fspath(path), dynamo=False, input_names=names,
+                              output_names=[t.name for t in spec.outputs], dynamic_axes=dynamic_axes,
+                              opset_version=_constants.ONNX_DEFAULT_OPSET)
+        except Exception:  # noqa: BLE001 (whatever it cannot export, the dynamo exporter does)
+            return False
+    if any(issubclass(warning.category, torch.jit.TracerWarning) and not _branch_taken(warning)
+           for warning in caught):
+        return False
+    # The opset and IR version of the dynamo exporter's files: a denoiser's head and tail, one file of each
+    # exporter, can then be joined (builder/chain.py).
+    model = onnx.load(os.fspath(path))
+    model.ir_version = dynamo_constants.ONNX_IR_VERSION
+    onnx.save_model(model, os.fspath(path))
+    try:
+        check_parity(component, path)
+        check_parity(_at_other_sizes(component), path)
+    except Exception:  # noqa: BLE001 (ParityError, ONNX Runtime refusing the file, torch refusing the sizes)
+        return False
+    return True
+
+
+def _at_other_sizes(component: ExportableComponent) -> ExportableComponent:
+    """``component`` with its sample inputs twice as long along every named axis but the batch (the first row
+    checks that one), each tiled: the values stay in their domains (token ids, positions)."""
+    import torch
+
+    inputs = {}
+    for tensor in component.spec.inputs:
+        value = component.sample_inputs[tensor.name]
+        for axis, size in enumerate(tensor.shape):
+            if isinstance(size, str) and size != "batch":
+                value = torch.cat([value, value], dim=axis)
+        inputs[tensor.name] = value
+    return replace(component, sample_inputs=inputs)
+
+
+def _branch_taken(warning) -> bool:
+    """Whether a TracerWarning is of a condition (a size compared in an ``if`` or ``assert``): the branch taken
+    is in the file, and the parity check runs it; a value read out of a tensor (a size as a Python number, a
+    tensor made of one) would be a constant of the file that the check could not tell from a size's."""
+    return str(warning.message).startswith("Converting a tensor to a Python boolean")
+
+
+def _positional(module, names: list[str]):
+    """``module`` taking its inputs positionally, in ``names``' order, in its mode: the exporter puts the
+    module it is given back in that one's mode afterwards, every submodule with it (a new module is in
+    training mode: the component's dropouts were on after an export)."""
+    import torch
+
+    class Positional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *inputs):
+            return self.module(**dict(zip(names, inputs)))
+
+    return Positional().train(module.training)
+
+
+@functools.cache
+def _register_torchscript_translations() -> None:
+    """What the TorchScript exporter lacks: ``aten::rms_norm`` (Flux's, Wan's, LTX's attention norms) as torch
+    computes it, x * rsqrt(mean(x^2) + eps) * weight, eps by default the dtype's; nearest-exact upsampling by
+    scale factors (Wan's VAE) as ONNX's Resize: torch's source index floor((i + 0.5) * in / out) is half_pixel's
+    (i + 0.5) * in / out - 0.5 rounded half up."""
+    import torch
+    from torch.onnx._internal.torchscript_exporter import symbolic_helper
+
+    def upsample_nearest_exact(g, x, output_size, scale_factors):
+        if symbolic_helper._is_none(scale_factors):
+            raise NotImplementedError("nearest-exact upsampling to an output size")  # the dynamo exporter's
+        factors = symbolic_helper._get_const(scale_factors, "fs", "scale_factors")
+        return g.op("Resize", x, symbolic_helper._optional_input_placeholder_tensor(g),
+                    g.op("Constant", value_t=torch.tensor([1.0, 1.0, *factors], dtype=torch.float32)),
+                    mode_s="nearest", coordinate_transformation_mode_s="half_pixel",
+                    nearest_mode_s="round_prefer_ceil")
+
+    def rms_norm(g, x, normalized_shape, weight, eps):
+        axes = symbolic_helper._get_const(normalized_shape, "is", "normalized_shape")
+        if symbolic_helper._is_none(eps):
+            eps = torch.finfo(torch.float32).eps
+        else:
+            eps = symbolic_helper._get_const(eps, "f", "eps")
+        squares = g.op("Mul", x, x)
+        mean = g.op("ReduceMean", squares, g.op("Constant", value_t=torch.tensor(list(range(-len(axes), 0)))),
+                    keepdims_i=1)
+        scale = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(eps)))))
+        out = g.op("Mul", x, scale)
+        return out if symbolic_helper._is_none(weight) else g.op("Mul", out, weight)
+
+    torch.onnx.register_custom_op_symbolic("aten::rms_norm", rms_norm, TORCHSCRIPT_TRANSLATIONS_OPSET)
+    for rank in ("1d", "2d", "3d"):
+        torch.onnx.register_custom_op_symbolic(f"aten::_upsample_nearest_exact{rank}", upsample_nearest_exact,
+                                               TORCHSCRIPT_TRANSLATIONS_OPSET)
 
 
 _TORCHLIB_REGISTRIES: dict = {}

@@ -5,14 +5,14 @@ tiny model to hours for a 14B transformer, and a rebuild usually repeats
 most of it: new serving options, a LoRA that leaves the text encoders and
 the VAE alone, a second model of a family that shares its VAE. The key of a
 component is everything its export depends on: the spec, the target, dtype,
-device and export options, the versions of the exporting packages, the
-source of the wrapper modules (the family's export.py, and what its
-classes derive from) and of the exporter, every submodule's class,
-configuration and plain settings, every parameter and buffer, and the
-sample inputs. The family's run-time code is not in it: a change to how
-requests are served leaves every export valid. A hit copies the files and
-the parity report of the first export; nothing is trusted that a different
-input could have produced.
+device and export options (the ONNX exporter, where not the default), the
+versions of the exporting packages, the source of the wrapper modules (the
+family's export.py, and what its classes derive from) and of the exporter,
+every submodule's class, configuration and plain settings, every parameter
+and buffer, and the sample inputs. The family's run-time code is not in it:
+a change to how requests are served leaves every export valid. A hit copies
+the files and the parity report of the first export; nothing is trusted
+that a different input could have produced.
 
 ``machgen-build build --export-cache DIR`` or the ``MACHGEN_EXPORT_CACHE``
 environment variable turns it on; entries are folders named by their key,
@@ -32,6 +32,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from machgen.builder.export import onnx_exporter
 from machgen.builder.family_export import ExportableComponent
 
 CACHE_ENV = "MACHGEN_EXPORT_CACHE"
@@ -108,6 +109,9 @@ def component_key(component: ExportableComponent, **options: Any) -> str:
             digest.update(repr(part).encode())
             digest.update(b"\0")
 
+    if options.get("format") == "onnx" and onnx_exporter() != "dynamo":
+        # Keyed apart from the dynamo exporter's files (the keys of dynamo's, the default, stay as they were).
+        options = {**options, "onnx_exporter": onnx_exporter()}
     add(_FORMAT, sys.version_info[:2], sorted(options.items()), component.spec)
     for package in _PACKAGES:
         try:

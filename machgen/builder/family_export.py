@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
+from machgen.parallel.layout import ParallelLayout, ParallelSupport, ShardPlan, shard_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from machgen.families.registry import Family
-    from machgen.parallel.layout import ParallelLayout, ParallelSupport, ShardPlan
 
 
 @dataclass
@@ -44,9 +44,7 @@ class OnRanks:
     ranks: str = "sequence"
     min_rows: int = 1
 
-    def plan(self, layout: "ParallelLayout") -> "ShardPlan":
-        from machgen.builder.parallel import shard_plan
-
+    def plan(self, layout: ParallelLayout) -> ShardPlan:
         return shard_plan(self.component.spec, layout, self.split_axes, self.ranks, self.min_rows)
 
 
@@ -114,10 +112,10 @@ class FamilyExport:
 
         return sequence_attention_swapped(self.sharded_attention_modules)
 
-    def parallel_support(self, pipe: Any, ranges: dict[str, AxisRange]) -> "ParallelSupport | None":
+    def parallel_support(self, pipe: Any, ranges: dict[str, AxisRange]) -> ParallelSupport | None:
         """What parallel layouts the model allows (``ranges``: axis_ranges'),
         or None: it runs on one device only. A call whose token counts the
-        sequence degree does not divide runs unsplit (runtime: parallel/program.py)."""
+        sequence degree does not divide runs unsplit (runtime: parallel/rank_programs.py)."""
         return None
 
     def sequence_parallel(self, component: ExportableComponent) -> ExportableComponent | None:

@@ -10,15 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from machgen.builder.family_export import ExportableComponent, FamilyExport, OnRanks
-from machgen.contract.specs import AxisRange, ComponentSpec
-from machgen.parallel.layout import (
-    SEQUENCE_MARKER,
-    LayoutError,
-    ParallelLayout,
-    ParallelSupport,
-    ShardPlan,
-    check_layout,
-)
+from machgen.contract.specs import AxisRange
+from machgen.parallel.layout import LayoutError, ParallelLayout, ParallelSupport, ShardPlan, check_layout
 
 
 def check_parallel_build(layout: ParallelLayout, exporter: FamilyExport, pipe: Any, target: str,
@@ -48,21 +41,6 @@ def parallel_variant(component: ExportableComponent, exporter: FamilyExport) -> 
         variant = exporter.sequence_parallel(component)
         return OnRanks(variant, exporter.sequence_axes) if variant is not None else None
     return exporter.decoder_split_by_rows(component)
-
-
-def shard_plan(spec: ComponentSpec, layout: ParallelLayout, split_axes: tuple[str, ...],
-               ranks: str = "sequence", min_rows: int = 1) -> ShardPlan:
-    """How ``spec``'s tensors split: batched ones by rows, those with an axis named in ``split_axes`` along
-    it, over ``ranks`` (ShardPlan.ranks; ``min_rows``: ShardPlan.min_rows)."""
-    tensors = spec.inputs + spec.outputs
-    sequence = {}
-    for tensor in tensors:
-        axis = next((index for index, size in enumerate(tensor.shape) if size in split_axes), None)
-        if axis is not None:
-            sequence[tensor.name] = axis
-    marker = SEQUENCE_MARKER if any(t.name == SEQUENCE_MARKER for t in spec.inputs) else None
-    batched = tuple(dict.fromkeys(t.name for t in tensors if t.batched)) if ranks == "sequence" else ()
-    return ShardPlan(layout, batched, sequence, marker, ranks, min_rows)
 
 
 def write_shard_plan(folder: Path, plan: ShardPlan) -> None:

@@ -16,24 +16,19 @@ defaults the model card recommends.
 
 from __future__ import annotations
 
-import copy
-import gzip
-import io
 import json
 import math
-import string
 import time
-import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from machgen.builder.caption_tokenizers import clip_tokenizer_from_open_clip, train_t5_tokenizer
+from machgen.builder.training_loop import (Checkpointer, EmaTraining, budget_left, progress_bar, resume_vae_stage,
+                                           set_cosine_lr)
 from machgen.datasets import shapes
-
-OPEN_CLIP_VOCAB = "open_clip/bpe_simple_vocab_16e6.txt.gz"
-_CLIP_MERGES = 49152 - 256 - 2  # OpenAI CLIP's vocabulary: 256 bytes x2, merges, 2 specials = 49408
 
 
 @dataclass
@@ -85,68 +80,6 @@ class TrainingSettings:
     config: ShapesModelConfig = field(default_factory=ShapesModelConfig)
 
 
-# ------------------------------------------------------------------ tokenizers
-def clip_tokenizer_from_open_clip(source: Path, out: Path):
-    """OpenAI CLIP's BPE tokenizer (ids identical to OpenAI CLIP) from the
-    vocabulary file the ``open_clip_torch`` wheel ships; ``source`` is the
-    wheel or the extracted ``bpe_simple_vocab_16e6.txt.gz``."""
-    import transformers
-
-    from machgen.builder.tiny import bytes_to_unicode
-
-    raw = zipfile.ZipFile(source).read(OPEN_CLIP_VOCAB) if zipfile.is_zipfile(source) else source.read_bytes()
-    lines = gzip.decompress(raw).decode("utf-8").split("\n")[1:_CLIP_MERGES + 1]
-    merges = [tuple(line.split()) for line in lines]
-    byte_chars = list(bytes_to_unicode().values())
-    tokens = byte_chars + [c + "</w>" for c in byte_chars] + ["".join(m) for m in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}, ensure_ascii=False))
-    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
-    tokenizer = transformers.CLIPTokenizer(str(out / "vocab.json"), str(out / "merges.txt"), model_max_length=77)
-    for name in ("vocab.json", "merges.txt"):
-        (out / name).unlink()
-    return tokenizer
-
-
-def train_t5_tokenizer(captions: list[str], vocab_size: int = 80):
-    """A unigram T5 tokenizer trained with sentencepiece on ``captions``.
-
-    Every lowercase letter is kept as a piece, so that words never seen in
-    training (a fine-tuning concept) still tokenize without <unk>.
-    """
-    import sentencepiece
-    import transformers
-
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(captions), model_writer=model, vocab_size=vocab_size, model_type="unigram",
-        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, hard_vocab_limit=False, character_coverage=1.0,
-        required_chars=string.ascii_lowercase, minloglevel=2)
-    processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
-    pieces = [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
-    return transformers.T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
-
-
-def caption_word_tokenizer(captions: list[str], word_score: float = -1.0, letter_score: float = -10.0):
-    """A unigram T5 tokenizer whose pieces are the captions' words, whole,
-    and every ASCII letter and digit.
-
-    A caption is then a few tokens, one a word, which a small text encoder
-    reads far sooner than the letters sentencepiece learns from so few
-    sentences (about 40 pieces, 17 to 30 a caption); a word never seen in
-    training still tokenizes, letter by letter, without <unk>.
-    """
-    import transformers
-
-    words = sorted({word for caption in captions for word in caption.split()})
-    letters = sorted(set(string.ascii_letters + string.digits) | {c for word in words for c in word})
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", letter_score)]
-    pieces += [("\u2581" + word, word_score) for word in words]
-    pieces += [(letter, letter_score) for letter in letters]
-    return transformers.T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
-
-
 # ----------------------------------------------------------------- utilities
 def images_to_tensor(images: np.ndarray):
     """uint8 [N, H, W, 3] -> float [N, 3, H, W] in [-1, 1]."""
@@ -155,65 +88,7 @@ def images_to_tensor(images: np.ndarray):
     return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
-def _progress(total: int, initial: int, description: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=description, dynamic_ncols=True, mininterval=2.0)
-
-
-class Checkpointer:
-    """Saves a stage's state every few minutes and at its end; loads it to resume."""
-
-    def __init__(self, path: Path, every_minutes: float):
-        self.path = path
-        self.every = every_minutes * 60
-        self.last = time.monotonic()
-
-    def load(self):
-        import torch
-
-        return torch.load(self.path, weights_only=False) if self.path.is_file() else None
-
-    def maybe_save(self, state_fn: Callable[[], dict], force: bool = False) -> None:
-        import torch
-
-        if force or time.monotonic() - self.last >= self.every:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(".partial")
-            torch.save(state_fn(), partial)
-            partial.replace(self.path)  # a crash mid-save leaves the previous checkpoint intact
-            self.last = time.monotonic()
-
-
-def _budget_left(start_seconds: float, elapsed_before: float, minutes: float | None) -> bool:
-    return minutes is None or elapsed_before + time.monotonic() - start_seconds < minutes * 60
-
-
-def set_cosine_lr(optimizer, peak: float, floor: float, step: int, steps: int, elapsed_s: float,
-                  minutes: float | None) -> None:
-    """A cosine from ``peak`` to ``floor`` over the stage's progress: the larger of its share of steps and,
-    with a time budget, of the budget used."""
-    progress = step / steps
-    if minutes:
-        progress = max(progress, elapsed_s / (minutes * 60))
-    for group in optimizer.param_groups:
-        group["lr"] = floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
 # ----------------------------------------------------------------- VAE stage
-def _resume_vae_stage(checkpoint: "Checkpointer | None", vae, optimizer, rng: np.random.Generator, stage: str,
-                      log: Callable[[str], None]) -> tuple[int, float]:
-    """(step, elapsed seconds) of a VAE stage, restored from its checkpoint when there is one."""
-    state = checkpoint.load() if checkpoint is not None else None
-    if state is None:
-        return 0, 0.0
-    vae.load_state_dict(state["vae"])
-    optimizer.load_state_dict(state["optimizer"])
-    rng.bit_generator.state = state["rng"]
-    log(f"{stage}: resumed at step {state['step']}")
-    return state["step"], state["elapsed"]
-
-
 def build_vae(config: ShapesModelConfig):
     from diffusers import AutoencoderKL
 
@@ -243,7 +118,7 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
     optimizer = torch.optim.AdamW(vae.parameters(), lr=settings.vae_lr, weight_decay=0.0)
     checkpoint = Checkpointer(out / "checkpoints" / "vae.pt", settings.checkpoint_minutes)
     rng = np.random.default_rng(settings.seed + 1)
-    step, elapsed = _resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "vae", log)
+    step, elapsed = resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "vae", log)
     start = time.monotonic()
     latent_size = shapes.SIZE // 2 ** (len(settings.config.vae_channels) - 1)
     latent_elements = settings.config.latent_channels * latent_size**2
@@ -252,8 +127,8 @@ def train_vae(out: Path, settings: TrainingSettings, resume: bool = True, log: C
         return {"vae": vae.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                 "elapsed": elapsed + time.monotonic() - start, "rng": rng.bit_generator.state}
 
-    with _progress(settings.vae_steps, step, "vae") as bar:
-        while step < settings.vae_steps and _budget_left(start, elapsed, settings.vae_minutes):
+    with progress_bar(settings.vae_steps, step, "vae") as bar:
+        while step < settings.vae_steps and budget_left(start, elapsed, settings.vae_minutes):
             set_cosine_lr(optimizer, settings.vae_lr, 1e-4, step, settings.vae_steps,
                           elapsed + time.monotonic() - start, settings.vae_minutes)
             images = np.stack([_vae_training_sample(rng, settings.vae_unseen_colours).image
@@ -314,7 +189,7 @@ def refine_vae_decoder(out: Path, settings: TrainingSettings, vae, resume: bool 
     optimizer = torch.optim.AdamW(params, lr=settings.decoder_lr, weight_decay=0.0)
     checkpoint = Checkpointer(out / "checkpoints" / "vae_decoder.pt", settings.checkpoint_minutes)
     rng = np.random.default_rng(settings.seed + 3)
-    step, elapsed = _resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "vae decoder", log)
+    step, elapsed = resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "vae decoder", log)
     start = time.monotonic()
 
     def snapshot() -> dict:
@@ -324,8 +199,8 @@ def refine_vae_decoder(out: Path, settings: TrainingSettings, vae, resume: bool 
     vae.requires_grad_(False)
     for part in decoder_parts:
         part.requires_grad_(True).train()
-    with _progress(settings.decoder_steps, step, "vae decoder") as bar:
-        while step < settings.decoder_steps and _budget_left(start, elapsed, settings.decoder_minutes):
+    with progress_bar(settings.decoder_steps, step, "vae decoder") as bar:
+        while step < settings.decoder_steps and budget_left(start, elapsed, settings.decoder_minutes):
             set_cosine_lr(optimizer, settings.decoder_lr, 5e-5, step, settings.decoder_steps,
                           elapsed + time.monotonic() - start, settings.decoder_minutes)
             samples = [_vae_training_sample(rng, settings.vae_unseen_colours) for _ in range(settings.vae_batch)]
@@ -504,89 +379,6 @@ def flow_matching_loss(transformer, clip, t5, text: TextBatch, x0, caption_ids, 
     return ((prediction.float() - (noise - x0)) ** 2).mean()
 
 
-class EmaTraining:
-    """Modules trained together (AdamW, linear warm-up, gradient clipping at
-    1) with an EMA of their weights, which is the result; one checkpointed,
-    resumable stage. ``batch_loss(rng)`` gives each step's loss."""
-
-    def __init__(self, name: str, modules: list, lr: float, warmup_steps: int, ema_decay: float,
-                 checkpoint: Checkpointer, rng: np.random.Generator):
-        import torch
-
-        self.name, self.modules, self.lr, self.warmup_steps, self.ema_decay = name, modules, lr, warmup_steps, ema_decay
-        self.ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
-        self.params = [p for m in modules for p in m.parameters()]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
-        self.checkpoint, self.rng = checkpoint, rng
-        self.step, self.elapsed, self.losses = 0, 0.0, []
-
-    def resume(self, log: Callable[[str], None]) -> None:
-        import torch
-
-        state = self.checkpoint.load()
-        if state is None:
-            return
-        for module, saved in zip(self.modules + self.ema, state["modules"] + state["ema"]):
-            module.load_state_dict(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.elapsed, self.rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
-        torch.set_rng_state(state["torch_rng"])
-        self.losses = list(state["losses"])
-        log(f"{self.name}: resumed at step {self.step}")
-
-    def finished(self, steps: int, minutes: float | None) -> bool:
-        return self.step >= steps or not _budget_left(time.monotonic(), self.elapsed, minutes)
-
-    def run(self, steps: int, minutes: float | None, batch_loss: Callable[[np.random.Generator], object],
-            check: Callable[[int], None] | None = None, check_minutes: float | None = None) -> dict:
-        """Steps until ``steps`` or the time budget; the stage's metrics.
-        ``check(step)`` (a measurement of the EMA modules) runs every
-        ``check_minutes`` and once at the end; its time counts in the budget."""
-        import torch
-
-        start, elapsed_before = time.monotonic(), self.elapsed
-        last_check = start
-        ema_params = [p for m in self.ema for p in m.parameters()]
-
-        def snapshot() -> dict:
-            self.elapsed = elapsed_before + time.monotonic() - start
-            return {"modules": [m.state_dict() for m in self.modules], "ema": [m.state_dict() for m in self.ema],
-                    "optimizer": self.optimizer.state_dict(), "step": self.step, "elapsed": self.elapsed,
-                    "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "losses": self.losses}
-
-        for module in self.modules:
-            module.train()
-        with _progress(steps, self.step, self.name) as bar:
-            while self.step < steps and _budget_left(start, elapsed_before, minutes):
-                loss = batch_loss(self.rng)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.lr * min(1.0, (self.step + 1) / self.warmup_steps)
-                self.optimizer.step()
-                self.step += 1
-                decay = min(self.ema_decay, (1 + self.step) / (10 + self.step))
-                with torch.no_grad():
-                    torch._foreach_lerp_(ema_params, self.params, 1 - decay)
-                self.losses.append(loss.item())
-                bar.update(1)
-                if self.step % 10 == 0:
-                    bar.set_postfix(loss=f"{np.mean(self.losses[-100:]):.4f}")
-                self.checkpoint.maybe_save(snapshot)
-                if check is not None and check_minutes and time.monotonic() - last_check >= check_minutes * 60:
-                    check(self.step)
-                    last_check = time.monotonic()
-        self.checkpoint.maybe_save(snapshot, force=True)
-        if check is not None:
-            check(self.step)
-        return self.metrics()
-
-    def metrics(self) -> dict:
-        return {"transformer_steps": self.step, "transformer_minutes": round(self.elapsed / 60, 1),
-                "final_loss": round(float(np.mean(self.losses[-200:])), 4) if self.losses else None}
-
-
 def train_transformer(out: Path, settings: TrainingSettings, vae, clip_tokenizer, t5_tokenizer, resume: bool = True,
                       log: Callable[[str], None] = print):
     """Jointly train the transformer and both text encoders; returns the EMA modules."""
@@ -646,7 +438,7 @@ def train_shapes_model(out: Path, settings: TrainingSettings, clip_vocab: Path, 
     """Both stages, then the pipeline folder and served defaults in ``out/model``."""
     import torch
 
-    from machgen.builder.build import SERVING_FILE
+    from machgen.builder.model_folder import SERVING_FILE
 
     torch.manual_seed(settings.seed)
     started = time.time()
@@ -669,101 +461,3 @@ def train_shapes_model(out: Path, settings: TrainingSettings, clip_vocab: Path, 
     return record
 
 
-# ------------------------------------------------------------- LoRA fine-tune
-# New concepts a LoRA can teach: a colour the base model never saw.
-CONCEPT_COLOURS: dict[str, tuple[int, int, int]] = {"orange": (250, 140, 20), "gray": (128, 128, 128)}
-LORA_TARGETS = (
-    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-    "context_embedder", "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-    "ff_context.net.2", "time_text_embed.text_embedder.linear_1", "time_text_embed.text_embedder.linear_2",
-    # the AdaLN modulations, through which the pooled text steers every block
-    "norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear",
-)
-
-
-@dataclass
-class LoraSettings:
-    """One LoRA fine-tuning run; recorded with the adapter."""
-
-    concept: str = "orange"
-    concept_samples: int = 384  # "a few hundred procedural samples" of the new concept
-    replay_samples: int = 384  # samples of the old data, so that old prompts keep working
-    rank: int = 32
-    steps: int = 1500
-    minutes: float | None = None
-    batch: int = 32
-    lr: float = 3e-3
-    seed: int = 0
-
-
-def concept_palette(concept: str) -> dict[str, tuple[int, int, int]]:
-    if concept not in CONCEPT_COLOURS:
-        raise ValueError(f"unknown concept {concept!r}; known: {', '.join(CONCEPT_COLOURS)}")
-    return {**shapes.PALETTE, concept: CONCEPT_COLOURS[concept]}
-
-
-def train_lora(base_dir: Path, out: Path, settings: LoraSettings, log: Callable[[str], None] = print) -> dict:
-    """Teach a Flux-family model a new colour with a LoRA on its transformer.
-
-    Saves ``pytorch_lora_weights.safetensors`` (diffusers' format: loads with
-    ``FluxPipeline.load_lora_weights``, fuses with ``machgen-build build --lora``).
-    """
-    import torch
-    from diffusers import FluxPipeline
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    from machgen.builder.build import detect_family, served_defaults
-
-    torch.manual_seed(settings.seed)
-    palette = concept_palette(settings.concept)
-    pipe = FluxPipeline.from_pretrained(base_dir, local_files_only=True)
-    for module in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
-        module.requires_grad_(False).eval()
-    # Train at the sequence length the model is served with.
-    max_sequence_length = served_defaults(base_dir, detect_family(base_dir), pipe).max_sequence_length
-    transformer = pipe.transformer
-    transformer.add_adapter(LoraConfig(r=settings.rank, lora_alpha=settings.rank, init_lora_weights="gaussian",
-                                       target_modules=list(LORA_TARGETS)))
-    transformer.train()
-    new_colours = (settings.concept,)
-    captions = [""] + shapes.all_captions() + shapes.all_captions(colours=new_colours)
-    text = TextBatch.build(captions, pipe.tokenizer, pipe.tokenizer_2, max_sequence_length)
-    concept_pool = LatentPool(pipe.vae, settings.concept_samples, settings.seed + 11, captions,
-                              lambda rng: shapes.sample(rng, colours=new_colours, palette=palette), log=log)
-    replay_pool = LatentPool(pipe.vae, settings.replay_samples, settings.seed + 12, captions, log=log)
-    latents = torch.cat([concept_pool.latents, replay_pool.latents])
-    caption_ids = torch.cat([concept_pool.caption_ids, replay_pool.caption_ids])
-    height, width = concept_pool.latent_size
-    img_ids = FluxPipeline._prepare_latent_image_ids(1, height // 2, width // 2, "cpu", torch.float32)
-    txt_ids = torch.zeros(max_sequence_length, 3)
-    shift = flux_sigma_shift(img_ids.shape[0], pipe.scheduler.config)
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
-    rng = np.random.default_rng(settings.seed)
-    losses, step, start = [], 0, time.monotonic()
-    with _progress(settings.steps, 0, f"lora {settings.concept}") as bar:
-        while step < settings.steps and _budget_left(start, 0.0, settings.minutes):
-            index = torch.from_numpy(rng.integers(0, len(latents), settings.batch))
-            batch_captions = caption_ids[index].clone()
-            batch_captions[torch.from_numpy(rng.random(settings.batch) < 0.1)] = 0
-            loss = flow_matching_loss(transformer, pipe.text_encoder, pipe.text_encoder_2, text, latents[index],
-                                      batch_captions, img_ids, txt_ids, shift)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            step += 1
-            losses.append(loss.item())
-            bar.update(1)
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{np.mean(losses[-100:]):.4f}")
-    out.mkdir(parents=True, exist_ok=True)
-    FluxPipeline.save_lora_weights(out, transformer_lora_layers=get_peft_model_state_dict(transformer),
-                                   safe_serialization=True)
-    record = {"base": str(base_dir), "settings": asdict(settings), "steps": step,
-              "minutes": round((time.monotonic() - start) / 60, 1),
-              "final_loss": round(float(np.mean(losses[-100:])), 4) if losses else None}
-    (out / "lora.json").write_text(json.dumps(record, indent=2) + "\n")
-    log(f"lora: {json.dumps(record)}")
-    return record

@@ -30,9 +30,11 @@ from typing import Callable
 
 import numpy as np
 
+from machgen.builder.caption_tokenizers import caption_word_tokenizer
+from machgen.builder.training_loop import (Checkpointer, EmaTraining, budget_left, progress_bar, resume_vae_stage,
+                                           set_cosine_lr)
+from machgen.builder.vae_clips import clips_to_tensor, decode_latents, encode_clips
 from machgen.datasets import moving_shapes
-from machgen.builder.training import (Checkpointer, EmaTraining, _budget_left, _progress, _resume_vae_stage,
-                                      caption_word_tokenizer, set_cosine_lr)
 
 
 @dataclass
@@ -48,8 +50,8 @@ class VideoModelConfig:
     layers: int = 4
     ffn_dim: int = 384
     text_dim: int = 64
-    # UMT5 tokens: a caption takes 7 or 8 (one a word, training.caption_word_tokenizer); the room beyond is for
-    # prompts with words the captions lack, which take a token a letter.
+    # UMT5 tokens: a caption takes 7 or 8 (one a word, caption_tokenizers.caption_word_tokenizer); the room
+    # beyond is for prompts with words the captions lack, which take a token a letter.
     max_sequence_length: int = 32
     # The sampling schedule's shift (UniPC's flow_shift), which training's timestep draw follows too.
     flow_shift: float = 3.0
@@ -90,21 +92,6 @@ class VideoTrainingSettings:
     check_minutes: float | None = 15.0
     check_pairs: int = 16
     config: VideoModelConfig = field(default_factory=VideoModelConfig)
-
-
-def clips_to_tensor(frames: np.ndarray):
-    """uint8 [N, F, H, W, 3] -> float [N, 3, F, H, W] in [-1, 1]."""
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
-
-
-def tensor_to_clips(tensor) -> np.ndarray:
-    """float [N, 3, F, H, W] in [-1, 1] -> uint8 [N, F, H, W, 3]."""
-    import torch
-
-    pixels = ((tensor.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return pixels.permute(0, 2, 3, 4, 1).numpy()
 
 
 def build_video_vae(config: VideoModelConfig):
@@ -158,15 +145,15 @@ def train_video_vae(out: Path, settings: VideoTrainingSettings, resume: bool = T
     optimizer = torch.optim.AdamW(vae.parameters(), lr=settings.vae_lr, weight_decay=0.0)
     checkpoint = Checkpointer(out / "checkpoints" / "video-vae.pt", settings.checkpoint_minutes)
     rng = np.random.default_rng(settings.seed + 1)
-    step, elapsed = _resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "video-vae", log)
+    step, elapsed = resume_vae_stage(checkpoint if resume else None, vae, optimizer, rng, "video-vae", log)
     start = time.monotonic()
 
     def snapshot() -> dict:
         return {"vae": vae.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                 "elapsed": elapsed + time.monotonic() - start, "rng": rng.bit_generator.state}
 
-    with _progress(settings.vae_steps, step, "video-vae") as bar:
-        while step < settings.vae_steps and _budget_left(start, elapsed, settings.vae_minutes):
+    with progress_bar(settings.vae_steps, step, "video-vae") as bar:
+        while step < settings.vae_steps and budget_left(start, elapsed, settings.vae_minutes):
             set_cosine_lr(optimizer, settings.vae_lr, 1e-4, step, settings.vae_steps,
                           elapsed + time.monotonic() - start, settings.vae_minutes)
             clips = [moving_shapes.sample(rng, frames=settings.vae_frames) for _ in range(settings.vae_batch)]
@@ -194,26 +181,6 @@ def train_video_vae(out: Path, settings: VideoTrainingSettings, resume: bool = T
                **video_vae_metrics(vae, check)}
     log(f"video-vae: {json.dumps(metrics)}")
     return vae, metrics
-
-
-def encode_clips(vae, frames: np.ndarray):
-    """Posterior means of uint8 clips [N, F, H, W, 3], normalised as the Wan pipelines normalise latents."""
-    import torch
-
-    with torch.no_grad():
-        mean = vae.encode(clips_to_tensor(frames)).latent_dist.mean
-    shift = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    scale = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    return (mean - shift) / scale
-
-
-def decode_latents(vae, latents) -> np.ndarray:
-    import torch
-
-    shift = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    scale = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    with torch.no_grad():
-        return tensor_to_clips(vae.decode(latents * scale + shift).sample)
 
 
 def set_latent_statistics(vae, clips: list[moving_shapes.Clip]) -> None:
@@ -393,7 +360,7 @@ def train_video_model(out: Path, settings: VideoTrainingSettings, resume: bool =
     """Both stages, then the pipeline folder and served defaults in ``out/model``."""
     import torch
 
-    from machgen.builder.build import SERVING_FILE
+    from machgen.builder.model_folder import SERVING_FILE
 
     torch.manual_seed(settings.seed)
     started = time.time()

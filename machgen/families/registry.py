@@ -15,14 +15,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from machgen.contract.api import FamilyInput
 from machgen.contract.manifest import load_object
 from machgen.contract.specs import Capabilities, ServedDefaults
-
-if TYPE_CHECKING:  # pragma: no cover
-    from machgen.builder.family_export import FamilyExport
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,9 @@ class Family:
     # class, one that says so wins over one that takes every model.
     serves: Callable[[Mapping[str, Any]], bool] | None = None
 
-    def exporter(self) -> "FamilyExport":
+    def exporter(self) -> Any:
+        """Its FamilyExport (machgen/builder/family_export.py), loaded by name: the registry is a light path
+        (the CLI's start, listing families) that imports nothing of the build."""
         return load_object(self.export)(self)
 
     def tiny_model(self) -> tuple[Any, ServedDefaults]:

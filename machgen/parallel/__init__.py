@@ -10,5 +10,9 @@
 - ``ring``: key/value blocks passed round the ring while the current block
   is computed, partial results merged by log-sum-exp in float32.
 - ``usp``: Ulysses inside ring, the attention every sequence layout runs.
+- ``state``: the parallel state of the process and of the call running now (the mesh, whether the call is
+  split, its stale blocks, the values exchanges in flight, the parent's rank pools); no torch.
 - ``ranks``: the rank processes (forked from a clean forkserver, gloo or NCCL) and their teardown.
+- ``program``: a component's program on the ranks, called like one on a device (the parent's side);
+  ``messages``: what it says to the ranks; ``rank_programs``: the ranks' side, one handler per message.
 """

@@ -10,7 +10,10 @@ whose all-to-all moves the most bytes, are neighbours (one NVLink island).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from machgen.contract.specs import ComponentSpec
 
 AXES = ("cfg", "ulysses", "ring")
 # The program input of a program that splits its tokens itself: its length is the call's sequence degree.
@@ -176,3 +179,18 @@ class ShardPlan:
     def from_json(cls, data: Mapping[str, Any]) -> "ShardPlan":
         return cls(ParallelLayout.from_json(data["layout"]), tuple(data["batched"]), dict(data["sequence"]),
                    data.get("marker"), data.get("ranks", "sequence"), data.get("min_rows", 1))
+
+
+def shard_plan(spec: ComponentSpec, layout: ParallelLayout, split_axes: tuple[str, ...],
+               ranks: str = "sequence", min_rows: int = 1) -> ShardPlan:
+    """How ``spec``'s tensors split: batched ones by rows, those with an axis named in ``split_axes`` along
+    it, over ``ranks`` (ShardPlan.ranks; ``min_rows``: ShardPlan.min_rows)."""
+    tensors = spec.inputs + spec.outputs
+    sequence = {}
+    for tensor in tensors:
+        axis = next((index for index, size in enumerate(tensor.shape) if size in split_axes), None)
+        if axis is not None:
+            sequence[tensor.name] = axis
+    marker = SEQUENCE_MARKER if any(t.name == SEQUENCE_MARKER for t in spec.inputs) else None
+    batched = tuple(dict.fromkeys(t.name for t in tensors if t.batched)) if ranks == "sequence" else ()
+    return ShardPlan(layout, batched, sequence, marker, ranks, min_rows)

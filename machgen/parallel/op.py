@@ -4,7 +4,7 @@ keeps as one node.
 
 On one rank, or when a call's sequence is not split, it is softmax attention
 (SDPA). In a rank process whose call has its sequence split over the ranks
-(``split_sequence``), it is Ulysses x ring attention over the rank mesh
+(parallel/state.py's ``split_sequence``), it is Ulysses x ring attention over the rank mesh
 (usp.py), each rank holding its chunk of the tokens. So one exported
 program serves every layout the model allows, and a build's parity check
 runs it on one rank as any other program.
@@ -12,56 +12,12 @@ runs it on one rank as any other program.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from machgen.parallel.mesh import RankMesh
-
-_context = threading.local()
-_MESH: RankMesh | None = None
-
-
-def set_mesh(mesh: RankMesh | None) -> None:
-    """The rank mesh of this process (a rank process sets it once)."""
-    global _MESH
-    _MESH = mesh
-
-
-@contextlib.contextmanager
-def call_setting(name: str, value: object) -> Iterator[None]:
-    """``value`` as this thread's ``name`` (call_value) inside: how a rank tells the operators of the program
-    it runs how to run this call."""
-    previous = getattr(_context, name, None)
-    setattr(_context, name, value)
-    try:
-        yield
-    finally:
-        setattr(_context, name, previous)
-
-
-def call_value(name: str) -> object:
-    return getattr(_context, name, None)
-
-
-def split_sequence(split: bool):
-    """Calls inside run on the rank's chunk of the sequence (``split``) or on
-    the whole of it (a sequence the degree does not divide: every rank of the
-    sequence group then computes the same, unsplit)."""
-    return call_setting("split", split)
-
-
-def split_mesh(all_ranks: bool = False) -> RankMesh | None:
-    """The rank mesh where the call running now is split over several ranks
-    (its sequence over the sequence ranks; ``all_ranks``: its rows over every
-    rank, parallel/rows.py), else None: it runs whole."""
-    if _MESH is None or not call_value("split"):
-        return None
-    degree = _MESH.layout.world_size if all_ranks else _MESH.layout.sequence_degree
-    return _MESH if degree > 1 else None
+from machgen.parallel.state import current_mesh, split_mesh
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -79,11 +35,12 @@ def attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     values: list | None = None) -> torch.Tensor:
     """``machgen::sequence_attention``; ``values``: v's Ulysses exchange, already under way (values_first.py)."""
     chosen = scale if scale > 0 else None
-    if split_mesh() is None:
+    mesh = split_mesh()
+    if mesh is None:
         return _sdpa(q, k, v, chosen).contiguous()
     from machgen.parallel.usp import sequence_parallel_attention
 
-    return sequence_parallel_attention(q, k, v, _MESH, chosen, values=values).contiguous()
+    return sequence_parallel_attention(q, k, v, mesh, chosen, values=values).contiguous()
 
 
 @sequence_attention.register_fake
@@ -100,7 +57,8 @@ def sequence_shard(x: torch.Tensor, axis: int, marker: torch.Tensor) -> torch.Te
     degree = marker.shape[0]
     if degree == 1:
         return x.clone()
-    rank = _MESH.sequence_rank if _MESH is not None else 0  # no mesh: one process, as rank 0 (a build's check)
+    mesh = current_mesh()
+    rank = mesh.sequence_rank if mesh is not None else 0  # no mesh: one process, as rank 0 (a build's check)
     return x.chunk(degree, dim=axis)[rank].clone()
 
 
@@ -117,11 +75,12 @@ def sequence_gather(x: torch.Tensor, axis: int, like: torch.Tensor) -> torch.Ten
     ``like`` along ``axis``, whole, on every rank."""
     if x.shape[axis] == like.shape[axis]:
         return x.clone()
-    if _MESH is None:  # a build's check in one process: rank 0's chunk where the others' would be
+    mesh = current_mesh()
+    if mesh is None:  # a build's check in one process: rank 0's chunk where the others' would be
         return torch.cat([x] * (like.shape[axis] // x.shape[axis]), dim=axis)
     from machgen.parallel.usp import gather_sequence
 
-    return gather_sequence(x, axis, _MESH)
+    return gather_sequence(x, axis, mesh)
 
 
 @sequence_gather.register_fake
@@ -156,11 +115,12 @@ def attend_sequence_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     Ulysses exchange, already under way (values_first.py)."""
     from machgen.plugins.ops import sparse_attention_op
 
-    if split_mesh() is None:
+    mesh = split_mesh()
+    if mesh is None:
         return sparse_attention_op(q, k, v, *attributes).contiguous()
     from machgen.parallel.ulysses import ulysses_attention
 
-    layout = _MESH.layout
+    layout = mesh.layout
     if layout.ring > 1:
         from machgen.parallel.sparse_ring import ring_chunks, ring_sparse_attention
         from machgen.plugins.schema import SparseAttentionConfig
@@ -170,10 +130,10 @@ def attend_sequence_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
                              block_q, block_k)
 
         def on_the_ring(chunk_q, chunk_k, chunk_v):
-            return ring_sparse_attention(chunk_q, chunk_k, chunk_v, _MESH.ring_group,
+            return ring_sparse_attention(chunk_q, chunk_k, chunk_v, mesh.ring_group,
                                          SparseAttentionConfig(*attributes), chunks)
 
-        return ulysses_attention(q, k, v, _MESH.ulysses_group, on_the_ring, values=values).contiguous()
+        return ulysses_attention(q, k, v, mesh.ulysses_group, on_the_ring, values=values).contiguous()
     degree = layout.ulysses
 
     def whole_sequences(whole_q, whole_k, whole_v):
@@ -181,7 +141,7 @@ def attend_sequence_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
         return chunk_order(sparse_attention_op(*ordered, *attributes), degree, leading_tokens)
 
     # Its block mask and FP8 scales are per head: heads exchanged in groups give the same.
-    return ulysses_attention(q, k, v, _MESH.ulysses_group, whole_sequences, values=values).contiguous()
+    return ulysses_attention(q, k, v, mesh.ulysses_group, whole_sequences, values=values).contiguous()
 
 
 @sequence_sparse_attention.register_fake
@@ -229,16 +189,17 @@ def sequence_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     every rank are merged by their log-sum-exp in rank order, the same on each
     rank (whose queries' stream goes on replicated)."""
     chosen = scale if scale > 0 else None
-    if split_mesh() is None:
+    mesh = split_mesh()
+    if mesh is None:
         return _sdpa(q, k, v, chosen).contiguous()
     import torch.distributed as dist
 
     from machgen.parallel.ring import attention_with_lse, merge
 
     partial = attention_with_lse(q, k, v, chosen)
-    gathered = [[torch.empty_like(part) for _ in range(_MESH.layout.sequence_degree)] for part in partial]
+    gathered = [[torch.empty_like(part) for _ in range(mesh.layout.sequence_degree)] for part in partial]
     for parts, part in zip(gathered, partial):
-        dist.all_gather(parts, part.contiguous(), group=_MESH.sequence_group)
+        dist.all_gather(parts, part.contiguous(), group=mesh.sequence_group)
     out = lse = None
     for block_out, block_lse in zip(*gathered):
         out, lse = merge(out, lse, block_out, block_lse)

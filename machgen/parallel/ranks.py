@@ -13,7 +13,9 @@ picks (port 0), so there is no free-port race to retry. A ``RankPool``'s
 ranks are gone once it is stopped, and a rank that dies fails the call in
 flight at once (the others, blocked in a collective with it, are killed).
 Values come back as numpy arrays (torch tensors would travel through shared
-memory that outlives a killed rank).
+memory that outlives a killed rank). What the parent and a rank say to each
+other is typed: the parent sends its handler's messages and ``Stop``; a
+rank answers ``Ready`` once, then ``Answer`` or ``Failed`` to each message.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -40,13 +43,45 @@ COLLECTIVE_S = 1800.0
 # What every rank imports, imported once by the forkserver the ranks are forked from (none of it starts a
 # thread or touches CUDA). The program loader's serde module alone takes a second.
 _RANK_IMPORTS = ("torch", "torch.distributed", "torch._export.serde.serialize", "machgen.parallel.mesh",
-                 "machgen.parallel.program", "machgen.runtime.torch_runner")
+                 "machgen.parallel.rank_programs", "machgen.runtime.torch_runner")
 # What a collective says when another rank has gone (gloo, NCCL).
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "NCCL communicator was aborted")
 
 
 class RankError(RuntimeError):
     """A rank process failed, died or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The parent's last message: the rank leaves its group and ends."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A rank joined its group and made its handler."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a rank's handler returned for a message (torch tensors as numpy arrays)."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A rank could not start, or its handler raised: the traceback."""
+
+    report: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """``target(mesh, *args)`` ("module:function"), once (run_on_ranks)."""
+
+    target: str
+    args: tuple
 
 
 def _portable(value: Any) -> Any:
@@ -92,15 +127,15 @@ def _rank_main(rank: int, layout: dict, store_port: int, backend: str, threads: 
                                 timeout=timedelta(seconds=COLLECTIVE_S))
         handler: Callable[[Any], Any] = load_object(target)(RankMesh(mesh_layout, rank), *args)
     except BaseException:  # noqa: BLE001 - the parent reports it
-        connection.send(("error", traceback.format_exc()))
+        connection.send(Failed(traceback.format_exc()))
         return
-    connection.send(("ready", None))
+    connection.send(Ready())
     try:
-        while (message := connection.recv()) is not None:
+        while not isinstance(message := connection.recv(), Stop):
             try:
-                connection.send(("ok", _portable(handler(message))))
+                connection.send(Answer(_portable(handler(message))))
             except BaseException:  # noqa: BLE001 - the parent reports it
-                connection.send(("error", traceback.format_exc()))
+                connection.send(Failed(traceback.format_exc()))
     except EOFError:  # the parent has gone
         pass
     finally:
@@ -164,7 +199,7 @@ class RankPool:
         try:
             for process in self._processes:
                 process.start()
-            self._answers("ready", start_timeout)
+            self._answers(Ready, start_timeout)
         except BaseException:
             self.stop()
             raise
@@ -184,9 +219,10 @@ class RankPool:
                 raise RankError(f"the ranks of {self.layout} are not running")
             for connection in self._connections:
                 connection.send(message)
-            return self._answers("ok", timeout)
+            return self._answers(Answer, timeout)
 
-    def _answers(self, expected: str, timeout: float | None) -> list[Any]:
+    def _answers(self, expected: type, timeout: float | None) -> list[Any]:
+        """Every rank's reply (``expected``: Ready or Answer), its value in rank order."""
         deadline = None if timeout is None else time.monotonic() + timeout
         answers: dict[int, Any] = {}
         failed: dict[int, str] = {}
@@ -206,19 +242,19 @@ class RankPool:
                     self._died(rank, failed)
                 rank = next(rank for rank, connection in waiting.items() if connection is item)
                 try:
-                    outcome, value = item.recv()
+                    reply = item.recv()
                 except (EOFError, OSError):  # its end of the pipe closed: it died (its sentinel can come later)
                     self._died(rank, failed)
                 del waiting[rank]
-                if outcome == "error":
-                    failed[rank] = value
-                    if expected == "ready":  # it will not serve: the others would wait for it forever
+                if isinstance(reply, Failed):
+                    failed[rank] = reply.report
+                    if expected is Ready:  # it will not serve: the others would wait for it forever
                         break
                 else:
-                    answers[rank] = value
-            if failed and (expected == "ready" or any(_is_cause(report) for report in failed.values())):
+                    answers[rank] = reply.value if isinstance(reply, Answer) else None
+            if failed and (expected is Ready or any(_is_cause(report) for report in failed.values())):
                 self._collect(failed, waiting, grace=2.0)
-                if waiting or expected == "ready":  # a rank still in a collective with the failed one: stuck
+                if waiting or expected is Ready:  # a rank still in a collective with the failed one: stuck
                     self.stop()
                 raise RankError(_report(failed))
         if failed:
@@ -239,16 +275,16 @@ class RankPool:
         deadline = time.monotonic() + grace
         for rank, connection in list(waiting.items()):
             if connection.poll(max(deadline - time.monotonic(), 0)):
-                outcome, value = connection.recv()
+                reply = connection.recv()
                 del waiting[rank]
-                if outcome == "error":
-                    failed[rank] = value
+                if isinstance(reply, Failed):
+                    failed[rank] = reply.report
 
     def stop(self, grace: float = 5.0) -> None:
         """Every rank ended: asked to stop, then killed after ``grace``."""
         for connection in self._connections:
             try:
-                connection.send(None)
+                connection.send(Stop())
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + grace
@@ -281,8 +317,8 @@ def _report(failed: dict[int, str]) -> str:
     return "\n".join(f"rank {rank} failed:\n{report}" for rank, report in ordered)
 
 
-def _call_once(mesh, target: str, args: Sequence[Any]) -> Callable[[Any], Any]:
-    return lambda message: load_object(target)(mesh, *args)
+def _calls(mesh) -> Callable[[Call], Any]:
+    return lambda call: load_object(call.target)(mesh, *call.args)
 
 
 def run_on_ranks(layout: ParallelLayout, target: str, *args: Any, backend: str = "gloo", threads: int = 1,
@@ -290,6 +326,6 @@ def run_on_ranks(layout: ParallelLayout, target: str, *args: Any, backend: str =
     """``target(mesh, *args)`` (a "module:function") once on each rank of
     ``layout``, each in its own process; the results in rank order.
     Every rank process is gone when it returns or raises."""
-    with RankPool(layout, "machgen.parallel.ranks:_call_once", target, args, backend=backend, threads=threads,
+    with RankPool(layout, "machgen.parallel.ranks:_calls", backend=backend, threads=threads,
                   start_timeout=timeout) as pool:
-        return pool.call("run", timeout=timeout)
+        return pool.call(Call(target, args), timeout=timeout)

@@ -14,7 +14,7 @@ decode by rows declare only decoders without one.
 Like machgen::sequence_attention, these ops are plain padding and attention
 on one rank or where a call's rows are not split, so a build's parity check
 runs the program as any other. The ranks run a call split when every rank
-gets as many rows (ShardPlan ``ranks="all"``: parallel/program.py).
+gets as many rows (ShardPlan ``ranks="all"``: parallel/rank_programs.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-
-def _split_mesh():
-    from machgen.parallel.op import split_mesh
-
-    return split_mesh(all_ranks=True)
+from machgen.parallel.state import split_mesh
 
 
 # How a convolution pads at the picture's top and bottom: its padding_mode.
@@ -52,7 +48,7 @@ def halo_rows(x: torch.Tensor, axis: int, before: int, after: int, edge: str) ->
     behind it: the neighbouring ranks' rows where the call's rows are split
     over the ranks, at the picture's top and bottom the padding ``edge``
     makes ("zeros", or "reflect": the rows next to the edge, mirrored)."""
-    mesh = _split_mesh()
+    mesh = split_mesh(all_ranks=True)
     rank, ranks = (mesh.rank, mesh.layout.world_size) if mesh is not None else (0, 1)
     # Neighbours lend as many rows as they read; a reflection mirrors the rows after the edge row.
     needed = max(before, after) + 1 if edge == "reflect" else max(before, after) if ranks > 1 else 0
@@ -91,7 +87,7 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     """Softmax attention on q, k, v in [B, pixels, heads, D] (dispatch_attention_fn's layout; pixels
     row-major, so a band of rows is a run of pixels; ``scale`` <= 0: 1/sqrt(D)) from this rank's pixels over
     every rank's keys and values, gathered in rank order (one all-gather)."""
-    mesh = _split_mesh()
+    mesh = split_mesh(all_ranks=True)
     if mesh is not None:
         import torch.distributed as dist
 

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from machgen.parallel.op import call_setting, call_value
 from machgen.runtime.cache import relative_l1
 
 # The largest mean relative change of any input of a call since the previous call for its stale blocks to stand
@@ -146,12 +145,3 @@ class StaleBatches:
         for batch in self._batches:
             batch.drop()
         self._batches = []
-
-
-def attending(stale: StaleKeys | None):
-    """Ring attention inside runs over ``stale``'s blocks (None: the exact ring)."""
-    return call_setting("stale", stale)
-
-
-def current() -> StaleKeys | None:
-    return call_value("stale")

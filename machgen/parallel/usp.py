@@ -15,6 +15,7 @@ import torch
 
 from machgen.parallel.mesh import RankMesh
 from machgen.parallel.ring import ring_attention
+from machgen.parallel.state import stale_blocks
 from machgen.parallel.ulysses import ulysses_attention
 
 
@@ -24,9 +25,7 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """Softmax attention over the whole sequence of ``mesh``'s sequence group,
     each rank holding its chunk ([B, T/(u*r), H, D], chunks in sequence-rank order);
     ``values``: v's Ulysses exchange, already under way (ulysses.start_values)."""
-    from machgen.parallel.stale import current
-
-    stale = current() if mesh.layout.stale and mesh.ring_group is not None else None
+    stale = stale_blocks() if mesh.layout.stale and mesh.ring_group is not None else None
 
     def ring(whole_q, whole_k, whole_v):
         if stale is not None:  # the layout's stale-keys ring (parallel/stale.py)

@@ -15,39 +15,32 @@ node after them starts V's exchange, and the attention becomes its
 ``..._values_sent`` twin, which takes the exchange by its ticket. Moving a
 node up past nodes it does not depend on changes no value: the program
 computes exactly what it did. The rank processes load every program so
-(parallel/program.py); a call whose sequence is not split, or a layout
+(parallel/rank_programs.py); a call whose sequence is not split, or a layout
 without Ulysses, sends nothing (ticket -1) and attends as before.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from machgen.parallel import op
+from machgen.parallel.state import hold_values, split_mesh, take_values
 
 NOT_SENT = -1
-_tickets = itertools.count()
-# Ticket -> the values' exchange under way (ulysses.start_values), until its attention takes it.
-_in_flight: dict[int, list] = {}
 
 
 @torch.library.custom_op("machgen::send_values", mutates_args=())
 def send_values(v: torch.Tensor) -> torch.Tensor:
     """Start ``v``'s ([B, N, H, D]) Ulysses exchange where this call's sequence is split over Ulysses ranks; a
     ticket for the attention that takes it ([1] int64; NOT_SENT where nothing was sent)."""
-    mesh = op.split_mesh()
+    mesh = split_mesh()
     if mesh is None or mesh.layout.ulysses == 1:
         return torch.full((1,), NOT_SENT, dtype=torch.int64)
     from machgen.parallel.ulysses import start_values
 
-    ticket = next(_tickets)
-    _in_flight[ticket] = start_values(v, mesh.ulysses_group)
-    return torch.full((1,), ticket, dtype=torch.int64)
+    return torch.full((1,), hold_values(start_values(v, mesh.ulysses_group)), dtype=torch.int64)
 
 
 @send_values.register_fake
@@ -55,19 +48,9 @@ def _(v):
     return v.new_empty((1,), dtype=torch.int64)
 
 
-@contextlib.contextmanager
-def one_call() -> Iterator[None]:
-    """A program's call: the exchanges it started and no attention took (the call failed between a send and
-    its attention) are dropped when it ends, not kept until the rank process does."""
-    try:
-        yield
-    finally:
-        _in_flight.clear()
-
-
 def _received(ticket: torch.Tensor) -> list | None:
     number = int(ticket.item())
-    return None if number == NOT_SENT else _in_flight.pop(number)
+    return None if number == NOT_SENT else take_values(number)
 
 
 @torch.library.custom_op("machgen::sequence_attention_values_sent", mutates_args=())

@@ -3,11 +3,14 @@
 The denoiser is a head (embeddings and the first block) and a tail (every
 other block). A step either runs both, and the blocks' residuals (output
 minus input) are kept, or skips the tail and adds a kept residual to this
-step's input embedding instead (``denoiser_reuse``). Policies decide which;
-each is a frozen Config, a State with ``reset()`` that lives for one request
-only, and a pure decision function of (config, state, step, signal). Only
-numpy is imported; the values kept are whatever the components return
-(numpy arrays, or torch tensors left on their GPU: runtime/tensors.py).
+step's input embedding instead (``denoiser_reuse``). Policies decide which,
+as diffusers' cache hooks do: each is a class (CachePolicy, registered in
+CACHE_POLICIES by the name a request gives) with a frozen Config, a State
+with ``reset()`` that lives for one request only (what it kept), and pure
+decision functions of (config, state, step, signal); StepCache calls them
+through CachePolicy alone. Only numpy is imported; the values kept are
+whatever the components return (numpy arrays, or torch tensors left on
+their GPU: runtime/tensors.py).
 
 - ``none``      every step runs the tail.
 - ``fbcache``   First-Block Cache: runs the head every step; skips the tail
@@ -39,11 +42,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from machgen.contract.specs import CACHE_POLICY_NAMES as POLICY_NAMES, is_denoiser
+from machgen.contract.specs import is_denoiser
 from machgen.runtime.tensors import as_numpy, concat, mean_abs
 
 # The head's output the cache keeps: the first block's residual (its image output minus its image input).
@@ -74,6 +77,108 @@ def relative_l1(current: np.ndarray, reference: np.ndarray) -> float:
     return mean_abs(current - reference) / max(mean_abs(reference), 1e-12)
 
 
+class StepPlan(enum.Enum):
+    COMPUTE = "compute"  # run head and tail
+    INSPECT = "inspect"  # run the head, then ask ``inspect`` whether the tail runs
+    REUSE = "reuse"  # run neither: the kept blocks residual stands in for all blocks
+
+
+class CachePolicy:
+    """One request's step-reuse policy: its frozen ``config`` (``calibrated``:
+    the model's, before a request adapts it), its ``state`` (what it kept;
+    ``reset()`` forgets it), the decisions StepCache asks of it (pure
+    functions of config, state, step and signal) and what it keeps after a
+    step. Each subclass is a policy a request names (``name``, in
+    CACHE_POLICIES)."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type]
+    State: ClassVar[type]
+
+    def __init__(self, config: Any):
+        self.calibrated = self.config = config
+        self.state = self.State()
+
+    @classmethod
+    def configured(cls, threshold: float | None, settings: "CacheSettings") -> "CachePolicy":
+        """The policy at a model's settings, at ``threshold`` (None: the calibrated one)."""
+        return cls(cls.Config(threshold=settings.threshold_for(cls.name, threshold),
+                              controls=settings.controls_for(cls.name)))
+
+    @classmethod
+    def servable(cls, settings: "CacheSettings") -> bool:
+        """Whether a model with ``settings`` can serve the policy."""
+        return True
+
+    @property
+    def threshold(self) -> float | None:
+        return self.config.threshold
+
+    @property
+    def controls(self) -> CacheControls:
+        return self.config.controls
+
+    def start(self, total_steps: int, first_step: int, schedule_steps: int | None) -> None:
+        """A new request: steps ``first_step`` on of a schedule of ``schedule_steps``."""
+        self.config = self.calibrated
+
+    def plan(self, step: int, total_steps: int) -> StepPlan:
+        """What ``step`` of ``total_steps`` runs, decided before any call."""
+        raise NotImplementedError
+
+    def inspect(self, step: int, total_steps: int, head_outputs: Mapping[str, Any]) -> bool:
+        """For a step planned INSPECT: whether the tail runs, from this step's head outputs."""
+        raise NotImplementedError
+
+    def kept_rows(self) -> int:
+        """Rows of the kept residual: a skipped step reuses at most these."""
+        raise NotImplementedError
+
+    def computed(self, head_outputs: Mapping[str, Any], tail_residual: Any) -> None:
+        """The step ran the tail: keep what later steps reuse."""
+        raise NotImplementedError
+
+    def skipped(self, step: int, total_steps: int) -> None:
+        """The step reused the kept residual."""
+        raise NotImplementedError
+
+    def blocks_residual(self, head_outputs: Mapping[str, Any] | None, rows: int) -> Any:
+        """What replaces every block for the first ``rows`` rows of a skipped step."""
+        raise NotImplementedError
+
+
+# -------------------------------------------------------------------- none
+@dataclass(frozen=True)
+class NoCacheConfig:
+    threshold: None = None
+    controls: CacheControls = CacheControls()
+
+
+@dataclass
+class NoCacheState:
+    def reset(self) -> None:
+        pass
+
+
+class NoCache(CachePolicy):
+    """Every step runs the tail."""
+
+    name, Config, State = "none", NoCacheConfig, NoCacheState
+
+    @classmethod
+    def configured(cls, threshold: float | None, settings: "CacheSettings") -> "NoCache":
+        return cls(NoCacheConfig())  # nothing to tune: a threshold sent with it is ignored
+
+    def plan(self, step: int, total_steps: int) -> StepPlan:
+        return StepPlan.COMPUTE
+
+    def kept_rows(self) -> int:
+        return 0
+
+    def computed(self, head_outputs: Mapping[str, Any], tail_residual: Any) -> None:
+        pass
+
+
 # ------------------------------------------------------------------ fbcache
 @dataclass(frozen=True)
 class FirstBlockCacheConfig:
@@ -85,9 +190,10 @@ class FirstBlockCacheConfig:
 class FirstBlockCacheState:
     reference_residual: np.ndarray | None = None  # head residual at the last step that ran the tail
     consecutive_skips: int = 0
+    tail_residual: np.ndarray | None = None  # the blocks after the first, at the last step that ran the tail
 
     def reset(self) -> None:
-        self.reference_residual = None
+        self.reference_residual = self.tail_residual = None
         self.consecutive_skips = 0
 
 
@@ -98,6 +204,33 @@ def first_block_cache_computes(config: FirstBlockCacheConfig, state: FirstBlockC
         return True
     rows = min(len(head_residual), len(state.reference_residual))  # the guidance rows may not have run
     return relative_l1(head_residual[:rows], state.reference_residual[:rows]) >= config.threshold
+
+
+class FirstBlockCache(CachePolicy):
+    """Runs the head every step; a skipped step keeps this step's first block and reuses the tail's residual."""
+
+    name, Config, State = "fbcache", FirstBlockCacheConfig, FirstBlockCacheState
+
+    def plan(self, step: int, total_steps: int) -> StepPlan:
+        return StepPlan.INSPECT
+
+    def inspect(self, step: int, total_steps: int, head_outputs: Mapping[str, Any]) -> bool:
+        return first_block_cache_computes(self.config, self.state, step, total_steps,
+                                          head_outputs[FIRST_BLOCK_RESIDUAL])
+
+    def kept_rows(self) -> int:
+        return 0 if self.state.tail_residual is None else len(self.state.tail_residual)
+
+    def computed(self, head_outputs: Mapping[str, Any], tail_residual: Any) -> None:
+        self.state.tail_residual = tail_residual
+        self.state.reference_residual = head_outputs[FIRST_BLOCK_RESIDUAL]
+        self.state.consecutive_skips = 0
+
+    def skipped(self, step: int, total_steps: int) -> None:
+        self.state.consecutive_skips += 1
+
+    def blocks_residual(self, head_outputs: Mapping[str, Any] | None, rows: int) -> Any:
+        return head_outputs[FIRST_BLOCK_RESIDUAL][:rows] + self.state.tail_residual[:rows]
 
 
 # ----------------------------------------------------------------- magcache
@@ -123,10 +256,11 @@ class MagCacheState:
     accumulated_error: float = 0.0
     consecutive_skips: int = 0
     has_residual: bool = False
+    full_residual: np.ndarray | None = None  # every block's, at the last step that ran the tail
 
     def reset(self) -> None:
         self.accumulated_ratio, self.accumulated_error = 1.0, 0.0
-        self.consecutive_skips, self.has_residual = 0, False
+        self.consecutive_skips, self.has_residual, self.full_residual = 0, False, None
 
 
 def magcache_error_if_skipped(config: MagCacheConfig, state: MagCacheState, step: int,
@@ -142,15 +276,59 @@ def magcache_computes(config: MagCacheConfig, state: MagCacheState, step: int, t
     return magcache_error_if_skipped(config, state, step, total_steps)[1] > config.threshold
 
 
+class MagCache(CachePolicy):
+    """Decides from the calibrated ratios before any call: a skipped step runs neither head nor tail and reuses
+    the residual of all blocks."""
+
+    name, Config, State = "magcache", MagCacheConfig, MagCacheState
+
+    @classmethod
+    def configured(cls, threshold: float | None, settings: "CacheSettings") -> "MagCache":
+        return cls(MagCacheConfig(threshold=settings.threshold_for(cls.name, threshold),
+                                  magnitude_ratios=settings.magnitude_ratios, controls=settings.controls_for(cls.name)))
+
+    @classmethod
+    def servable(cls, settings: "CacheSettings") -> bool:
+        # Without calibrated ratios it would skip blindly.
+        return bool(settings.magnitude_ratios)
+
+    def start(self, total_steps: int, first_step: int, schedule_steps: int | None) -> None:
+        super().start(total_steps, first_step, schedule_steps)
+        if first_step or schedule_steps not in (None, total_steps):
+            # The calibrated ratios follow the schedule, not the request's own step count.
+            schedule = schedule_steps or total_steps
+            ratios = tuple(self.calibrated.ratio(first_step + step, schedule) for step in range(total_steps))
+            self.config = replace(self.calibrated, magnitude_ratios=ratios)
+
+    def plan(self, step: int, total_steps: int) -> StepPlan:
+        return StepPlan.COMPUTE if magcache_computes(self.config, self.state, step, total_steps) else StepPlan.REUSE
+
+    def kept_rows(self) -> int:
+        return 0 if self.state.full_residual is None else len(self.state.full_residual)
+
+    def computed(self, head_outputs: Mapping[str, Any], tail_residual: Any) -> None:
+        self.state.reset()
+        self.state.full_residual = head_outputs[FIRST_BLOCK_RESIDUAL] + tail_residual
+        self.state.has_residual = True
+
+    def skipped(self, step: int, total_steps: int) -> None:
+        self.state.consecutive_skips += 1
+        self.state.accumulated_ratio, self.state.accumulated_error = magcache_error_if_skipped(
+            self.config, self.state, step, total_steps)
+
+    def blocks_residual(self, head_outputs: Mapping[str, Any] | None, rows: int) -> Any:
+        # Scaled by the calibrated magnitude drift since it was kept: measured
+        # on the shapes model, +0.9 dB mean PSNR at the same skips.
+        return self.state.full_residual[:rows] * self.state.accumulated_ratio
+
+
+# The policies a request may name, by name: contract.specs.CACHE_POLICY_NAMES, in its order (a test).
+CACHE_POLICIES: dict[str, type[CachePolicy]] = {policy.name: policy for policy in (NoCache, FirstBlockCache, MagCache)}
+
+
 # ------------------------------------------------------------ per request
-class StepPlan(enum.Enum):
-    COMPUTE = "compute"  # run head and tail
-    INSPECT = "inspect"  # run the head, then ask ``inspect`` whether the tail runs
-    REUSE = "reuse"  # run neither: the kept blocks residual stands in for all blocks
-
-
 class StepCache:
-    """One request's cache: the policy's state and the kept residuals.
+    """One request's cache: its policy (CACHE_POLICIES) and the guidance rows' kept differences.
 
     Per step the sampler asks ``plan(step)``; for INSPECT it runs the head
     and asks ``inspect(step, head_outputs)``; then it reports ``computed``
@@ -159,49 +337,41 @@ class StepCache:
     """
 
     def __init__(self, policy: str, threshold: float | None, settings: "CacheSettings"):
-        self.policy = policy
+        self.policy = CACHE_POLICIES[policy].configured(threshold, settings)
         self.total_steps = 0
-        self.tail_residual: np.ndarray | None = None  # fbcache: blocks after the first
-        self.full_residual: np.ndarray | None = None  # magcache: every block
         # Guided steps: every other row's prediction minus the prompt's, at the last step that ran them all.
         self.guidance_difference: np.ndarray | None = None
         self.last_negative_step = -1
-        self.controls = controls = settings.controls_for(policy) if policy != "none" else CacheControls()
-        if policy == "fbcache":
-            self.config: Any = FirstBlockCacheConfig(
-                threshold=settings.threshold_for(policy, threshold), controls=controls)
-            self.state: Any = FirstBlockCacheState()
-        elif policy == "magcache":
-            self.config = MagCacheConfig(threshold=settings.threshold_for(policy, threshold),
-                                         magnitude_ratios=settings.magnitude_ratios, controls=controls)
-            self.state = MagCacheState()
-        else:
-            self.config, self.state = None, None
-        self._calibrated = self.config
+
+    @property
+    def config(self) -> Any:
+        return self.policy.config
+
+    @property
+    def state(self) -> Any:
+        return self.policy.state
+
+    @property
+    def controls(self) -> CacheControls:
+        return self.policy.controls
 
     @property
     def threshold(self) -> float | None:
-        return None if self.config is None else self.config.threshold
+        return self.policy.threshold
 
     def start(self, total_steps: int, first_step: int = 0, schedule_steps: int | None = None) -> None:
         """A new request of ``total_steps``: steps ``first_step`` on of a
         schedule of ``schedule_steps`` (image-to-image starts part-way)."""
         self.total_steps = total_steps
-        self.config = self._calibrated
-        if self.policy == "magcache" and (first_step or schedule_steps not in (None, total_steps)):
-            # The calibrated ratios follow the schedule, not the request's own step count.
-            schedule = schedule_steps or total_steps
-            ratios = tuple(self._calibrated.ratio(first_step + step, schedule) for step in range(total_steps))
-            self.config = replace(self._calibrated, magnitude_ratios=ratios)
+        self.policy.start(total_steps, first_step, schedule_steps)
         self.restart()
 
     def restart(self) -> None:
         """Forget what was kept (residuals, guidance difference): the next
         step computes. For a switch to another denoiser (Wan 2.2's experts)."""
-        self.tail_residual = self.full_residual = self.guidance_difference = None
+        self.guidance_difference = None
         self.last_negative_step = -1
-        if self.state is not None:
-            self.state.reset()
+        self.policy.state.reset()
 
     def rows(self, step: int, plan: "StepPlan", rows: int) -> int:
         """How many of a step's rows (the prompt's first, then the guidance rows)
@@ -227,48 +397,27 @@ class StepCache:
         return prediction
 
     def plan(self, step: int) -> StepPlan:
-        if self.policy == "fbcache":
-            return StepPlan.INSPECT
-        if self.policy == "magcache":
-            return StepPlan.COMPUTE if magcache_computes(self.config, self.state, step, self.total_steps) \
-                else StepPlan.REUSE
-        return StepPlan.COMPUTE
+        return self.policy.plan(step, self.total_steps)
 
     def inspect(self, step: int, head_outputs: Mapping[str, np.ndarray]) -> bool:
-        """fbcache: whether the tail runs, from this step's head residual."""
-        return first_block_cache_computes(self.config, self.state, step, self.total_steps,
-                                          head_outputs[FIRST_BLOCK_RESIDUAL])
+        """Whether the tail runs, from this step's head outputs (a step planned INSPECT)."""
+        return self.policy.inspect(step, self.total_steps, head_outputs)
 
     def kept_rows(self) -> int:
         """Rows of the kept residual: a skipped step reuses at most these."""
-        kept = self.tail_residual if self.policy == "fbcache" else self.full_residual
-        return 0 if kept is None else len(kept)
+        return self.policy.kept_rows()
 
     def computed(self, head_outputs: Mapping[str, np.ndarray], tail_residual: np.ndarray) -> None:
-        if self.policy == "fbcache":
-            self.tail_residual = tail_residual
-            self.state.reference_residual = head_outputs[FIRST_BLOCK_RESIDUAL]
-            self.state.consecutive_skips = 0
-        elif self.policy == "magcache":
-            self.full_residual = head_outputs[FIRST_BLOCK_RESIDUAL] + tail_residual
-            self.state.reset()
-            self.state.has_residual = True
+        self.policy.computed(head_outputs, tail_residual)
 
     def skipped(self, step: int) -> None:
-        self.state.consecutive_skips += 1
-        if self.policy == "magcache":
-            self.state.accumulated_ratio, self.state.accumulated_error = magcache_error_if_skipped(
-                self.config, self.state, step, self.total_steps)
+        self.policy.skipped(step, self.total_steps)
 
     def blocks_residual(self, head_outputs: Mapping[str, np.ndarray] | None, rows: int) -> np.ndarray:
         """What replaces every block for the first ``rows`` rows of a skipped
         step: fbcache keeps this step's first block and reuses the rest;
         magcache reuses all."""
-        if self.policy == "fbcache":
-            return head_outputs[FIRST_BLOCK_RESIDUAL][:rows] + self.tail_residual[:rows]
-        # Scaled by the calibrated magnitude drift since it was kept: measured
-        # on the shapes model, +0.9 dB mean PSNR at the same skips.
-        return self.full_residual[:rows] * self.state.accumulated_ratio
+        return self.policy.blocks_residual(head_outputs, rows)
 
 
 @dataclass(frozen=True)
@@ -277,7 +426,9 @@ class CacheSettings:
     written by ``machgen-build calibrate``)."""
 
     default_policy: str = "none"
-    thresholds: Mapping[str, float] = field(default_factory=lambda: {"fbcache": 0.2, "magcache": 0.1})
+    thresholds: Mapping[str, float] = field(default_factory=lambda: {
+        name: policy.Config().threshold for name, policy in CACHE_POLICIES.items()
+        if policy.Config().threshold is not None})
     magnitude_ratios: tuple[float, ...] = ()
     controls: Mapping[str, CacheControls] = field(default_factory=dict)  # per policy; absent: the defaults
     # Provenance of the defaults (target PSNR, prompts, measured figures, the task they were fitted on);
@@ -313,8 +464,8 @@ class CacheSettings:
         return {"psnr_mean": figures["psnr_mean"], "psnr_worst": figures["psnr_worst"]}
 
     def available(self) -> tuple[str, ...]:
-        # MagCache without calibrated ratios would skip blindly.
-        return tuple(p for p in POLICY_NAMES if p != "magcache" or self.magnitude_ratios)
+        """The policies a request may name on this model."""
+        return tuple(name for name, policy in CACHE_POLICIES.items() if policy.servable(self))
 
     def to_json(self) -> dict[str, Any]:
         data = {"default_policy": self.default_policy, "thresholds": dict(self.thresholds),

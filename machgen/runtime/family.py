@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from machgen.contract.api import GenerationRequest
+from machgen.contract.request import GenerationRequest
 from machgen.families.registry import Family
 from machgen.runtime.tensors import as_numpy
 

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from machgen.contract.adapters import served_adapters
-from machgen.contract.api import API_INPUTS, Generated, check_option_names, input_array
+from machgen.contract.api import API_INPUTS, Generated, input_array
 from machgen.contract.manifest import COMPONENT_FILES, PipelineManifest, pipeline_dir
+from machgen.contract.request import check_option_names
 from machgen.runtime.components import InSamplerComponents, open_component
 from machgen.runtime.sampler import GenerationStats, load_sampler
 

@@ -14,7 +14,7 @@ _INSTANCE_ARG = 8
 
 
 # The signal on which a stub running machgen's models writes every thread's Python stack into the server log
-# (runtime/triton_models.py registers it; machgen/server.py sends it to the stubs of a start that hangs).
+# (runtime/triton_models/__init__.py registers it; machgen/server.py sends it to the stubs of a start that hangs).
 STACKS_SIGNAL = signal.SIGUSR1
 
 

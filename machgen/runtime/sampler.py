@@ -42,8 +42,9 @@ from machgen.contract.adapters import (
     installed_adapters,
     served_adapters,
 )
-from machgen.contract.api import GenerationRequest, InvalidArgument, parse_request
 from machgen.contract.manifest import PipelineManifest, load_object
+from machgen.contract.request import GenerationRequest, parse_request
+from machgen.contract.validation import InvalidArgument
 from machgen.runtime.cache import CacheSettings, StepCache, StepPlan
 from machgen.runtime.family import FamilyRuntime, RunComponent, gather_rows
 from machgen.runtime.tensors import as_numpy, as_torch, concat
@@ -180,7 +181,7 @@ class Sampler:
         self.prompt_cache = PromptEmbeddingCache(prompt_cache_size)
 
     def parse_request(self, get_input: Callable[[str], np.ndarray | None], defaults) -> GenerationRequest:
-        """One request's inputs validated against what this model serves (api.parse_request)."""
+        """One request's inputs validated against what this model serves (contract.request.parse_request)."""
         family = self.runtime.family
         task_settings = [self.cache_settings, *self.cache_settings.tasks.values()]
         request = parse_request(get_input, defaults, size_multiple=self.runtime.size_multiple,

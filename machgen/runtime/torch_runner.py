@@ -207,5 +207,5 @@ def open_program(folder: str | os.PathLike, device: str | None = None, layout: A
         from machgen.parallel.program import WholeSequence
 
         return WholeSequence(TorchProgram.load(folder, device), plan.marker)
-    return ParallelProgram(folder, info.inputs, info.outputs, plan, chosen,
+    return ParallelProgram(folder, info.inputs, info.outputs, plan, TorchProgram.load, chosen,
                            device="cuda" if (device or info.device).startswith("cuda") else None)

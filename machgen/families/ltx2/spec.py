@@ -40,14 +40,9 @@ output times 0).
 
 from __future__ import annotations
 
-from machgen.contract.api import (
-    ApiTensor,
-    FamilyInput,
-    fraction_input,
-    guidance_scale_input,
-    indices_input,
-)
+from machgen.contract.api import ApiTensor, FamilyInput
 from machgen.contract.specs import Capabilities, ComponentSpec, TensorSpec
+from machgen.contract.validation import fraction_input, guidance_scale_input, indices_input
 from machgen.families.ltx.spec import whole_video_decoder_specs
 from machgen.families.registry import Family, register_family
 

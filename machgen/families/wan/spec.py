@@ -32,8 +32,9 @@ float video). Concurrent requests of one size batch each decoder call.
 
 from __future__ import annotations
 
-from machgen.contract.api import ApiTensor, FamilyInput, InvalidArgument, guidance_scale_input
+from machgen.contract.api import ApiTensor, FamilyInput
 from machgen.contract.specs import Capabilities, ComponentSpec, TensorSpec
+from machgen.contract.validation import InvalidArgument, guidance_scale_input
 from machgen.families.registry import Family, register_family
 
 # Wan 2.2's low-noise expert answers under this component prefix.

@@ -10,6 +10,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import patchify, unpatchif
 from machgen.builder.family_export import ExportableComponent
 from machgen.contract.specs import ComponentSpec, ServedDefaults
 from machgen.families.wan import export as wan
+from machgen.families.wan import vae_chunks
 from machgen.families.wan_ti2v.spec import per_token_timestep_specs
 from machgen.parallel.op import sequence_shard
 
@@ -52,7 +53,7 @@ class ShardedDenoiserTail(PerTokenTimestep, wan.ShardedDenoiserTail):
         return sequence_shard(timestep_proj, 1, sequence_marker)
 
 
-class Patchified(wan.CausalChunk):
+class Patchified(vae_chunks.CausalChunk):
     """A coder of the Wan 2.2 VAE: its frames through ``patchify`` before the
     encoder and ``unpatchify`` after the decoder (AutoencoderKLWan._encode,
     _decode), the rest as Wan's."""
@@ -64,27 +65,27 @@ class Patchified(wan.CausalChunk):
         return super().run(patchify(chunk, patch), cache, first)
 
 
-class VaeDecoderFirst(Patchified, wan.VaeDecoderFirst):
+class VaeDecoderFirst(Patchified, vae_chunks.VaeDecoderFirst):
     pass
 
 
-class VaeDecoderNext(Patchified, wan.VaeDecoderNext):
+class VaeDecoderNext(Patchified, vae_chunks.VaeDecoderNext):
     pass
 
 
-class SplitVaeDecoderFirst(Patchified, wan.SplitVaeDecoderFirst):
+class SplitVaeDecoderFirst(Patchified, vae_chunks.SplitVaeDecoderFirst):
     pass
 
 
-class SplitVaeDecoderNext(Patchified, wan.SplitVaeDecoderNext):
+class SplitVaeDecoderNext(Patchified, vae_chunks.SplitVaeDecoderNext):
     pass
 
 
-class VaeEncoderFirst(Patchified, wan.VaeEncoderFirst):
+class VaeEncoderFirst(Patchified, vae_chunks.VaeEncoderFirst):
     pass
 
 
-class VaeEncoderNext(Patchified, wan.VaeEncoderNext):
+class VaeEncoderNext(Patchified, vae_chunks.VaeEncoderNext):
     pass
 
 
