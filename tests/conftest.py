@@ -601,6 +601,9 @@ def _builds(item) -> set[str]:
 # under load took 213 s instead of 12 beside test_parallel_wan's ranks).
 MANY_PROCESSES = ("test_faults", "test_parallel", "test_parallel_wan", "test_parallel_wan_ti2v",
                   "test_parallel_hidream", "test_parallel_ltx2")
+# Modules whose time no fixture count shows (test_examples: every documented example, ~7 minutes on one worker,
+# its builds in its pages' shell blocks): handed out right after the group, before the modules counted below.
+LONG_UNCOUNTED = ("test_examples",)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -626,7 +629,7 @@ def pytest_collection_modifyitems(items):
     # The longest first, so that the xdist workers of `make test` (a module each at a time) finish together
     # rather than one waiting on the other's last long module: the MANY_PROCESSES group (about half a worker's
     # time), then the modules that build the most repositories, start the most servers of their own, have the
-    # most tests marked export or integration by themselves, the most tests.
+    # most tests marked export or integration by themselves, the most tests (LONG_UNCOUNTED after the group).
     builds: dict = {}
     servers: dict = {}
     marked: dict = {}
@@ -639,7 +642,8 @@ def pytest_collection_modifyitems(items):
         heavy = bool(item.get_closest_marker("export") or item.get_closest_marker("integration"))
         marked[item.path] = marked.get(item.path, 0) + heavy
         tests[item.path] = tests.get(item.path, 0) + 1
-    items.sort(key=lambda item: (item.path.stem not in MANY_PROCESSES, -len(builds[item.path]),
+    items.sort(key=lambda item: (item.path.stem not in MANY_PROCESSES, item.path.stem not in LONG_UNCOUNTED,
+                                 -len(builds[item.path]),
                                  -len(servers[item.path]), -marked[item.path], -tests[item.path], str(item.path)))
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
