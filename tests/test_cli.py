@@ -111,6 +111,20 @@ def test_build_refuses_pickled_weights_by_name(weights, tmp_path):
     assert not (tmp_path / "repo").exists()
 
 
+def test_build_refuses_an_unknown_onnx_exporter_before_loading_anything(tmp_path):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from machgen.builder.cli import app
+
+    model = Path(__file__).parent.parent / "models" / "shapes-flux"
+    result = CliRunner().invoke(app, ["build", str(model), "--name", "shapes", "--out", str(tmp_path / "repo"),
+                                      "--onnx-exporter", "legacy"])
+    assert result.exit_code == 2 and "--onnx-exporter" in result.output and "dynamo" in result.output, result.output
+    assert "Loading" not in result.output and not (tmp_path / "repo").exists()
+
+
 def test_serve_verbose_asks_the_sampler_to_log_every_step(tmp_path):
     """machgen serve --verbose reaches the sampler (a step log costs every step a message to the server, so it
     is off otherwise); machgen serve always tells the samplers where to look for a stop."""

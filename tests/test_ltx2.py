@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
+from conftest import api_on, build_tiny_repository, levels, load_diffusers, picture, serving, write_tiny
 
 MAX_PIXEL_DIFF = 2  # of 255, over all frames
 MAX_AUDIO_DIFF = 1e-4  # of samples in [-1, 1] (the tiny model's sound peaks near 0.1)
@@ -235,6 +235,36 @@ def machgen_without_ltx2(*args: str, timeout: float = 300.0):
 
     return subprocess.run([sys.executable, "-c", WITHOUT_LTX2, *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.mark.integration
+def test_the_http_api_lists_the_models_own_inputs_as_the_model_publishes_them(ltx2_server, api_keys,
+                                                                               tmp_path_factory):
+    """GET /v1/models/{name} and /v1/models carry LTX-2's own inputs (its guidance beyond every model's) with the
+    types, shapes, defaults and help its card publishes: what `machgen inputs` lists, read from the served
+    model, not from the API's knowledge of the family."""
+    import httpx
+
+    from machgen.client import MachgenClient
+
+    with MachgenClient(ltx2_server.grpc_url) as client:
+        published = client.model_card(NAME)["inputs"]
+    with api_on(ltx2_server.grpc_url, api_keys, tmp_path_factory, "ltx2-api") as api:
+        headers = {"Authorization": f"Bearer {api.key}"}
+        one = httpx.get(f"{api.url}/v1/models/{NAME}", headers=headers, timeout=30)
+        listed = httpx.get(f"{api.url}/v1/models", headers=headers, timeout=30)
+        missing = httpx.get(f"{api.url}/v1/models/no-such-model", headers=headers, timeout=30)
+    assert one.status_code == 200, one.text
+    inputs = {entry["name"]: entry for entry in one.json()["inputs"]}
+    assert inputs == {entry["name"]: entry for entry in published}
+    # the tiny model's card sets its own default (machgen.json), which the API passes on as published
+    assert inputs["stg_blocks"]["datatype"] == "INT32" and inputs["stg_blocks"]["shape"] == [-1]
+    assert inputs["stg_blocks"]["default"] == [1] and inputs["stg_blocks"]["repeatable"]
+    assert inputs["audio_guidance_rescale"]["default"] == pytest.approx(0.7)
+    assert {"stg_scale", "modality_scale", "guidance_rescale"} <= set(inputs)
+    assert all(entry["doc"] for entry in inputs.values())
+    assert [model["inputs"] for model in listed.json()["data"] if model["id"] == NAME] == [one.json()["inputs"]]
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model", missing.text
 
 
 @pytest.mark.integration

@@ -115,6 +115,10 @@ def build(
                                     help="tensorrt: engines whose weights can be swapped without a rebuild"),
     timing_cache: Path = typer.Option(None, "--timing-cache", dir_okay=False,
                                       help="tensorrt: tactic timing cache file, read and rewritten"),
+    onnx_exporter: str = typer.Option("dynamo", "--onnx-exporter", envvar="MACHGEN_ONNX_EXPORTER",
+                                      help="onnxruntime, tensorrt: dynamo, or torchscript (the TorchScript-based "
+                                           "exporter where a component's file passes its checks, dynamo elsewhere; "
+                                           "much faster)"),
     export_cache: Path = typer.Option(None, "--export-cache", file_okay=False,
                                       help="a folder of exported, checked components: what is already there "
                                            "(same weights, code, options) is copied, not exported again "
@@ -155,6 +159,11 @@ def build(
 
     if not name.replace("_", "").replace("-", "").isalnum():
         raise typer.BadParameter("use letters, digits, '_' and '-'", param_hint="--name")
+    from machgen.builder.export import ONNX_EXPORTERS
+
+    if onnx_exporter not in ONNX_EXPORTERS:
+        raise typer.BadParameter(f"{onnx_exporter!r} is not one of {', '.join(ONNX_EXPORTERS)}",
+                                 param_hint="--onnx-exporter")
     try:
         layout = ParallelLayout.parse(parallel)
     except LayoutError as err:
@@ -171,7 +180,8 @@ def build(
                                                     attention_cdf_threshold, attention_topk_ratio),
                          target_options=TargetOptions(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                                       compile=compile_programs, precision=precision,
-                                                      refittable=refittable, timing_cache=timing_cache),
+                                                      refittable=refittable, timing_cache=timing_cache,
+                                                      onnx_exporter=onnx_exporter),
                          export_cache=export_cache, preview=preview, drop_unfit_adapters=drop_unfit_adapters,
                          discard_changes=discard_changes, parallel=layout)
     except (ParityError, ValueError, KeyError, FileNotFoundError, TensorRTUnavailable) as err:

@@ -32,7 +32,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from machgen.builder.export import onnx_exporter
 from machgen.builder.family_export import ExportableComponent
 
 CACHE_ENV = "MACHGEN_EXPORT_CACHE"
@@ -109,9 +108,6 @@ def component_key(component: ExportableComponent, **options: Any) -> str:
             digest.update(repr(part).encode())
             digest.update(b"\0")
 
-    if options.get("format") == "onnx" and onnx_exporter() != "dynamo":
-        # Keyed apart from the dynamo exporter's files (the keys of dynamo's, the default, stay as they were).
-        options = {**options, "onnx_exporter": onnx_exporter()}
     add(_FORMAT, sys.version_info[:2], sorted(options.items()), component.spec)
     for package in _PACKAGES:
         try:
