@@ -78,7 +78,7 @@ def serve(
     keep it serving: a model whose stub process died is loaded again (the
     others untouched), a server that died is started again. Ctrl-C or SIGTERM
     drains it: no new request is taken, those in flight finish, then it stops."""
-    from machgen.server import Ports, ServerError, TritonServer
+    from machgen.server import START_ATTEMPTS, Ports, ServerError, TritonServer
     from machgen.supervisor import Supervisor, SupervisorSettings
 
     _database_url(api_database_url, "--api-database-url")  # before the server starts
@@ -102,7 +102,7 @@ def serve(
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         typer.echo(f"starting tritonserver on {repository} ...")
-        server.start(attempts=2)  # a start that wedges or aborts is made again (the supervisor does so later)
+        server.start(attempts=START_ATTEMPTS)  # a start that wedges or aborts is made again (the supervisor later)
         supervisor.start()
         if supervisor_metrics_port:
             try:

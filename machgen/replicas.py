@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from machgen.server import Ports, ServerError, TritonServer
+from machgen.server import START_ATTEMPTS, Ports, ServerError, TritonServer
 from machgen.supervisor import Supervisor, SupervisorSettings, metrics_text, serve_metrics
 
 # deploy/ of the checkout, linked into the package (machgen/deploy) so that an installed machgen has it too.
@@ -300,7 +300,7 @@ class ReplicaSet:
         return Replica(index, ports, server, supervisor)
 
     def _start_replica(self, replica: Replica) -> None:
-        replica.server.start(attempts=2)  # a start that wedges or aborts is made again
+        replica.server.start(attempts=START_ATTEMPTS)  # a start that wedges or aborts is made again
         self._supervise(replica)
 
     def _supervise(self, replica: Replica) -> None:

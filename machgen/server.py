@@ -74,6 +74,9 @@ START_STALL_S = 120.0
 # Between two starts of one server (its ``attempts``), a pause this many seconds times the starts so far:
 # lock_exception aborts come in bursts while the machine is loaded (three in 20 s seen).
 START_RETRY_PAUSE_S = 3.0
+# Starts `machgen serve` and each replica make of a server before giving up: with the pauses between them they
+# outlast such a burst (a documented example's server aborted twice in a row while the other test worker ran).
+START_ATTEMPTS = 4
 
 
 def _pytriton_dir() -> Path:
