@@ -30,7 +30,7 @@ from typing import Callable
 
 from machgen.contract.manifest import MANIFEST_FILE, SAMPLER, STREAM, PipelineManifest, drained_file, model_name
 from machgen.runtime.processes import Stub
-from machgen.server import ServerError, ServerTimeout, TritonServer
+from machgen.server import START_ATTEMPTS, ServerError, ServerTimeout, TritonServer
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,9 @@ class Supervisor:
             self._retired.clear()
             self._instances = None
             try:
-                self.server.start()
+                # A start Triton aborts (lock_exception) or wedges is made again after a pause, not counted as a
+                # restart: such aborts come in bursts on a loaded machine, which restarts back to back used up.
+                self.server.start(attempts=START_ATTEMPTS)
                 break
             except ServerError as err:
                 reason = f"tritonserver did not start again: {err}"

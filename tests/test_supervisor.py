@@ -46,7 +46,7 @@ class ServerDyingMidCheck:
 
     kill = kill_process
 
-    def start(self) -> None:
+    def start(self, attempts: int = 1) -> None:
         self.starts += 1
         self.process = self._process()
 
