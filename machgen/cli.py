@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 import typer
 
 from machgen.contract.tasks import TASKS, short_task_name
+from machgen.session_cli import session as session_command
 
 if TYPE_CHECKING:  # pragma: no cover
     from machgen.contract.api import FamilyInput
@@ -261,6 +262,11 @@ def api(
     tenant_header: Optional[str] = typer.Option(None, "--tenant-header",
                                                 help="a header a trusted gateway sets to the tenant a request is "
                                                      "for: denoiser time is shared fairly per key and tenant"),
+    max_sessions_per_key: int = typer.Option(4, "--max-sessions-per-key", min=1,
+                                             help="realtime sessions (/v1/realtime/video) open at once per key"),
+    allowed_origins: Optional[list[str]] = typer.Option(None, "--allowed-origin", help="a browser origin "
+                                                        "(https://host[:port]) that may open realtime sessions "
+                                                        "besides the API's own; repeatable; '*': any"),
 ) -> None:
     """The HTTP API over a Triton server's models: OpenAI's /v1/images and
     /v1/videos, jobs with live progress (/v1/jobs/ID/events), webhooks,
@@ -276,7 +282,9 @@ def api(
                          webhook_secret=webhook_secret,
                          allow_private_callbacks=allow_private_callbacks,
                          webhook_attempts=webhook_attempts, webhook_first_delay_s=webhook_retry_delay,
-                         preview_interval=preview_interval, tenant_header=tenant_header), host, port)
+                         preview_interval=preview_interval, tenant_header=tenant_header,
+                         max_sessions_per_key=max_sessions_per_key, allowed_origins=tuple(allowed_origins or ())),
+             host, port)
 
 
 @app.command("api-key")
@@ -566,5 +574,8 @@ def list_inputs(
                    f"{declared.tensor.triton_dtype} {shape}, default {default}. {declared.tensor.doc}")
 
 
+app.command("session")(session_command)
+
 if __name__ == "__main__":  # pragma: no cover
     app()
+

@@ -48,6 +48,16 @@ def write_tiny(tmp_path_factory, family: str) -> Path:
     return write_tiny_model(get_family(family), tmp_path_factory.mktemp("models") / f"tiny-{family}")
 
 
+def write_tiny_streaming(tmp_path_factory) -> Path:
+    """A tiny one-transformer Wan (Wan 2.1's layout) whose card declares a streaming mode (families/wan/tiny.py
+    TINY_STREAMING), as `machgen-build tiny wan --streaming` writes it: a realtime model."""
+    from machgen.builder.model_folder import write_tiny_model
+    from machgen.families.registry import get_family
+
+    return write_tiny_model(get_family("wan"), tmp_path_factory.mktemp("models") / "tiny-wan-streaming",
+                            streaming=True)
+
+
 def runtime_for(model_dir: Path, run_component):
     """The family runtime of a tiny model folder over ``run_component`` (a
     closed-form fake, say), with the settings its build would record: no export."""

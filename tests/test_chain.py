@@ -70,3 +70,28 @@ def test_a_tail_output_named_like_a_value_of_the_head_is_refused(tmp_path):
         fuse_head_and_tail(head, clashing, tmp_path / "chain.onnx", ["first_block_residual"])
     with pytest.raises(ValueError, match="no output"):
         fuse_head_and_tail(head, tail, tmp_path / "chain.onnx", ["blocks_residual"])
+
+
+def test_the_joined_graph_names_each_opset_domain_once_and_passes_the_full_check(tmp_path):
+    joined = fuse_head_and_tail(_head(tmp_path / "head.onnx"), _tail(tmp_path / "tail.onnx"),
+                                tmp_path / "joined.onnx", ["first_block_residual"])
+    model = onnx.load(joined)
+    assert [(entry.domain, entry.version) for entry in model.opset_import] == [("", 17)]
+    onnx.checker.check_model(model, full_check=True)
+
+
+def check_every_graph(repository, joined: bool) -> None:
+    """onnx.checker with shape inference on every ONNX file of ``repository`` (``joined``: a joined denoiser
+    among them)."""
+    files = sorted(repository.rglob("*.onnx"))
+    assert files and (not joined or any(path.parent.parent.name.endswith("_denoiser") for path in files)), files
+    for path in files:
+        onnx.checker.check_model(str(path), full_check=True)
+
+
+@pytest.mark.export
+def test_every_model_a_build_writes_passes_onnx_s_full_check(built_repository):
+    """The standard tools (onnx.checker with shape inference, ONNX Runtime's quantizer) take every graph a
+    build writes (the tiny Flux with adapter inputs here; tests/test_streaming.py checks a Wan build's, the
+    joined denoiser and the in-sampler streaming denoiser among them)."""
+    check_every_graph(built_repository[0], joined=False)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from machgen.api.destinations import DestinationPolicy
 from machgen.api.jobs import JobManager, JobMetrics
 from machgen.api.keys import KeyRing, StoredKeyRing, UrlSigner, read_keys
-from machgen.api.routes import health, images, jobs, models, playground, videos
+from machgen.api.routes import health, images, jobs, models, playground, realtime, videos
 from machgen.api.schemas import ApiError, public_object
 from machgen.api.settings import ApiSettings
 from machgen.api.state import ApiState
@@ -25,7 +25,8 @@ from machgen.api.triton import TritonModels
 from machgen.api.webhooks import WebhookPolicy, WebhookSender, secret_key
 
 log = logging.getLogger("machgen.api")
-ROUTERS = (playground.router, health.router, models.router, images.router, videos.router, jobs.router)
+ROUTERS = (playground.router, health.router, models.router, images.router, videos.router, jobs.router,
+           realtime.router)
 
 
 def create_app(settings: ApiSettings) -> FastAPI:

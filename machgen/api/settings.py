@@ -50,3 +50,9 @@ class ApiSettings:
     # The most bytes of latents a job keeps (keep_latents) for refines; past it, evenly spaced steps. They go
     # with the job's results (result_ttl_s).
     max_latents_bytes: int = 64 << 20
+    # Realtime sessions (WebSocket /v1/realtime/video) one key may have open at once in this process, forks
+    # included; more are refused naming the cap. Without keys every caller is one owner, so it caps them all.
+    max_sessions_per_key: int = 4
+    # Browser origins (scheme://host[:port]) that may open realtime sessions besides the API's own ("*": any). A
+    # client that sends no Origin (not a browser's page) is not checked; keys still are.
+    allowed_origins: tuple[str, ...] = ()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from machgen.builder.model_folder import (detect_family, load_pipeline, model_cache_settings,
-                                          refuse_pickled_weights, served_defaults)
+                                          refuse_pickled_weights, served_defaults, streaming_settings)
 from machgen.contract.adapters import write_component_layers
 from machgen.contract.specs import ServedDefaults
 from machgen.parallel.layout import ParallelLayout
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from machgen.builder.family_export import FamilyExport
     from machgen.builder.repository import ServingOptions
     from machgen.plugins.schema import SparseAttentionConfig
+    from machgen.contract.streaming import StreamingSettings
 
 TARGETS = ("onnxruntime", "torch", "tensorrt")
 ATTENTION_KINDS = ("dense", "sparse-fp8")
@@ -148,7 +149,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                      options: "ServingOptions | None" = None, attention: AttentionOptions = AttentionOptions(),
                      target_options: TargetOptions = TargetOptions(), export_cache: Path | None = None,
                      log: Callable[[str], None] = print, preview: bool = True, drop_unfit_adapters: bool = False,
-                     discard_changes: bool = False, parallel: ParallelLayout | None = None) -> list[ComponentResult]:
+                     discard_changes: bool = False, parallel: ParallelLayout | None = None,
+                     streaming: "StreamingSettings | None" = None) -> list[ComponentResult]:
     """Export, check and write every component of the model in ``model_dir``
     (with ``lora`` fused into its weights first), served with ``options``;
     components found in ``export_cache`` (default: $MACHGEN_EXPORT_CACHE,
@@ -164,7 +166,10 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
 
     ``parallel``: the layout the denoiser's steps run under (torch target;
     builder/parallel.py), refused before any export where the model does
-    not allow it."""
+    not allow it.
+
+    ``streaming``: the model's streaming mode (realtime sessions) in place of
+    its card's (machgen.json's ``"streaming"``); either adds its components."""
     from machgen.builder.calibrate import calibration_summary
     from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch, onnx_exporter
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
@@ -200,6 +205,14 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     if sparse is not None:
         log(f"attention: SparseAttention {asdict(sparse)}")
     exports, specs, adapters = components_to_export(exporter, pipe, options, target, log)
+    streaming = streaming if streaming is not None else streaming_settings(model_dir)
+    if streaming is not None:
+        streamed, streaming_runtime = exporter.streaming_components(pipe, streaming)
+        exports += [(component, None) for component in streamed]
+        specs.update({component.spec.name: component.spec for component in streamed})
+        settings["streaming"] = {**streaming.to_json(), **streaming_runtime}
+        log(f"streaming: chunks of {streaming.chunk_frames} latent frames, {len(streaming.timesteps)} steps, sink "
+            f"{streaming.sink_frames}, window {streaming.window_frames or 'whole session'}")
     layout = parallel if parallel is not None and not parallel.is_single else None
     if layout is not None:
         check_parallel_build(layout, exporter, pipe, target, exporter.axis_ranges(defaults, settings),

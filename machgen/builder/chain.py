@@ -72,11 +72,26 @@ def fuse_head_and_tail(head_path: Path, tail_path: Path, out_path: Path, head_ou
         node.input[:] = [renamed.get(name, name) for name in node.input]
     for tensor in joined.graph.output:
         tensor.name = renamed.get(tensor.name, tensor.name)
+    _one_opset_per_domain(joined)
     weights = sum(len(tensor.raw_data) for tensor in joined.graph.initializer)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(joined, os.fspath(out_path), save_as_external_data=weights > EXTERNAL_DATA_BYTES,
                     location=out_path.name + ".data")
     return out_path
+
+
+def _one_opset_per_domain(model) -> None:
+    """One opset_import entry per domain, the highest version: merge_models keeps both parts' entries, and a
+    head from one exporter and a tail from the other name the default domain "" and "ai.onnx", which
+    ONNX Runtime's quantizer and onnx.checker's full check refuse."""
+    from onnx import helper
+
+    versions: dict[str, int] = {}
+    for entry in model.opset_import:
+        domain = "" if entry.domain in ("", "ai.onnx") else entry.domain
+        versions[domain] = max(versions.get(domain, 0), entry.version)
+    del model.opset_import[:]
+    model.opset_import.extend(helper.make_opsetid(domain, version) for domain, version in versions.items())
 
 
 __all__ = ["fuse_head_and_tail"]

@@ -39,6 +39,7 @@ def list_families(
 def tiny(
     family: str = typer.Argument(..., help=f"model family: {', '.join(family_names())}"),
     out: Path = typer.Argument(..., help="folder to write the diffusers pipeline into"),
+    streaming: bool = typer.Option(False, "--streaming", help="with a streaming mode (realtime sessions; wan)"),
 ) -> None:
     """Write a tiny deterministic random-weight pipeline folder (for tests and demos)."""
     from machgen.builder.model_folder import write_tiny_model
@@ -48,8 +49,26 @@ def tiny(
         chosen = get_family(family)
     except KeyError as err:
         raise typer.BadParameter(str(err.args[0]), param_hint="FAMILY") from None
-    write_tiny_model(chosen, out)
-    typer.echo(f"wrote tiny {family} pipeline to {out}")
+    try:
+        write_tiny_model(chosen, out, streaming=streaming)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--streaming") from None
+    typer.echo(f"wrote tiny {family} pipeline{' with a streaming mode' if streaming else ''} to {out}")
+
+
+def _streaming_option(text: str | None):
+    """--streaming: StreamingSettings of inline JSON or a JSON file, or None."""
+    import json
+
+    from machgen.contract.streaming import StreamingSettings, StreamingSettingsError
+
+    if text is None:
+        return None
+    try:
+        source = Path(text).read_text() if Path(text).is_file() else text
+        return StreamingSettings.from_json(json.loads(source))
+    except (json.JSONDecodeError, StreamingSettingsError, TypeError) as err:
+        raise typer.BadParameter(str(err), param_hint="--streaming") from None
 
 
 @app.command()
@@ -146,6 +165,17 @@ def build(
                                          help="rebuilding: replace or delete what was changed or added in the "
                                               "pipeline's models since the last build (a calibration, edited or "
                                               "added files) where this build writes its own, instead of refusing"),
+    streaming: str = typer.Option(None, "--streaming", metavar="JSON",
+                                  help="the model's streaming mode (realtime sessions), JSON or a JSON file, in "
+                                       "place of its card's \"streaming\" section (docs/realtime.md)"),
+    max_sessions: int = typer.Option(_SERVING.max_sessions, "--max-sessions", min=1,
+                                     help="realtime: sessions open at once"),
+    session_idle_s: float = typer.Option(_SERVING.session_idle_s, "--session-idle-s", min=1.0,
+                                         help="realtime: seconds a session may go unread and unsteered"),
+    session_memory_mb: int = typer.Option(_SERVING.session_memory_mb, "--session-memory-mb", min=1,
+                                          help="realtime: megabytes of keys and values all sessions may cache"),
+    session_rows: int = typer.Option(_SERVING.session_rows, "--session-rows", min=1,
+                                     help="realtime: the most sessions' chunks one denoiser call carries"),
 ) -> None:
     """Export every component, check it against torch, and write the model repository.
 
@@ -173,7 +203,9 @@ def build(
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
                              stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads,
                              lone_stage_threads=lone_stage_threads, lone_steps_in_sampler=lone_steps_in_sampler,
-                             denoiser_nice=denoiser_nice, max_lora_rank=max_lora_rank, max_loras=max_loras)
+                             denoiser_nice=denoiser_nice, max_lora_rank=max_lora_rank, max_loras=max_loras,
+                             max_sessions=max_sessions, session_idle_s=session_idle_s,
+                             session_memory_mb=session_memory_mb, session_rows=session_rows)
     try:
         build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,
                          attention=AttentionOptions(attention, attention_block, attention_mask,
@@ -183,7 +215,8 @@ def build(
                                                       refittable=refittable, timing_cache=timing_cache,
                                                       onnx_exporter=onnx_exporter),
                          export_cache=export_cache, preview=preview, drop_unfit_adapters=drop_unfit_adapters,
-                         discard_changes=discard_changes, parallel=layout)
+                         discard_changes=discard_changes, parallel=layout,
+                         streaming=_streaming_option(streaming))
     except (ParityError, ValueError, KeyError, FileNotFoundError, TensorRTUnavailable) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -363,6 +396,8 @@ def train(
     lr: float = typer.Option(3e-3, "--lr", help="LoRA learning rate (--lora)"),
     video: bool = typer.Option(False, "--video", help="train the moving-shapes video model (Wan 2.2 TI2V layout: "
                                                       "text-to-video and image-to-video) instead of the image one"),
+    world: bool = typer.Option(False, "--world", help="fine-tune --base (default models/shapes-wan) into the "
+                                                      "steerable world model (streaming; docs/realtime.md)"),
 ) -> None:
     """Train the shapes model (or, --video, the moving-shapes video model) from scratch, or (--lora) teach a model
     a new concept."""
@@ -373,6 +408,13 @@ def train(
                                          minutes=minutes, batch=batch)
         record = train_video_model(out, settings, resume=resume, log=typer.echo)
         typer.echo(f"trained: {record['transformer_steps']} transformer steps; model in {out / 'model'}")
+        return
+    if world:
+        from machgen.builder.world_training import train_world_cli
+
+        record = train_world_cli(out, base, steps=steps, minutes=minutes, batch=batch, seed=seed, resume=resume,
+                                 log=typer.echo)
+        typer.echo(f"trained: {record['transformer_steps']} steps; model in {out / 'model'}")
         return
     if lora:
         from machgen.builder.lora_training import LoraSettings, train_lora

@@ -223,7 +223,8 @@ def export_torchscript(component: ExportableComponent, path: Path) -> bool:
 
 def _at_other_sizes(component: ExportableComponent) -> ExportableComponent:
     """``component`` with its sample inputs twice as long along every named axis but the batch (the first row
-    checks that one), each tiled: the values stay in their domains (token ids, positions)."""
+    checks that one), or as many times as its ``axis_growth`` says, each tiled: the values stay in their
+    domains (token ids, positions)."""
     import torch
 
     inputs = {}
@@ -231,7 +232,7 @@ def _at_other_sizes(component: ExportableComponent) -> ExportableComponent:
         value = component.sample_inputs[tensor.name]
         for axis, size in enumerate(tensor.shape):
             if isinstance(size, str) and size != "batch":
-                value = torch.cat([value, value], dim=axis)
+                value = torch.cat([value] * component.axis_growth.get(size, 2), dim=axis)
         inputs[tensor.name] = value
     return replace(component, sample_inputs=inputs)
 

@@ -8,7 +8,7 @@ shapes its engines must cover. Nothing here runs inside Triton.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
@@ -30,6 +30,9 @@ class ExportableComponent:
     sample_inputs: dict[str, "torch.Tensor"]
     # The parity check also runs the batched inputs' first row alone; this fixes up inputs that index rows.
     first_row: "Callable[[dict], dict] | None" = None
+    # How many times longer a named axis gets where the others double (the TorchScript exporter's check at
+    # other sizes): an axis that is a product of two others (a flat cache of height x width) grows 4 times.
+    axis_growth: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,12 @@ class FamilyExport:
         """(state dict in diffusers' key format, network alphas, saved LoRA
         config) of a LoRA file, as the family's pipeline loads it."""
         raise ValueError(f"family '{self.family.name}' serves no per-request adapters")
+
+    def streaming_components(self, pipe: Any, streaming: Any) -> tuple[list[ExportableComponent], dict[str, Any]]:
+        """The components of the model's streaming mode (realtime sessions; ``streaming``: the card's
+        contract.streaming.StreamingSettings) and the settings its runtime needs besides them (the cache's
+        shape); a family without one refuses, saying so."""
+        raise ValueError(f"family '{self.family.name}' has no streaming mode (realtime sessions)")
 
     def dense_attention_tokens(self, defaults: ServedDefaults) -> int:
         """Leading tokens of the denoiser's attention whose blocks stay dense

@@ -70,6 +70,15 @@ def served_defaults(model_dir: Path, family: Family, pipe) -> ServedDefaults:
     return defaults
 
 
+def streaming_settings(model_dir: Path):
+    """The model card's streaming mode (contract.streaming.StreamingSettings), or None: it declares none."""
+    from machgen.contract.streaming import StreamingSettings
+
+    card = model_dir / SERVING_FILE
+    section = json.loads(card.read_text()).get("streaming") if card.is_file() else None
+    return None if section is None else StreamingSettings.from_json(section)
+
+
 def model_cache_settings(model_dir: Path, sparse: bool = False):
     """The cache defaults ``machgen-build calibrate`` stored with the model, if any. For a build with sparse
     attention (``sparse``) without the held-out figures: calibration measured the dense model, so a response
@@ -91,10 +100,19 @@ def _without_held_out(settings):
                                     for task, task_settings in settings.tasks.items()})
 
 
-def write_tiny_model(family: Family, out: Path) -> Path:
-    """A tiny random-weight pipeline folder that diffusers loads with from_pretrained."""
-    pipe, defaults = family.tiny_model()
+def write_tiny_model(family: Family, out: Path, streaming: bool = False) -> Path:
+    """A tiny random-weight pipeline folder that diffusers loads with from_pretrained (``streaming``: one with
+    a streaming mode in its card, where the family serves realtime sessions)."""
+    from machgen.contract.manifest import load_object
+
+    card: dict = {}
+    if streaming:
+        if family.tiny_streaming is None:
+            raise ValueError(f"family '{family.name}' has no streaming mode (realtime sessions)")
+        pipe, defaults, card["streaming"] = load_object(family.tiny_streaming)()
+    else:
+        pipe, defaults = family.tiny_model()
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
-    (out / SERVING_FILE).write_text(json.dumps({"serving": defaults.to_json()}, indent=2) + "\n")
+    (out / SERVING_FILE).write_text(json.dumps({"serving": defaults.to_json(), **card}, indent=2) + "\n")
     return out

@@ -28,6 +28,8 @@ from machgen.contract.api import (
     ApiTensor,
     public_outputs,
 )
+from machgen.contract.sessions import (MAX_SESSIONS_PARAMETER, SESSION_IDLE_PARAMETER, SESSION_INPUTS,
+                                       SESSION_MEMORY_PARAMETER, SESSION_OUTPUTS, SESSION_ROWS_PARAMETER)
 from machgen.contract.manifest import (
     ACCEPTED_OUTPUT,
     CANCEL_INPUT,
@@ -156,6 +158,13 @@ class ServingOptions:
     max_lora_rank: int = 0
     # Adapters each denoiser component process keeps in memory (least recently used leave first).
     max_loras: int = 8
+    # Realtime sessions (a model built with a streaming mode; docs/realtime.md): sessions open at once,
+    # seconds one may go unread and unsteered before it is closed, megabytes of keys and values all sessions
+    # may cache, and the most sessions' chunks one streaming denoiser call carries.
+    max_sessions: int = 8
+    session_idle_s: float = 60.0
+    session_memory_mb: int = 1024
+    session_rows: int = 8
 
 
 @dataclass(frozen=True)
@@ -262,13 +271,15 @@ def _api_io(tensors: Iterable[ApiTensor], *, optional: bool):
     return [(t.name, t.triton_dtype, _dims(t.dims), optional) for t in tensors]
 
 
-def public_inputs(family: Family) -> tuple[ApiTensor, ...]:
-    """What a model of ``family`` takes: every model's inputs, then its family's own."""
-    return API_INPUTS + tuple(declared.tensor for declared in family.inputs)
+def public_inputs(family: Family, streaming: bool = False) -> tuple[ApiTensor, ...]:
+    """What a model of ``family`` takes: every model's inputs, its family's own, and the realtime sessions'
+    where it was built with a streaming mode."""
+    return (API_INPUTS + tuple(declared.tensor for declared in family.inputs)
+            + (SESSION_INPUTS if streaming else ()))
 
 
 def render_public_config(pipeline: str, family: Family, options: ServingOptions,
-                         card: dict[str, Any] | None = None) -> str:
+                         card: dict[str, Any] | None = None, streaming: bool = False) -> str:
     # The scheduler here batches nothing (max_batch_size 0: one request per
     # execute); it is what gives the model a bounded queue. The card is here
     # too so that a client needs only the model's name to read it.
@@ -278,8 +289,9 @@ def render_public_config(pipeline: str, family: Family, options: ServingOptions,
         "max_batch_size: 0\n"
         "dynamic_batching {\n  default_queue_policy {\n"
         f"    max_queue_size: {options.max_queue_size}\n  }}\n}}\n"
-        + _tensor_block("input", _api_io(public_inputs(family), optional=True))
-        + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio), optional=False))
+        + _tensor_block("input", _api_io(public_inputs(family, streaming), optional=True))
+        + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio)
+                                          + (SESSION_OUTPUTS[-1:] if streaming else ()), optional=False))
         + f"instance_group [\n  {{\n    count: {options.in_flight}\n    kind: KIND_CPU\n  }}\n]\n"
         + _parameters(_card_parameter(card))
     )
@@ -298,7 +310,8 @@ def _single_decoupled_instance(name: str) -> str:
 
 
 def render_sampler_config(pipeline: str, family: Family, options: ServingOptions,
-                          serving: TargetServing = TargetServing(), fused: bool = False) -> str:
+                          serving: TargetServing = TargetServing(), fused: bool = False,
+                          streaming: bool = False) -> str:
     """The sampler: decoupled (a progress response per step, then the
     result), one instance whose threads carry every request in flight; its
     step gate lets ``in_flight`` requests' denoiser calls run at once.
@@ -310,9 +323,9 @@ def render_sampler_config(pipeline: str, family: Family, options: ServingOptions
                                         ApiTensor(ACCEPTED_OUTPUT, "INT64", (1,), ""))
     return (
         _single_decoupled_instance(model_name(pipeline, SAMPLER))
-        + _tensor_block("input", _api_io(public_inputs(family) + relay_inputs, optional=True))
-        + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio) + relay_outputs,
-                                          optional=False))
+        + _tensor_block("input", _api_io(public_inputs(family, streaming) + relay_inputs, optional=True))
+        + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio) + relay_outputs
+                                          + (SESSION_OUTPUTS if streaming else ()), optional=False))
         + "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
         + _parameters({"step_slots": str(options.in_flight), "batch_min_share": f"{options.batch_min_share:g}",
                        "spread_instances": str(spread_instances(options, serving)),
@@ -320,7 +333,11 @@ def render_sampler_config(pipeline: str, family: Family, options: ServingOptions
                            "intra_op_threads": str(options.intra_op_threads)}
                           if fused and options.lone_steps_in_sampler else {}),
                        **({INTERACTIVE_STEPS_PARAMETER: "1"} if fused and interactive_steps_in_sampler(options)
-                          else {})})
+                          else {}),
+                       **({MAX_SESSIONS_PARAMETER: str(options.max_sessions),
+                           SESSION_IDLE_PARAMETER: f"{options.session_idle_s:g}",
+                           SESSION_MEMORY_PARAMETER: str(options.session_memory_mb),
+                           SESSION_ROWS_PARAMETER: str(options.session_rows)} if streaming else {})})
     )
 
 
@@ -369,7 +386,7 @@ def _escaped(text: str) -> str:
 
 
 def render_stream_config(pipeline: str, family: Family, options: ServingOptions,
-                         card: dict[str, Any] | None = None) -> str:
+                         card: dict[str, Any] | None = None, streaming: bool = False) -> str:
     """NAME_stream: the public model's requests, answered as a stream
     (decoupled): progress responses, then the result. One instance runs every
     request on a thread (a Python instance is a process, and Triton stops
@@ -377,9 +394,9 @@ def render_stream_config(pipeline: str, family: Family, options: ServingOptions,
     public model's instances and queue do."""
     return (
         _single_decoupled_instance(model_name(pipeline, STREAM))
-        + _tensor_block("input", _api_io(public_inputs(family) + STREAM_INPUTS, optional=True))
-        + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio) + PROGRESS_OUTPUTS,
-                                          optional=False))
+        + _tensor_block("input", _api_io(public_inputs(family, streaming) + STREAM_INPUTS, optional=True))
+        + _tensor_block("output", _api_io(public_outputs(family.capabilities.audio) + PROGRESS_OUTPUTS
+                                          + (SESSION_OUTPUTS if streaming else ()), optional=False))
         + "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
         + _parameters({"sampler": model_name(pipeline, SAMPLER), "in_flight": str(options.in_flight),
                        "max_queue_size": str(options.max_queue_size),
@@ -493,12 +510,15 @@ def render_repository(pipeline: str, family: Family, specs: dict[str, ComponentS
                                  serving, adapters)
     card = model_card(family, defaults, family_settings, options)
     fused = fused_chains(specs, serving)
+    streaming = "streaming" in family_settings
     files = {
-        f"{pipeline}/config.pbtxt": render_public_config(pipeline, family, options, card),
+        f"{pipeline}/config.pbtxt": render_public_config(pipeline, family, options, card, streaming),
         f"{pipeline}/1/model.py": _SHIM.format(module="relays", cls="PublicModel"),
-        f"{model_name(pipeline, STREAM)}/config.pbtxt": render_stream_config(pipeline, family, options, card),
+        f"{model_name(pipeline, STREAM)}/config.pbtxt": render_stream_config(pipeline, family, options, card,
+                                                                             streaming),
         f"{model_name(pipeline, STREAM)}/1/model.py": _SHIM.format(module="relays", cls="StreamModel"),
-        f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family, options, serving, fused=bool(fused)),
+        f"{sampler}/config.pbtxt": render_sampler_config(pipeline, family, options, serving, fused=bool(fused),
+                                                         streaming=streaming),
         f"{sampler}/1/model.py": _SHIM.format(module="sampler", cls="SamplerModel"),
         f"{sampler}/1/{MANIFEST_FILE}": manifest.render(),
     }

@@ -30,10 +30,13 @@ from machgen.contract.api import (
     stream_error_status,
 )
 from machgen.contract.manifest import STREAM, model_name
+from machgen.client.errors import GenerationError
+from machgen.contract.sessions import SESSION_INPUTS
 
 PROTOCOLS = ("grpc", "http")
-# Every model's inputs (the streaming twin's too); a model's own come from the model (published_inputs).
-GENERIC_INPUTS = {tensor.name: tensor for tensor in API_INPUTS + STREAM_INPUTS}
+# Every model's inputs (the streaming twin's too, and a realtime model's); a model's own come from the model
+# (published_inputs).
+GENERIC_INPUTS = {tensor.name: tensor for tensor in API_INPUTS + STREAM_INPUTS + SESSION_INPUTS}
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,6 @@ def _stats(array: np.ndarray) -> dict[str, Any]:
     return json.loads(bytes(array.reshape(-1)[0]).decode("utf-8"))
 
 
-class GenerationError(RuntimeError):
-    """The server refused or failed a request; ``status`` is its status code."""
-
-    def __init__(self, status: str, message: str):
-        super().__init__(message)
-        self.status = status
-
-
 class MachgenClient:
     """Calls a served pipeline; ``generate`` returns uint8 images or frames [N, H, W, 3].
 
@@ -125,6 +120,7 @@ class MachgenClient:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
         self.protocol = protocol
+        self.url = url
         self.timeout_s = timeout_s
         self.retry = retry
         self.on_retry = on_retry
@@ -143,6 +139,24 @@ class MachgenClient:
 
     def close(self) -> None:
         self._client.close()
+
+    def new_grpc_client(self):
+        """Another tritonclient gRPC client of the same server (one carries one stream at a time)."""
+        if self.protocol != "grpc":
+            raise ValueError("realtime sessions stream over gRPC: use protocol='grpc'")
+        return self._module.InferenceServerClient(self.url)
+
+    def open_session(self, model: str, prompt: str | None = None, action: str | None = None,
+                     seed: int | None = None, height: int | None = None, width: int | None = None,
+                     session_id: str | None = None, chunks: int | None = None):
+        """A realtime session of ``model`` (built with a streaming mode), started from ``prompt`` (or one of
+        its ``action``s) and played: iterate it for its chunks (client/sessions.py). ``chunks``: the stream
+        ends after that many (the session stays open: ``play`` it again); ``session_id``: random when absent."""
+        from machgen.client.sessions import RealtimeSession
+
+        return RealtimeSession(self, model, session_id or secrets.token_hex(8), {
+            "session_op": "start", "prompt": prompt, "action": action, "seed": seed, "height": height,
+            "width": width, "chunks": chunks})
 
     def __enter__(self) -> "MachgenClient":
         return self

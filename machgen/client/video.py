@@ -25,35 +25,69 @@ def _imageio_ffmpeg():
     return imageio_ffmpeg
 
 
+class Mp4Writer:
+    """An MP4 file (H.264) written frame by frame as frames come (a realtime session's chunks): ``write`` uint8
+    frames [F, H, W, 3] any number of times, then ``close`` (a context manager closes it). ``quality`` is
+    imageio-ffmpeg's 0-10 scale (10: best); ``audio`` float [channels, samples] at ``sample_rate`` is its
+    sound, known up front."""
+
+    def __init__(self, path: Path, fps: int, quality: float = 9.0, audio: np.ndarray | None = None,
+                 sample_rate: int | None = None):
+        if fps < 1:
+            raise ValueError(f"fps must be at least 1, not {fps}")
+        self.path, self.fps, self.quality = Path(path), fps, quality
+        self.audio, self.sample_rate = audio, sample_rate
+        self.frames_written = 0
+        self._writer = None
+        self._size: tuple[int, int] | None = None
+        self._folder = tempfile.TemporaryDirectory()
+
+    def write(self, frames: np.ndarray) -> None:
+        frames = np.asarray(frames)
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3 or not len(frames):
+            raise ValueError(f"expected uint8 frames [F, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+        if self._writer is None:
+            self._start(frames.shape[1], frames.shape[2])
+        elif frames.shape[1:3] != self._size:
+            raise ValueError(f"frames of {list(frames.shape[1:3])} after frames of {list(self._size)}")
+        for frame in frames:
+            self._writer.send(np.ascontiguousarray(frame))
+        self.frames_written += len(frames)
+
+    def _start(self, height: int, width: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        sound = {}
+        if self.audio is not None:
+            sound = {"audio_path": str(Path(self._folder.name) / "audio.wav"), "audio_codec": "aac"}
+            write_wav(self.audio, sound["audio_path"], self.sample_rate)
+        # yuv420p (what players expect) needs even sizes; the models' sizes are multiples of 4 or more,
+        # so frames are never rescaled (macro_block_size 2).
+        self._size = (height, width)
+        self._writer = _imageio_ffmpeg().write_frames(
+            str(self.path), (width, height), fps=self.fps, codec="libx264", quality=self.quality,
+            pix_fmt_in="rgb24", pix_fmt_out="yuv420p", macro_block_size=2, ffmpeg_log_level="error", **sound)
+        self._writer.send(None)  # starts ffmpeg
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._folder.cleanup()
+
+    def __enter__(self) -> "Mp4Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def write_mp4(frames: np.ndarray, path: Path, fps: int, quality: float = 9.0, audio: np.ndarray | None = None,
               sample_rate: int | None = None) -> None:
     """Write uint8 frames [F, H, W, 3] to ``path`` at ``fps`` frames per
     second, with ``audio`` float [channels, samples] at ``sample_rate`` as
     its sound. ``quality`` is imageio-ffmpeg's 0-10 scale (10: best)."""
-    imageio_ffmpeg = _imageio_ffmpeg()
-    frames = np.asarray(frames)
-    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3 or not len(frames):
-        raise ValueError(f"expected uint8 frames [F, H, W, 3], got {frames.dtype} {list(frames.shape)}")
-    if fps < 1:
-        raise ValueError(f"fps must be at least 1, not {fps}")
-    height, width = frames.shape[1:3]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as folder:
-        sound = {}
-        if audio is not None:
-            sound = {"audio_path": str(Path(folder) / "audio.wav"), "audio_codec": "aac"}
-            write_wav(audio, sound["audio_path"], sample_rate)
-        # yuv420p (what players expect) needs even sizes; the models' sizes are multiples of 4 or more,
-        # so frames are never rescaled (macro_block_size 2).
-        writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=fps, codec="libx264", quality=quality,
-                                             pix_fmt_in="rgb24", pix_fmt_out="yuv420p", macro_block_size=2,
-                                             ffmpeg_log_level="error", **sound)
-        writer.send(None)  # starts ffmpeg
-        try:
-            for frame in frames:
-                writer.send(np.ascontiguousarray(frame))
-        finally:
-            writer.close()
+    with Mp4Writer(path, fps, quality, audio, sample_rate) as writer:
+        writer.write(frames)
 
 
 def read_mp4(path: Path) -> tuple[np.ndarray, float]:

@@ -41,6 +41,9 @@ class Family:
     # model_index.json (None: every one). Where several families serve one
     # class, one that says so wins over one that takes every model.
     serves: Callable[[Mapping[str, Any]], bool] | None = None
+    # "module:function" returning (a tiny random-weight pipeline with a streaming mode, its ServedDefaults, its
+    # card's "streaming" section), for a family that serves realtime sessions; None: it serves none.
+    tiny_streaming: str | None = None
 
     def exporter(self) -> Any:
         """Its FamilyExport (machgen/builder/family_export.py), loaded by name: the registry is a light path

@@ -129,6 +129,13 @@ class LocalPipeline:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def streaming(self, **options: Any):
+        """A runtime.streaming.StreamingEngine of this model's realtime sessions (options: the engine's)."""
+        from machgen.runtime.streaming.engine import streaming_engine
+
+        options.setdefault("fps", self.manifest.defaults.fps or 16)
+        return streaming_engine(self.sampler.runtime, self.run_component, **options)
+
     def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:
         """Images [1, H, W, 3] (every frame of a video) and stats; options are the API's optional inputs."""
         images, _, stats = self.generate_with_audio(prompt, **options)

@@ -12,7 +12,8 @@ import torch
 from machgen.builder.family_export import ExportableComponent, FamilyExport, OnRanks
 from machgen.contract.api import MAX_REFERENCE_IMAGES
 from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults, TensorSpec
-from machgen.families.wan.spec import EXPERT_PREFIXES, wan_specs
+from machgen.families.wan.denoiser_parts import WanDenoiserPart, patches
+from machgen.families.wan.spec import EXPERT_PREFIXES, streaming_spec, wan_specs
 from machgen.families.wan.vae_chunks import (CHUNK_CLASSES, SplitVaeDecoderFirst, SplitVaeDecoderNext,
                                              cache_per_latent_pixel, vae_chunk_components)
 from machgen.parallel.layout import SEQUENCE_MARKER, ParallelSupport
@@ -28,44 +29,6 @@ class TextEncoder(torch.nn.Module):
         hidden = self.umt5(input_ids, attention_mask).last_hidden_state
         # WanPipeline keeps each prompt's own tokens and pads with zeros: the mask is a prefix of ones.
         return hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
-
-
-def patches(embedding, latents):
-    """A patch embedding's tokens [batch, tokens, inner] of latents [batch, C, frames, h, w]."""
-    return embedding(latents).flatten(2).transpose(1, 2).contiguous()
-
-
-class WanDenoiserPart(torch.nn.Module):
-    """What the parts of WanTransformer3DModel.forward share: the time
-    embedding and the output layer (a subclass may take the timestep
-    another way, one per token)."""
-
-    def __init__(self, transformer):
-        super().__init__()
-        self.transformer = transformer
-
-    def time_embedding(self, timestep, like):
-        """WanTimeTextImageEmbedding's time half: (temb, timestep_proj [batch, 6, inner])."""
-        embedder = self.transformer.condition_embedder
-        projected = embedder.timesteps_proj(timestep.reshape(-1))
-        projected = projected.to(next(iter(embedder.time_embedder.parameters())).dtype)
-        temb = embedder.time_embedder(projected).type_as(like)
-        return temb, embedder.time_proj(embedder.act_fn(temb)).unflatten(1, (6, -1))
-
-    def modulation(self, temb):
-        """The output norm's (shift, scale) from ``temb``."""
-        return (self.transformer.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-
-    def output(self, hidden, temb, latents):
-        """WanTransformer3DModel.forward's output norm, projection and unpatchify."""
-        tr = self.transformer
-        batch, _, frames, height, width = latents.shape
-        p_t, p_h, p_w = tr.config.patch_size
-        shift, scale = self.modulation(temb)
-        hidden = (tr.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-        hidden = tr.proj_out(hidden)
-        hidden = hidden.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
-        return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
 class DenoiserHead(WanDenoiserPart):
@@ -306,7 +269,9 @@ class WanExport(FamilyExport):
                                      **({"control_hidden": control[0]} if control else {})}),
                 ExportableComponent(specs[f"{prefix}_reuse"], reuse(transformer).eval(),
                                     {"hidden_states": latents, "timestep": head_inputs["timestep"],
-                                     "blocks_residual": randn(*image_hidden.shape)}),
+                                     "blocks_residual": randn(*image_hidden.shape)},
+                                    # A token per patch of frames x height x width.
+                                    axis_growth={"video_tokens": 8}),
             ]
         vae_scale = pipe.vae_scale_factor_spatial
         exportable += vae_chunk_components(pipe.vae, "decoder", pipe.vae_scale_factor_temporal, self.chunk_classes)
@@ -345,6 +310,38 @@ class WanExport(FamilyExport):
                if self.encodes_pictures else {}),
         }
 
+    def streaming_components(self, pipe, streaming) -> tuple[list[ExportableComponent], dict[str, Any]]:
+        """Self-Forcing's way on Wan 2.1's layout: one transformer, text-to-video (families/wan/streaming.py)."""
+        from machgen.families.wan.streaming import StreamingChunkDenoiser
+
+        if self.experts(pipe) > 1:
+            raise ValueError("streaming runs one transformer (Wan 2.1's layout, as Self-Forcing's): this model "
+                             "has Wan 2.2's two experts")
+        tr = pipe.transformer.config
+        if tr.in_channels != tr.out_channels or self.control_channels(pipe) is not None:
+            raise ValueError(f"streaming is text-to-video: the '{self.family.name}' family's transformer takes "
+                             "a picture's latents beside the video's")
+        shape = {"layers": tr.num_layers, "heads": tr.num_attention_heads, "head_dim": tr.attention_head_dim}
+        spec = streaming_spec(in_channels=tr.in_channels, out_channels=tr.out_channels, text_dim=tr.text_dim,
+                              chunk_frames=streaming.chunk_frames, **shape)
+        # Two rows, the second's cache one chunk longer (its first entries padding in the first row).
+        gen = torch.Generator().manual_seed(0)
+        lat_h, lat_w, text_tokens = 6, 4, 7
+        chunk_tokens = streaming.chunk_frames * lat_h * lat_w // (tr.patch_size[1] * tr.patch_size[2])
+        cache = (2, tr.num_layers, 2 * chunk_tokens, tr.num_attention_heads, tr.attention_head_dim)
+        valid = torch.ones(2, 2 * chunk_tokens)
+        valid[0, chunk_tokens:] = 0
+        sample = {
+            "hidden_states": torch.randn(2, tr.in_channels, streaming.chunk_frames, lat_h, lat_w, generator=gen),
+            "timestep": torch.tensor([[700.0], [0.0]]),
+            "frame_offset": torch.tensor([streaming.chunk_frames, 2 * streaming.chunk_frames]),
+            "encoder_hidden_states": torch.randn(2, text_tokens, tr.text_dim, generator=gen),
+            "past_keys": torch.randn(*cache, generator=gen), "past_values": torch.randn(*cache, generator=gen),
+            "past_valid": valid,
+        }
+        module = StreamingChunkDenoiser(pipe.transformer, streaming.max_frames).eval()
+        return [ExportableComponent(spec, module, sample)], {"cache_shape": shape}
+
     def axis_ranges(self, defaults: ServedDefaults, settings: dict[str, Any]) -> dict[str, AxisRange]:
         vae, multiple, temporal = settings["vae_scale_factor"], settings["size_multiple"], settings["temporal_factor"]
         _, patch_h, patch_w = settings["patch_size"]
@@ -359,6 +356,15 @@ class WanExport(FamilyExport):
             "video_tokens": frames.times(lat_h.scaled(patch_h)).times(lat_w.scaled(patch_w)),
             "text_tokens": AxisRange(text, text, text),
         }
+        streaming = settings.get("streaming")
+        if streaming is not None:
+            chunk_tokens = lat_h.scaled(patch_h).times(lat_w.scaled(patch_w)).times(
+                AxisRange(*(streaming["chunk_frames"],) * 3))
+            ranges["chunk_tokens"] = chunk_tokens
+            # Sink and window: every kept entry is a whole chunk's tokens.
+            kept = streaming["max_frames"] if streaming["window_frames"] is None else (
+                streaming["sink_frames"] + streaming["window_frames"])
+            ranges["cache_tokens"] = AxisRange(1, chunk_tokens.opt, chunk_tokens.max * kept // streaming["chunk_frames"])
         for coder in ("decoder", "encoder"):
             per_pixel = settings.get(f"{coder}_cache_per_latent_pixel")
             if per_pixel is not None:

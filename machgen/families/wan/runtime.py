@@ -20,7 +20,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.wan.spec import EXPERT_PREFIXES, WAN, WAN_I2V, WAN_VACE
 from machgen.runtime.family import ClassifierFreeGuidance, FamilyRuntime, RequestState, RunComponent
-from machgen.runtime.tensors import as_numpy, as_torch
+from machgen.runtime.tensors import as_numpy, as_torch, concat
 
 
 class ExpertGuidance(ClassifierFreeGuidance):
@@ -40,23 +40,38 @@ def picture_pixels(picture) -> np.ndarray:
     return np.ascontiguousarray((picture.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(2, 0, 1)[None, :, None])
 
 
-def decode_video(latents, run_component: RunComponent) -> np.ndarray:
-    """uint8 frames [F, H, W, 3] (numpy) of latents [1, C, latent frames, h,
-    w]: the decoder components run latent frame by latent frame, each chunk
-    made uint8 by ``postprocess`` before the next is decoded."""
-    latents = as_torch(latents)
-    chunks = []
-    cache = None
+def decode_chunks(chunks: list, caches: list, run_component: RunComponent) -> list[tuple[np.ndarray, object]]:
+    """uint8 frames [F, H, W, 3] (numpy) of each of ``chunks`` (latents [1, C, latent frames, h, w], one size),
+    and the decoder's causal cache after them, each chunk following its cache in ``caches`` (None: its video's
+    start). The decoder components run latent frame by latent frame, each latent frame of every chunk in one
+    call (those starting their video in one of ``vae_decoder_first``), made uint8 by ``postprocess`` before the
+    next: memory stays that of one latent frame whatever the length (AutoencoderKLWan.decode walks the frames
+    the same way, keeping the whole float video); realtime sessions' chunks decode together."""
+    latents = torch.cat([as_torch(chunk) for chunk in chunks])
+    caches = list(caches)
+    frames: list[list[np.ndarray]] = [[] for _ in chunks]
     for index in range(latents.shape[2]):
         frame = latents[:, :, index:index + 1].contiguous()
-        if index == 0:
-            outputs = run_component("vae_decoder_first", {"latents": frame})
-            cache = outputs["decoder_cache"]
-        else:
-            outputs = run_component("vae_decoder_next", {"latents": frame, "decoder_cache": cache})
-            cache = outputs["updated_cache"]
-        chunks.append(as_numpy(run_component("postprocess", {"frames": outputs["frames"]})["images"]))
-    return np.concatenate(chunks, axis=1)[0]
+        for component, rows, cache_name in (("vae_decoder_first", [r for r, c in enumerate(caches) if c is None],
+                                             "decoder_cache"),
+                                            ("vae_decoder_next", [r for r, c in enumerate(caches) if c is not None],
+                                             "updated_cache")):
+            if not rows:
+                continue
+            inputs = {"latents": frame[rows]}
+            if component == "vae_decoder_next":
+                inputs["decoder_cache"] = concat([caches[r] for r in rows])
+            outputs = run_component(component, inputs)
+            images = as_numpy(run_component("postprocess", {"frames": outputs["frames"]})["images"])
+            for position, row in enumerate(rows):
+                frames[row].append(images[position])
+                caches[row] = outputs[cache_name][position:position + 1]
+    return [(np.concatenate(row_frames), cache) for row_frames, cache in zip(frames, caches)]
+
+
+def decode_video(latents, run_component: RunComponent) -> np.ndarray:
+    """uint8 frames [F, H, W, 3] (numpy) of a whole video's latents [1, C, latent frames, h, w]."""
+    return decode_chunks([latents], [None], run_component)[0][0]
 
 
 class WanRuntime(FamilyRuntime):
@@ -120,6 +135,10 @@ class WanRuntime(FamilyRuntime):
 
     def decode(self, latents):
         return decode_video(latents, self.run_component)
+
+    def decode_chunks(self, chunks: list, caches: list) -> list[tuple[np.ndarray, object]]:
+        """Streaming sessions' chunks (one each, one size), batched: each one's frames and decoder cache after."""
+        return decode_chunks(chunks, caches, self.run_component)
 
     def encode_frames(self, first, black_chunks: int):
         """The normalised latent means [1, C, 1 + black_chunks, h, w] of a

@@ -61,6 +61,7 @@ WAN = register_family(Family(
     export="machgen.families.wan.export:WanExport",
     tiny="machgen.families.wan.tiny:tiny_wan",
     inputs=(GUIDANCE_SCALE_2,),
+    tiny_streaming="machgen.families.wan.tiny:tiny_wan_streaming",
 ))
 WAN_I2V = register_family(Family(
     name="wan-i2v",
@@ -148,6 +149,29 @@ def chunk_specs(latent_channels: int, temporal_factor: int, coder: str) -> list[
         ComponentSpec(f"vae_{coder}_next", inputs=(next_in, cache), outputs=(next_out, updated), tolerance=1e-3,
                       per_step=True),
     ]
+
+
+def streaming_spec(*, in_channels: int, out_channels: int, text_dim: int, layers: int, heads: int, head_dim: int,
+                   chunk_frames: int) -> ComponentSpec:
+    """``streaming_denoiser``: one chunk of each row's realtime session after its cached keys and values
+    (families/wan/streaming.py); run in the sampler's process, which holds the caches."""
+    chunk = (chunk_frames, "latent_height", "latent_width")
+    cache = ("batch", layers, "cache_tokens", heads, head_dim)
+    own = ("batch", layers, "chunk_tokens", heads, head_dim)
+    return ComponentSpec(
+        "streaming_denoiser",
+        inputs=(TensorSpec("hidden_states", "float32", ("batch", in_channels, *chunk)),
+                TensorSpec("timestep", "float32", _SCALAR),
+                TensorSpec("frame_offset", "int64", ("batch",)),
+                TensorSpec("encoder_hidden_states", "float32", ("batch", "text_tokens", text_dim)),
+                TensorSpec("past_keys", "float32", cache), TensorSpec("past_values", "float32", cache),
+                TensorSpec("past_valid", "float32", ("batch", "cache_tokens"))),
+        outputs=(TensorSpec("noise_pred", "float32", ("batch", out_channels, *chunk)),
+                 TensorSpec("chunk_keys", "float32", own), TensorSpec("chunk_values", "float32", own)),
+        tolerance=1e-4,
+        per_step=True,
+        in_sampler=True,
+    )
 
 
 def wan_specs(*, in_channels: int, out_channels: int, text_dim: int, inner_dim: int, experts: int,

@@ -87,3 +87,14 @@ def tiny_wan_i2v() -> tuple[Any, ServedDefaults]:
 
 def tiny_wan_vace() -> tuple[Any, ServedDefaults]:
     return _pipeline("WanVACEPipeline", tiny_vace_transformer, None)
+
+
+# Its streaming mode: chunks of 2 latent frames in 3 steps, a sink of one chunk and a window of two, two actions.
+TINY_STREAMING = {"chunk_frames": 2, "timesteps": [1000, 750, 500], "sink_frames": 2, "window_frames": 4,
+                  "max_frames": 64, "actions": {"left": "a red circle moves to the left",
+                                                "right": "a red circle moves to the right"}}
+
+
+def tiny_wan_streaming() -> tuple[Any, ServedDefaults, dict]:
+    """Wan 2.1's layout (one transformer), as Self-Forcing's, with a streaming mode (realtime sessions)."""
+    return (*_pipeline("WanPipeline", tiny_transformer, None), TINY_STREAMING)

@@ -216,4 +216,6 @@ def vae_chunk_components(vae, coder: str, temporal_factor: int, classes=CHUNK_CL
     next_chunk = sample_chunk(vae, coder, next_spec.inputs[0].shape[2], 6, 4, 2, gen)
     return [ExportableComponent(first_spec, first, {first_spec.inputs[0].name: first_chunk}),
             ExportableComponent(next_spec, next_class(vae, *chunk_layout(vae, coder, classes)).eval(),
-                                {next_spec.inputs[0].name: next_chunk, next_spec.inputs[1].name: cache.cpu().float()})]
+                                {next_spec.inputs[0].name: next_chunk, next_spec.inputs[1].name: cache.cpu().float()},
+                                # The flat cache holds every slot at the chunk's height x width.
+                                axis_growth={f"{coder}_cache": 4})]

@@ -32,6 +32,7 @@ from machgen.contract.manifest import (
     SAMPLER,
     model_name,
 )
+from machgen.contract.sessions import SESSION_INFO_OUTPUT
 from machgen.runtime.processes import instances_of, sibling_stubs
 from machgen.runtime.triton_models.backend import error_response, mark_drained, parameter, pb_utils, text_array
 
@@ -153,13 +154,14 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
         if ERROR_OUTPUT in outputs:
             error = json.loads(outputs[ERROR_OUTPUT].as_numpy()[0])
             answer = error_response(error["message"], getattr(pb_utils.TritonError, error["status"]))
-        elif "images" in outputs:
+        elif "images" in outputs or SESSION_INFO_OUTPUT in outputs:
             answer = pb_utils.InferenceResponse([outputs[name] for name in output_names if name in outputs])
-        else:
+        else:  # a step's progress, or a realtime session's chunk
             stop_if_withdrawn()
             if cancel_sent:
                 continue
-            last_step = int(outputs[PROGRESS_OUTPUT].as_numpy()[0])
+            if PROGRESS_OUTPUT in outputs:
+                last_step = int(outputs[PROGRESS_OUTPUT].as_numpy()[0])
             if on_progress is not None:
                 on_progress(outputs)
     if answer is None:
@@ -168,6 +170,7 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
 
 
 _SILENCE = object()
+PROGRESS_NAMES = (PROGRESS_OUTPUT, ELAPSED_OUTPUT, PREVIEW_OUTPUT)
 
 
 def _send_heartbeat(sender, progress: np.ndarray, elapsed: float) -> None:
@@ -326,8 +329,11 @@ class StreamModel:
             last = {"sent": started, "step": np.zeros(2, np.int32)}
 
             def on_progress(outputs: dict) -> None:
-                sender.send(pb_utils.InferenceResponse(list(outputs.values())))
-                last.update(sent=time.monotonic(), step=outputs[PROGRESS_OUTPUT].as_numpy().copy())
+                sender.send(pb_utils.InferenceResponse([outputs[name] for name in outputs
+                                                        if name in self.output_names or name in PROGRESS_NAMES]))
+                last["sent"] = time.monotonic()
+                if PROGRESS_OUTPUT in outputs:
+                    last["step"] = outputs[PROGRESS_OUTPUT].as_numpy().copy()
 
             def on_silence() -> None:  # the last step again, so that the client knows the stream lives
                 if time.monotonic() - last["sent"] >= HEARTBEAT_S:

@@ -39,6 +39,7 @@ from machgen.contract.manifest import (
     STEP_LOG_ENV,
     PipelineManifest,
 )
+from machgen.contract.sessions import SESSION_OP_INPUT, parse_session_request
 from machgen.contract.validation import InvalidArgument, integer_input
 from machgen.runtime.routes import ComponentRoutes, RequestTurn, Route
 from machgen.runtime.sampler import GenerationCancelled
@@ -140,6 +141,14 @@ class SamplerModel:
         # Requests running, by the key their relay gave them.
         self._running: dict[str, _RunningRequest] = {}
         self._lock = threading.Lock()
+        # Realtime sessions, for a model built with a streaming mode (their streaming denoiser runs here).
+        self.sessions = None
+        if "streaming" in self.sampler.runtime.settings:
+            from machgen.runtime.triton_models.sessions import SessionHost
+
+            self.sessions = SessionHost(self.sampler.runtime, self.in_sampler.run, self.manifest.defaults,
+                                        lambda key, default: parameter(config, key, default), self.logger,
+                                        model=self.manifest.name)
 
     def _run_component(self, name: str, inputs: dict):
         turn: RequestTurn | None = getattr(self._turn, "request", None)
@@ -238,7 +247,9 @@ class SamplerModel:
             return
         key = pb_utils.get_input_tensor_by_name(request, REQUEST_KEY_INPUT)
         key = uuid.uuid4().hex if key is None else key.as_numpy()[0].decode()
-        thread = threading.Thread(target=self._serve, args=(request, sender, key), name=f"request-{key}",
+        produce = (self._session if pb_utils.get_input_tensor_by_name(request, SESSION_OP_INPUT) is not None
+                   else self._generate)
+        thread = threading.Thread(target=self._serve, args=(request, sender, key, produce), name=f"request-{key}",
                                   daemon=True)
         with self._lock:
             duplicate = key in self._running  # a cancellation must reach the one request it names
@@ -250,9 +261,9 @@ class SamplerModel:
         sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(ACCEPTED_OUTPUT, np.array([os.getpid()], np.int64))]))
         thread.start()
 
-    def _serve(self, request, sender, key: str) -> None:
+    def _serve(self, request, sender, key: str, produce) -> None:
         try:
-            outputs = self._generate(request, sender, self._running[key])
+            outputs = produce(request, sender, self._running[key])
         except InvalidArgument as err:
             outputs = self._error("INVALID_ARG", str(err))
         except GenerationCancelled as err:
@@ -284,6 +295,21 @@ class SamplerModel:
     @staticmethod
     def _error(status: str, message: str) -> list:
         return [pb_utils.Tensor(ERROR_OUTPUT, text_array(json.dumps({"status": status, "message": message})))]
+
+    def _session(self, request, sender, running: "_RunningRequest") -> list:
+        """A realtime session's request (runtime/triton_models/sessions.py): its final outputs."""
+        if self.sessions is None:
+            raise InvalidArgument(SESSION_OP_INPUT, "this model was built without a streaming mode (realtime "
+                                                    "sessions): see docs/realtime.md")
+
+        def get_input(name: str):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        progress = get_input(PROGRESS_INPUT)  # the public model's relay asks for none: it cannot stream
+        return self.sessions.serve(parse_session_request(get_input), sender,
+                                   is_cancelled=lambda: running.stop.is_set() or server_stopping(),
+                                   streams=progress is None or bool(progress.reshape(-1)[0]))
 
     def _generate(self, request, sender, running: "_RunningRequest") -> list:
         def get_input(name: str):
@@ -360,6 +386,8 @@ class SamplerModel:
         for request in running:
             request.thread.join(timeout=30)
         self.spread.close()
+        if self.sessions is not None:
+            self.sessions.close()
         # Tearing down an interpreter with torch and diffusers loaded spends
         # about a second in garbage collection; frozen objects are skipped
         # (exit of such a process measured 1.37 s, 0.39 s frozen).

@@ -1,0 +1,175 @@
+"""The sampler's realtime sessions: the requests with a ``session_op``
+(contract/sessions.py), served by one StreamingEngine in the sampler's own
+process, which runs the streaming denoiser and so holds every session's
+cache (nothing of a cache crosses a process). A playing request streams one
+response per chunk; the others answer at once. Idle sessions are evicted
+by a background thread."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from machgen.contract.sessions import (CHUNK_INFO_OUTPUT, MAX_SESSIONS_PARAMETER, PLAYING_OPS, SESSION_IDLE_PARAMETER,
+                                       SESSION_INFO_OUTPUT, SESSION_MEMORY_PARAMETER, SESSION_ROWS_PARAMETER,
+                                       VIDEO_CHUNK_OUTPUT, SessionRequest)
+from machgen.contract.validation import InvalidArgument
+from machgen.runtime.streaming.engine import SessionRefused, streaming_engine
+from machgen.runtime.triton_models.backend import pb_utils, text_array
+
+# Admission: a new session is refused while the calls already fill this share of the time (real time is
+# then spoken for: one more session would make every session late).
+FULL_BUSY_SHARE = 0.9
+
+
+# The chunk latency histogram's buckets, seconds.
+LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+class SessionMetrics:
+    """The realtime sessions' Prometheus metrics on Triton's /metrics (the Python backend's custom metrics),
+    labelled with the model: sessions open, keys and values cached, chunks made, chunks past their deadline,
+    and each chunk's latency from its request to its frames."""
+
+    def __init__(self, model: str):
+        family = pb_utils.MetricFamily
+        labels = {"model": model}
+        self._families = [
+            family("machgen_realtime_sessions", "Realtime sessions open", family.GAUGE),
+            family("machgen_realtime_cache_bytes", "Bytes of keys and values the sessions cache", family.GAUGE),
+            family("machgen_realtime_chunks_total", "Chunks sent to sessions", family.COUNTER),
+            family("machgen_realtime_deadline_misses_total", "Chunks ready after their first frame was due",
+                   family.COUNTER),
+            family("machgen_realtime_chunk_latency_seconds", "Seconds from a chunk's request to its frames",
+                   family.HISTOGRAM),
+        ]
+        self.sessions, self.cache_bytes, self.chunks, self.misses = (f.Metric(labels=labels)
+                                                                      for f in self._families[:4])
+        self.latency = self._families[4].Metric(labels=labels, buckets=LATENCY_BUCKETS)
+
+    def close(self) -> None:
+        # Triton wants each metric gone before its family.
+        del self.sessions, self.cache_bytes, self.chunks, self.misses, self.latency
+        self._families.clear()
+
+
+class SessionHost:
+    def __init__(self, runtime, run_in_sampler: Callable, defaults, parameter: Callable[[str, str], str], logger,
+                 model: str):
+        self.engine = streaming_engine(
+            runtime, run_in_sampler, fps=defaults.fps or 16,
+            max_sessions=int(parameter(MAX_SESSIONS_PARAMETER, "8")),
+            max_rows=int(parameter(SESSION_ROWS_PARAMETER, "8")),
+            idle_timeout_s=float(parameter(SESSION_IDLE_PARAMETER, "60")),
+            memory_budget_bytes=int(float(parameter(SESSION_MEMORY_PARAMETER, "1024")) * 2**20),
+            # Paced to real time: a session generates at most a chunk's time ahead of its frames' deadlines.
+            max_ahead_s=0.5)
+        self.defaults = defaults
+        self.size_multiple = int(runtime.settings.get("size_multiple", 16))
+        self.logger = logger
+        self.metrics = SessionMetrics(model)
+        self._closing = threading.Event()
+        self._evictor = threading.Thread(target=self._evict_idle, name="session-evictor", daemon=True)
+        self._evictor.start()
+
+    def serve(self, request: SessionRequest, sender, is_cancelled: Callable[[], bool], streams: bool) -> list:
+        """The final outputs of a session request (its chunks sent on ``sender`` before, when it plays);
+        ``streams``: the caller reads a stream (NAME_stream), so it may play."""
+        if request.op in PLAYING_OPS and not streams:
+            raise InvalidArgument("session_op", f"{request.op} streams chunks: send it to the streaming twin "
+                                                "(NAME_stream)")
+        engine = self.engine
+        if request.op == "start":
+            if engine.sessions and engine.load() >= FULL_BUSY_SHARE:
+                raise SessionRefused("session", f"the model is at its real-time capacity ({len(engine.sessions)} "
+                                                "sessions keep it busy): try again later")
+            height, width = self._size(request)
+            if request.prompt is not None and request.action is not None:
+                raise InvalidArgument("action", "give a prompt or an action, not both")
+            prompt = request.prompt if request.action is None else engine.action_prompt(request.action, None)
+            engine.open(request.session, prompt, self._seed(request), height, width,
+                        subject=request.prompt)
+        self._update_gauges()
+        if request.op in PLAYING_OPS:
+            return self._play(request, sender, is_cancelled)
+        if request.op == "interact":
+            applies_from = engine.change(request.session, prompt=request.prompt, action=request.action,
+                                         seed=request.seed)
+            self._update_gauges()
+            return self._info(request.session, "open", applies_from=applies_from)
+        if request.op == "fork":
+            engine.fork(request.parent, request.session, prompt=request.prompt, action=request.action,
+                        seed=request.seed)
+        elif request.op == "stop":
+            engine.close(request.session)
+            self._update_gauges()
+            return self._info(request.session, "closed")
+        self._update_gauges()
+        return self._info(request.session, "open")
+
+    def _update_gauges(self) -> None:
+        self.metrics.sessions.set(len(self.engine.sessions))
+        self.metrics.cache_bytes.set(self.engine.cache_bytes())
+
+    def _play(self, request: SessionRequest, sender, is_cancelled: Callable[[], bool]) -> list:
+        sent = 0
+        while request.chunks is None or sent < request.chunks:
+            if is_cancelled():
+                break
+            asked = time.monotonic()
+            try:
+                chunk = self.engine.next_chunk(request.session)
+            except SessionRefused:
+                return self._info(request.session, "closed", sent)
+            info = {"session": request.session, "chunk": chunk.chunk, "first_frame": chunk.first_frame,
+                    "frames": int(len(chunk.frames)), "fps": self.engine.fps,
+                    "stats": {**chunk.stats, "wait_ms": (time.monotonic() - asked) * 1000}}
+            sender.send(pb_utils.InferenceResponse([
+                pb_utils.Tensor(VIDEO_CHUNK_OUTPUT, np.ascontiguousarray(chunk.frames)),
+                pb_utils.Tensor(CHUNK_INFO_OUTPUT, text_array(json.dumps(info)))]))
+            sent += 1
+            self.metrics.chunks.increment(1)
+            self.metrics.misses.increment(int(chunk.stats["deadline_missed"]))
+            self.metrics.latency.observe(info["stats"]["wait_ms"] / 1000)
+            self._update_gauges()
+        return self._info(request.session, "open" if request.session in self.engine.sessions else "closed", sent)
+
+    def _info(self, session_id: str, state: str, chunks: int | None = None, **extra) -> list:
+        info = {"session": session_id, "state": state, "cache_bytes": self.engine.cache_bytes(),
+                "sessions": len(self.engine.sessions), **extra}
+        session = self.engine.sessions.get(session_id)
+        if session is not None:
+            info.update(chunk=session.chunk, frames=session.frames_sent, deadline_misses=session.deadline_misses)
+        if chunks is not None:
+            info["chunks_sent"] = chunks
+        return [pb_utils.Tensor(SESSION_INFO_OUTPUT, text_array(json.dumps(info)))]
+
+    @staticmethod
+    def _seed(request: SessionRequest) -> int:
+        return request.seed if request.seed is not None else random.randrange(2**63)
+
+    def _size(self, request: SessionRequest) -> tuple[int, int]:
+        sizes = {"height": request.height or self.defaults.height, "width": request.width or self.defaults.width}
+        limits = {"height": self.defaults.max_height, "width": self.defaults.max_width}
+        for name, value in sizes.items():
+            if value % self.size_multiple:
+                raise InvalidArgument(name, f"{value} is not a multiple of {self.size_multiple}")
+            if value > limits[name]:
+                raise InvalidArgument(name, f"{value} is over this model's maximum, {limits[name]}")
+        return sizes["height"], sizes["width"]
+
+    def _evict_idle(self) -> None:
+        while not self._closing.wait(1.0):
+            for session_id in self.engine.evict_idle():
+                self.logger.log_info(f"session {session_id}: closed after {self.engine.idle_timeout_s:g} s idle")
+                self._update_gauges()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._evictor.join(timeout=5)
+        self.metrics.close()

@@ -1,0 +1,438 @@
+"""Realtime sessions in process (runtime/streaming/, families/wan/streaming.py): a tiny random Wan built with a
+streaming mode, its sessions' chunks against the uncached references of tests/streaming_reference.py
+(diffusers' SkyReels-V2 block-causal forward where it applies), batching, forks, prompt switches and the
+sessions' lifecycle."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_repository, write_tiny_streaming
+from streaming_reference import allowed_mask, dense_forward, diffusers_block_causal, reference_chunk
+
+from machgen.contract.streaming import StreamingSettings, StreamingSettingsError
+from machgen.families.wan.tiny import TINY_STREAMING
+from machgen.runtime.streaming.engine import SessionRefused, StreamingEngine
+from machgen.runtime.streaming.kv_cache import bytes_of
+
+pytestmark = pytest.mark.export
+
+# Chunks of 2 latent frames in 3 steps; the first chunk stays (the sink), and the 4 frames before a chunk.
+STREAMING = TINY_STREAMING
+HEIGHT, WIDTH = 48, 32
+LATENTS = 1e-5  # streamed against uncached latents
+PROMPT = "a red circle"
+
+
+@pytest.fixture(scope="module")
+def streaming_model(tmp_path_factory) -> Path:
+    return write_tiny_streaming(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pipeline(streaming_model, tmp_path_factory):
+    from machgen.runtime.local import LocalPipeline
+
+    repository = build_tiny_repository(tmp_path_factory, streaming_model, "tiny-stream")
+    with LocalPipeline(repository, "tiny-stream") as local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def sky(streaming_model):
+    """diffusers' SkyReels-V2 transformer on the same weights, blocks of ``chunk_frames`` latent frames."""
+    import diffusers
+
+    return diffusers.SkyReelsV2Transformer3DModel.from_pretrained(
+        streaming_model / "transformer", num_frame_per_block=STREAMING["chunk_frames"]).eval()
+
+
+def engine_of(pipeline, **changes) -> StreamingEngine:
+    """The built model's engine, its sink and window as ``changes`` say (they rule only what stays cached)."""
+    engine = pipeline.streaming()
+    engine.settings = dataclasses.replace(engine.settings, **changes)
+    return engine
+
+
+def stream(engine, session_id: str, chunks: int, seed: int = 7, prompt: str = PROMPT):
+    engine.open(session_id, prompt, seed, HEIGHT, WIDTH)
+    return [engine.next_chunk(session_id) for _ in range(chunks)]
+
+
+def chunk_shape(engine) -> tuple[int, ...]:
+    return (1, 16, engine.settings.chunk_frames, HEIGHT // 8, WIDTH // 8)
+
+
+def test_streamed_chunks_equal_diffusers_block_causal_forward_without_a_cache(pipeline, sky):
+    """Every earlier chunk kept (Self-Forcing's default): each chunk's clean latents equal the same steps
+    computed by diffusers' SkyReels-V2 forward over the whole sequence with its block-causal mask, and the
+    frames streamed chunk by chunk equal the whole clip decoded at once."""
+    engine = engine_of(pipeline, sink_frames=0, window_frames=None)
+    chunks = stream(engine, "whole", 4)
+    text = engine.runtime.encode_prompts([PROMPT])["encoder_hidden_states"]
+    for index, chunk in enumerate(chunks):
+        context = [c.latents for c in chunks[:index]]
+        expected = reference_chunk(lambda whole, timesteps, positions: diffusers_block_causal(sky, whole,
+                                                                                             timesteps, text),
+                                   engine.settings, context, [c.first_latent for c in chunks[:index]], 7, index,
+                                   chunk_shape(engine))
+        assert float((chunk.latents - expected).abs().max()) <= LATENTS, index
+    whole = pipeline.sampler.decode(torch.cat([c.latents for c in chunks], dim=2))
+    streamed = np.concatenate([c.frames for c in chunks])
+    assert streamed.shape == whole.shape == (1 + 7 * 4, HEIGHT, WIDTH, 3)
+    assert np.abs(streamed.astype(int) - whole.astype(int)).max() <= 1
+    assert [c.first_frame for c in chunks] == [0, 5, 13, 21]
+
+
+def test_the_dense_reference_is_diffusers_where_both_apply(pipeline, sky):
+    """tests/streaming_reference.dense_forward (any mask, explicit positions) equals diffusers' own
+    block-causal forward on the same sequence: the window and prompt-switch references stand on it."""
+    settings = StreamingSettings(chunk_frames=2, sink_frames=0, window_frames=None)
+    generator = torch.Generator().manual_seed(3)
+    latents = torch.randn(1, 16, 6, HEIGHT // 8, WIDTH // 8, generator=generator)
+    text = torch.randn(1, 16, 32, generator=generator)
+    timesteps = torch.tensor([0.0, 0.0, 0.0, 0.0, 640.0, 640.0])
+    with torch.no_grad():
+        ours = dense_forward(sky, latents, timesteps, text, torch.arange(6),
+                             allowed_mask([0, 2, 4], 2, settings, (HEIGHT // 16) * (WIDTH // 16)))
+        theirs = diffusers_block_causal(sky, latents, timesteps, text)
+    assert float((ours - theirs).abs().max()) < 1e-5
+
+
+def window_forward(sky, text, settings, first_frames):
+    patch_tokens = (HEIGHT // 16) * (WIDTH // 16)
+    return lambda whole, timesteps, positions: dense_forward(
+        sky, whole, timesteps, text, positions, allowed_mask(first_frames, settings.chunk_frames, settings,
+                                                             patch_tokens))
+
+
+def test_a_sink_and_a_window_equal_the_dense_mask_that_keeps_them(pipeline, sky):
+    """LongLive's bounds (the card's sink of 2 frames, window of 4): six chunks, the cache evicting from the
+    fourth on, equal one dense forward per step whose mask lets each chunk see the sink and its window."""
+    engine = pipeline.streaming()
+    chunks = stream(engine, "windowed", 6, seed=11)
+    assert [e.first_frame for e in engine.session("windowed").cache.entries] == [0, 8, 10]
+    text = engine.runtime.encode_prompts([PROMPT])["encoder_hidden_states"]
+    firsts = [c.first_latent for c in chunks]
+    for index in (3, 4, 5):
+        expected = reference_chunk(window_forward(sky, text, engine.settings, firsts[:index + 1]),
+                                   engine.settings, [c.latents for c in chunks[:index]], firsts[:index], 11, index,
+                                   chunk_shape(engine))
+        assert float((chunks[index].latents - expected).abs().max()) <= LATENTS, index
+
+
+def test_sessions_batched_together_equal_each_run_alone(pipeline):
+    """Three sessions of different prompts and seeds, one opened two chunks later (rows at different steps
+    and cache lengths in one call), equal each session run alone."""
+    together = pipeline.streaming(max_rows=4)
+    together.open("a", PROMPT, 1, HEIGHT, WIDTH)
+    together.open("b", "a blue square", 2, HEIGHT, WIDTH)
+    together.want("a", 5)
+    together.want("b", 5)
+    got: dict[str, list] = {"a": [], "b": [], "c": []}
+    rows = []
+    while len(got["c"]) < 3:
+        if len(got["a"]) == 2 and "c" not in together.sessions:
+            together.open("c", "a green triangle", 3, HEIGHT, WIDTH)
+            together.want("c", 3)
+        for result in together.step():
+            got[result.session_id].append(together.session(result.session_id).outbox.pop(0))
+            rows.append(result.stats["rows"])
+    assert max(rows) == 3
+    for session_id, prompt, seed in (("a", PROMPT, 1), ("b", "a blue square", 2), ("c", "a green triangle", 3)):
+        alone = stream(pipeline.streaming(), session_id, 3, seed=seed, prompt=prompt)
+        for mine, theirs in zip(got[session_id][:3], alone):
+            assert float((mine.latents - theirs.latents).abs().max()) <= LATENTS
+            assert np.abs(mine.frames.astype(int) - theirs.frames.astype(int)).max() <= 1
+
+
+def test_a_fork_shares_the_cache_and_its_children_equal_fresh_sessions_replaying_the_history(pipeline):
+    engine = pipeline.streaming()
+    parent = stream(engine, "parent", 2, seed=5)
+    before = engine.cache_bytes()
+    engine.fork("parent", "left", action="left")
+    engine.fork("parent", "other-seed", seed=99)
+    assert engine.cache_bytes() == before  # copy on write: nothing copied yet
+    children = {child: [engine.next_chunk(child) for _ in range(2)] for child in ("left", "other-seed")}
+    parent += [engine.next_chunk("parent") for _ in range(2)]
+    assert engine.cache_bytes() > before
+
+    def replay(changes: dict) -> list:
+        fresh = pipeline.streaming()
+        chunks = stream(fresh, "replay", 2, seed=5)
+        fresh.change("replay", **changes)
+        return chunks + [fresh.next_chunk("replay") for _ in range(2)]
+
+    for child, changes in (("left", {"action": "left"}), ("other-seed", {"seed": 99}), ("parent", {})):
+        replayed = replay(changes)
+        mine = (parent[:2] + children[child]) if child != "parent" else parent
+        for index, (a, b) in enumerate(zip(mine, replayed)):
+            assert float((a.latents - b.latents).abs().max()) <= LATENTS, (child, index)
+            assert np.abs(a.frames.astype(int) - b.frames.astype(int)).max() <= 1, (child, index)
+
+
+def test_a_prompt_switch_recaches_the_kept_chunks_and_equals_its_uncached_reference(pipeline, sky):
+    """LongLive's re-cache: after the switch the kept chunks (sink and window) are run again under the new
+    prompt, so the next chunk equals a dense forward over the kept chunks and itself under the new prompt,
+    each at its own absolute position."""
+    engine = pipeline.streaming()
+    chunks = stream(engine, "switch", 5, seed=21)
+    engine.change("switch", prompt="a blue square")
+    after = engine.next_chunk("switch")
+    kept = [c for c in chunks if engine.settings.kept(c.first_latent, after.first_latent)]
+    assert [c.first_latent for c in kept] == [0, 6, 8]
+    text = engine.runtime.encode_prompts(["a blue square"])["encoder_hidden_states"]
+    firsts = [c.first_latent for c in kept] + [after.first_latent]
+    expected = reference_chunk(window_forward(sky, text, engine.settings, firsts), engine.settings,
+                               [c.latents for c in kept], firsts[:-1], 21, 5, chunk_shape(engine))
+    assert float((after.latents - expected).abs().max()) <= LATENTS
+
+
+def test_sessions_are_evicted_when_idle_refused_over_the_budget_and_give_their_memory_back(pipeline):
+    now = [0.0]
+    engine = pipeline.streaming(max_sessions=2, idle_timeout_s=5.0, clock=lambda: now[0])
+    stream(engine, "a", 2)
+    stream(engine, "b", 1, seed=8)
+    with pytest.raises(SessionRefused, match="at most 2 sessions") as refused:
+        engine.open("c", PROMPT, 1, HEIGHT, WIDTH)
+    assert refused.value.field == "session"
+    assert engine.cache_bytes() > 0
+    now[0] = 4.0
+    engine.next_chunk("b")
+    now[0] = 7.0
+    assert engine.evict_idle() == ["a"]
+    with pytest.raises(SessionRefused, match="no open session 'a'"):
+        engine.next_chunk("a")
+    engine.close("b")
+    assert engine.cache_bytes() == 0 and not engine.sessions
+    engine.open("c", PROMPT, 1, HEIGHT, WIDTH)
+
+
+def test_a_session_over_the_memory_budget_is_refused_until_one_closes(pipeline):
+    engine = pipeline.streaming(memory_budget_bytes=1)
+    stream(engine, "a", 1)
+    with pytest.raises(SessionRefused, match="memory budget") as refused:
+        engine.open("b", PROMPT, 1, HEIGHT, WIDTH)
+    assert refused.value.field == "session"
+    engine.close("a")
+    engine.open("b", PROMPT, 1, HEIGHT, WIDTH)
+
+
+def test_bad_session_requests_name_their_field(pipeline):
+    engine = pipeline.streaming()
+    engine.open("a", PROMPT, 1, HEIGHT, WIDTH)
+    for call, field, words in (
+            (lambda: engine.open("a", PROMPT, 1, HEIGHT, WIDTH), "session", "already open"),
+            (lambda: engine.change("nope", prompt="x"), "session", "no open session"),
+            (lambda: engine.fork("nope", "child"), "session", "no open session"),
+            (lambda: engine.change("a", action="jump"), "action", "unknown action 'jump'; this model's "
+                                                                  "actions: left, right"),
+            (lambda: engine.change("a", prompt="x", action="left"), "action", "not both"),
+    ):
+        with pytest.raises(SessionRefused, match=words) as refused:
+            call()
+        assert refused.value.field == field
+
+
+def test_an_action_template_is_filled_with_the_session_s_own_prompt(pipeline):
+    engine = engine_of(pipeline, actions={"left": "{prompt} moves to the left", "spin": "a spinning top"})
+    engine.open("a", "a blue square", 1, HEIGHT, WIDTH)
+    engine.change("a", action="left")
+    assert engine.session("a").prompt == "a blue square moves to the left"
+    engine.change("a", prompt="a green circle")
+    engine.change("a", action="left")
+    assert engine.session("a").prompt == "a green circle moves to the left"
+    engine.fork("a", "b", action="spin")
+    assert engine.session("b").prompt == "a spinning top" and engine.session("b").subject == "a green circle"
+    with pytest.raises(SessionRefused, match="made from the session's prompt") as refused:
+        engine.action_prompt("left", None)
+    assert refused.value.field == "prompt"
+
+
+def test_every_graph_of_the_build_passes_onnx_s_full_check(pipeline):
+    from test_chain import check_every_graph
+
+    check_every_graph(pipeline.repository, joined=True)
+    assert list(pipeline.repository.rglob("streaming_denoiser/model.onnx"))
+
+
+def test_the_card_s_streaming_section_is_checked_field_by_field():
+    for section, words in (({"chunk_frames": 0}, "streaming.chunk_frames"),
+                           ({"timesteps": [500, 750]}, "streaming.timesteps: must decrease"),
+                           ({"window_frames": 5}, "streaming.window_frames: must be a non-negative multiple"),
+                           ({"chunk": 3}, "unknown field")):
+        with pytest.raises(StreamingSettingsError, match=words):
+            StreamingSettings.from_json(section)
+    assert StreamingSettings(shift=5.0).sigmas()[:2] == [1.0, pytest.approx(0.9375)]
+
+
+def test_a_fork_leaves_memory_counted_once(pipeline):
+    engine = pipeline.streaming()
+    stream(engine, "p", 2)
+    children = [engine.fork("p", f"c{i}") for i in range(3)]
+    caches = [engine.session("p").cache] + [child.cache for child in children]
+    assert bytes_of(caches) == engine.session("p").cache.bytes() == engine.cache_bytes()
+
+
+# Through Triton: the sampler holds the sessions; the client plays them over gRPC.
+
+@pytest.fixture(scope="module")
+def served(pipeline):
+    """``machgen serve`` (it brings a killed stub back, as a user's server does)."""
+    from conftest import machgen_serve
+
+    with machgen_serve(pipeline.repository) as server:
+        yield server
+
+
+@pytest.fixture
+def client(served):
+    from machgen.client import MachgenClient
+
+    with MachgenClient(served.grpc_url) as machgen:
+        yield machgen
+
+
+def realtime_metric(served, name: str) -> float:
+    """A realtime metric of the model on Triton's /metrics (labelled with the model)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{served.metrics}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    values = [float(line.split()[-1]) for line in lines
+              if line.startswith(name + "{") and 'model="tiny-stream"' in line]
+    assert values, f"{name} of tiny-stream is not on /metrics"
+    return sum(values)
+
+
+def frames_of(chunks) -> np.ndarray:
+    return np.concatenate([chunk.frames for chunk in chunks])
+
+
+def test_a_served_session_equals_the_same_session_in_process_steered_forked_and_stopped(pipeline, client, served):
+    """Chunks streamed through Triton equal the in-process engine's for the same seed and steering: the
+    start, an action mid-session, a fork with its own seed; stopping frees the session's memory."""
+    counted = {name: realtime_metric(served, name) for name in (
+        "machgen_realtime_chunks_total", "machgen_realtime_deadline_misses_total",
+        "machgen_realtime_chunk_latency_seconds_count")}
+    session = client.open_session("tiny-stream", prompt=PROMPT, seed=31, height=HEIGHT, width=WIDTH, chunks=2)
+    first = list(session)
+    assert [c.chunk for c in first] == [0, 1] and [c.first_frame for c in first] == [0, 5]
+    assert session.info["state"] == "open" and session.info["chunks_sent"] == 2
+    assert first[0].fps == 16 and first[0].stats["rows"] >= 1 and "denoise_ms" in first[0].stats
+    assert session.interact(action="right")["applies_from"] == 2  # between chunks: from the next one
+    child = session.fork("served-child", seed=5, chunks=1)
+    more = list(session.play(chunks=2))
+    child_chunks = list(child)
+    local = pipeline.streaming()
+    here = stream(local, "here", 2, seed=31)
+    local.change("here", action="right")
+    local.fork("here", "local-child", seed=5)
+    local_more = [local.next_chunk("here") for _ in range(2)]
+    local_child = [local.next_chunk("local-child")]
+    for mine, theirs in ((first, here), (more, local_more), (child_chunks, local_child)):
+        assert np.array_equal(frames_of(mine), frames_of(theirs))
+    info = session.stop()
+    assert info["state"] == "closed"
+    assert realtime_metric(served, "machgen_realtime_sessions") == 1
+    closed = child.stop()
+    assert closed["cache_bytes"] == 0 and closed["sessions"] == 0
+    assert realtime_metric(served, "machgen_realtime_sessions") == 0
+    assert realtime_metric(served, "machgen_realtime_cache_bytes") == 0
+    received = first + more + child_chunks
+    assert realtime_metric(served, "machgen_realtime_chunks_total") - counted["machgen_realtime_chunks_total"] == 5
+    assert realtime_metric(served, "machgen_realtime_chunk_latency_seconds_count") - \
+        counted["machgen_realtime_chunk_latency_seconds_count"] == 5
+    assert realtime_metric(served, "machgen_realtime_deadline_misses_total") - \
+        counted["machgen_realtime_deadline_misses_total"] == sum(c.stats["deadline_missed"] for c in received)
+
+
+def test_bad_session_requests_are_refused_naming_the_field_and_the_server_serves_on(client):
+    from machgen.client import GenerationError
+
+    def refused(inputs: dict, model: str = "tiny-stream") -> GenerationError:
+        with pytest.raises(GenerationError) as error:
+            client.infer(model, [client.make_input(name, value) for name, value in inputs.items()],
+                         outputs=("session_info",))
+        assert "INVALID_ARGUMENT" in error.value.status, error.value
+        return error.value
+
+    assert "'session_op'" in str(refused({"session": "s1", "session_op": "start", "prompt": PROMPT}))
+    assert "'session'" in str(refused({"session": "nope", "session_op": "interact", "prompt": "x"}))
+    assert "'session_op'" in str(refused({"session": "s1", "session_op": "dance"}))
+    assert "'session'" in str(refused({"session": "bad id!", "session_op": "stop"}))
+    assert "'parent_session'" in str(refused({"session": "s2", "session_op": "fork"}))
+    assert "'chunks'" in str(refused({"session": "s1", "session_op": "stop", "chunks": 2}))
+    with pytest.raises(GenerationError, match="'height'") as error:
+        list(client.open_session("tiny-stream", prompt=PROMPT, height=50, width=WIDTH, chunks=1))
+    with pytest.raises(GenerationError, match="'action'"):
+        list(client.open_session("tiny-stream", action="jump", chunks=1))
+    with pytest.raises(GenerationError, match="'prompt'"):
+        list(client.open_session("tiny-stream", chunks=1))
+    images = client.generate("tiny-stream", PROMPT, seed=1, num_frames=5, num_inference_steps=2)
+    assert images.shape == (5, HEIGHT, WIDTH, 3)
+
+
+def test_machgen_session_writes_the_chunks_to_an_mp4_steered_where_asked(served, pipeline, tmp_path):
+    import subprocess
+    import sys
+
+    from machgen.client.video import read_mp4, write_mp4
+
+    out = tmp_path / "session.mp4"
+    run = subprocess.run([sys.executable, "-m", "machgen.cli", "session", "--url", served.grpc_url, "--model",
+                          "tiny-stream", "--prompt", PROMPT, "--seed", "3", "--chunks", "3", "--steer", "2:left",
+                          "--height", str(HEIGHT), "--width", str(WIDTH), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert [line.split(":")[0] for line in run.stdout.splitlines()[:3]] == ["chunk 0", "chunk 1", "chunk 2"]
+    frames, fps = read_mp4(out)
+    local = pipeline.streaming()
+    expected = stream(local, "cli", 2, seed=3)
+    local.change("cli", action="left")
+    expected.append(local.next_chunk("cli"))
+    write_mp4(frames_of(expected), tmp_path / "expected.mp4", 16)
+    assert frames.shape == (21, HEIGHT, WIDTH, 3) and fps == 16
+    # H.264 is lossy: the same frames encoded here decode to the same pictures.
+    assert np.array_equal(frames, read_mp4(tmp_path / "expected.mp4")[0])
+
+
+def test_a_killed_sampler_ends_its_sessions_streams_at_once_and_new_sessions_play_once_it_is_back(served,
+                                                                                                  client):
+    """The sessions live in the sampler's process: killed, each playing stream ends UNAVAILABLE within
+    seconds (not a hang); machgen serve loads the sampler again and a new session plays."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from machgen.client import GenerationError
+    from machgen.runtime.processes import instances_of, stub_of
+
+    playing = client.open_session("tiny-stream", prompt=PROMPT, seed=9, height=HEIGHT, width=WIDTH)
+    chunks = iter(playing)
+    next(chunks)
+    (triton,) = [child for child in psutil.Process(served.process.pid).children() if child.name() == "tritonserver"]
+    stubs = instances_of("tiny-stream_sampler", [stub for stub in map(stub_of, triton.children()) if stub])
+    for stub in stubs:
+        os.kill(stub.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(GenerationError) as ended:
+        for _ in chunks:
+            pass
+    assert time.monotonic() - killed < 15 and "UNAVAILABLE" in ended.value.status, ended.value
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            again = list(client.open_session("tiny-stream", prompt=PROMPT, seed=9, height=HEIGHT, width=WIDTH,
+                                             chunks=1))
+            break
+        except GenerationError:
+            assert time.monotonic() < deadline, "the sampler did not come back"
+            time.sleep(1)
+    assert len(again) == 1 and again[0].chunk == 0
