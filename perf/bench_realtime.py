@@ -226,6 +226,12 @@ def full_cache_chunks(settings) -> int:
     return (settings.sink_frames + settings.window_frames) // settings.chunk_frames + 1
 
 
+def decode_seconds(made) -> float:
+    """Seconds of decoding: each chunk's share of the decode calls it rode in (chunks finished by one
+    denoiser call decode together)."""
+    return sum(result.stats["decode_ms"] / result.stats["decoded_together"] for result in made) / 1e3
+
+
 def unpaced(pipeline, size, sessions: int, rows: int, chunks: int) -> dict:
     engine = new_engine(pipeline, max_rows=rows)
     ids = open_sessions(engine, sessions, size)
@@ -237,7 +243,7 @@ def unpaced(pipeline, size, sessions: int, rows: int, chunks: int) -> dict:
     seconds = time.perf_counter() - start
     frames = sum(len(result.frames) for result in made)
     return {"fps": frames / seconds, "seconds": seconds, "denoise_s": denoiser.seconds,
-            "decode_s": sum(result.stats["decode_ms"] for result in made) / 1e3, "calls": denoiser.calls,
+            "decode_s": decode_seconds(made), "calls": denoiser.calls,
             "rows_per_call": len(made) * (len(engine.settings.timesteps) + 1) / max(1, denoiser.calls)}
 
 
@@ -253,7 +259,7 @@ def paced(pipeline, size, sessions: int, rows: int, chunks: int, max_ahead_s: fl
     cpu, start = time.process_time(), time.perf_counter()
     made = run_wanted(engine, ids, chunks)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    busy = engine.run_component.seconds + sum(result.stats["decode_ms"] for result in made) / 1e3
+    busy = engine.run_component.seconds + decode_seconds(made)
     return {"misses": sum(engine.session(sid).deadline_misses for sid in ids), "chunks": len(made),
             "late_ms": max(result.stats["late_ms"] for result in made), "busy_share": busy / seconds,
             "cores": cpu / seconds}
@@ -446,8 +452,9 @@ def tables(header: str, first: dict, together: list[dict], prefix: list[dict], f
              f"fps (sessions opened together, max_ahead_s={max_ahead_s:g}): deadline misses over the chunks, the "
              "worst lateness, the share of wall time in denoiser calls and decoding, the CPU cores the process "
              "used. At K = 1 both modes are the same configuration: their difference is the run's noise. The "
-             "decode runs per session in both (each finished chunk through the VAE decoder with its session's "
-             "cache), so only the denoiser calls can gain from batching.", "",
+             "chunks one denoiser call finishes decode together (one VAE decoder call a latent frame for all of "
+             "them, each with its session's cache): batched, a chunk of every session finishes in the same "
+             "call.", "",
              "| K | mode | frames/s | batched / separate | rows per call | denoise s | decode s | paced: misses / "
              "chunks | worst late ms | busy share | CPU cores |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -125,6 +125,24 @@ def test_build_refuses_an_unknown_onnx_exporter_before_loading_anything(tmp_path
     assert "Loading" not in result.output and not (tmp_path / "repo").exists()
 
 
+@pytest.mark.parametrize("target,precision", [("onnxruntime", "int8"), ("onnxruntime", "bf16"), ("torch", "fp8")])
+def test_build_refuses_a_precision_its_target_cannot_build_before_loading_anything(target, precision, tmp_path):
+    """A precision the target does not build was once silently ignored (a float32 build under an int8 name):
+    refused, naming the option, the target and what it builds."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from machgen.builder.cli import app
+
+    model = Path(__file__).parent.parent / "models" / "shapes-flux"
+    result = CliRunner().invoke(app, ["build", str(model), "--name", "shapes", "--out", str(tmp_path / "repo"),
+                                      "--target", target, "--precision", precision])
+    assert result.exit_code == 1, result.output
+    assert f"--precision {precision}: the {target} target builds float only" in " ".join(result.output.split())
+    assert "Loading" not in result.output and not (tmp_path / "repo").exists()
+
+
 def test_serve_verbose_asks_the_sampler_to_log_every_step(tmp_path):
     """machgen serve --verbose reaches the sampler (a step log costs every step a message to the server, so it
     is off otherwise); machgen serve always tells the samplers where to look for a stop."""

@@ -429,10 +429,12 @@ def test_a_killed_sampler_ends_its_sessions_streams_at_once_and_new_sessions_pla
     deadline = time.monotonic() + 120
     while True:
         try:
-            again = list(client.open_session("tiny-stream", prompt=PROMPT, seed=9, height=HEIGHT, width=WIDTH,
-                                             chunks=1))
+            session = client.open_session("tiny-stream", prompt=PROMPT, seed=9, height=HEIGHT, width=WIDTH,
+                                          chunks=1)
+            again = list(session)
             break
         except GenerationError:
             assert time.monotonic() < deadline, "the sampler did not come back"
             time.sleep(1)
     assert len(again) == 1 and again[0].chunk == 0
+    assert session.stop()["sessions"] == 0

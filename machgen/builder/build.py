@@ -6,7 +6,7 @@ import contextlib
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -57,6 +57,10 @@ class AttentionOptions:
                                      precision="fp8_e4m3")
 
 
+# What each target can build, its default first.
+TARGET_PRECISIONS = {"onnxruntime": ("float",), "torch": ("float",), "tensorrt": ("bf16", "fp8")}
+
+
 @dataclass(frozen=True)
 class TargetOptions:
     """How the GPU targets export and run the components (the onnxruntime
@@ -72,8 +76,10 @@ class TargetOptions:
     cuda_graphs: bool = True
     # torch: torch.compile every program at load (minutes for a large model).
     compile: bool = False
-    # tensorrt: bf16, or fp8 (FP8 where the graph has Q/DQ pairs or the FP8 attention plugin, BF16 elsewhere).
-    precision: str = "bf16"
+    # The linear layers' precision, where the target can build it (TARGET_PRECISIONS); None: the target's
+    # first. tensorrt: bf16, or fp8 (FP8 where the graph has Q/DQ pairs or the FP8 attention plugin, BF16
+    # elsewhere); onnxruntime: float (float32); torch: float (the programs' --dtype).
+    precision: str | None = None
     # tensorrt: engines whose weights can be swapped (refit) without a rebuild.
     refittable: bool = True
     # tensorrt: tactic timings kept across builds (read, then rewritten).
@@ -82,6 +88,16 @@ class TargetOptions:
     # component's file passes the checks of builder/export.py export_torchscript, dynamo elsewhere; 15-50x faster
     # per component it takes). None: $MACHGEN_ONNX_EXPORTER, else dynamo.
     onnx_exporter: str | None = None
+
+    def target_precision(self, target: str) -> str:
+        """The precision a build for ``target`` uses, or a refusal naming the option and the target."""
+        built = TARGET_PRECISIONS[target]
+        if self.precision is None:
+            return built[0]
+        if self.precision not in built:
+            raise ValueError(f"--precision {self.precision}: the {target} target builds {', '.join(built)} only "
+                             "(INT8 and FP8 linear layers on the CPU and the torch target are not built yet)")
+        return self.precision
 
     def torch_device(self) -> str:
         import torch
@@ -179,11 +195,11 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
 
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
-    if target == "tensorrt":  # checked before minutes of export
-        from machgen.builder.tensorrt_engine import PRECISIONS, require_tensorrt
+    # Checked before minutes of export.
+    target_options = replace(target_options, precision=target_options.target_precision(target))
+    if target == "tensorrt":
+        from machgen.builder.tensorrt_engine import require_tensorrt
 
-        if target_options.precision not in PRECISIONS:
-            raise ValueError(f"precision {target_options.precision!r} is not one of {', '.join(PRECISIONS)}")
         require_tensorrt()
     options = options or ServingOptions()
     _quiet_exporter()

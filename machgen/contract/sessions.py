@@ -59,8 +59,9 @@ SESSION_OUTPUTS: tuple[ApiTensor, ...] = (
                                                              "width, RGB], as soon as they are decoded"),
     ApiTensor(CHUNK_INFO_OUTPUT, "BYTES", (1,), "realtime: JSON of the chunk: session, chunk, first_frame, "
                                                 "frames, fps, and its stats (wait_ms: from its request to its "
-                                                "frames, denoise_ms, decode_ms, rows: the most sessions in its "
-                                                "calls, deadline_missed, late_ms, cache_bytes: the session's)"),
+                                                "frames, denoise_ms, decode_ms, decoded_together, rows: the most "
+                                                "sessions in its calls, deadline_missed, late_ms, cache_bytes: "
+                                                "the session's)"),
     ApiTensor(SESSION_INFO_OUTPUT, "BYTES", (1,), "realtime: JSON answer of a session op: session, state "
                                                   "(open, closed), chunks (generated), cache_bytes"),
 )

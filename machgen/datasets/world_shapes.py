@@ -5,8 +5,12 @@ chunk's motion back. The ground truth of the world model
 
 Deterministic from a seed, numpy only. The shapes, colours and backgrounds
 of the moving-shapes dataset (machgen/datasets/moving_shapes.py): one
-filled shape, 14-22 px across, on a flat dark background with mild noise
-(the same in every frame). A clip is a sequence of chunks, each
+filled shape on a flat dark background with mild noise (the same in every
+frame). Every episode starts with the shape, 18 px across, at the frame's
+centre: a session's first chunk is then what its prompt says, not one of
+many places and sizes, which a few denoising steps without guidance would
+blur into their mean (a model trained on random starts drew no shape at
+all); from there the actions decide everything. A clip is a sequence of chunks, each
 ``chunk_frames`` latent frames of the causal Wan VAE: the first chunk
 1 + 4 (chunk_frames - 1) video frames, each later one 4 chunk_frames (the
 VAE encodes the first frame alone, then four at a time). Each chunk obeys
@@ -43,7 +47,8 @@ ACTION_TEMPLATES = {**{direction: "{prompt} moves " + phrase
                     "stop": "{prompt} stays still"}
 SPEED = 1.0  # px per video frame
 CHUNK_FRAMES = 2  # latent frames a chunk (the world model's streaming chunk)
-_SIZES = (14, 22)  # px across, inclusive
+START = (SIZE / 2, SIZE / 2)
+START_SIZE = 18  # px across
 _MARGIN = 2  # px between the shape and the frame's edge at a wall
 # Training sequences: the previous action again this often (runs of one action), and a push into a wall
 # (the shape already against it) redrawn this often.
@@ -183,14 +188,12 @@ class Episode:
 
 
 def sample(rng: np.random.Generator, chunks: int, chunk_frames: int = CHUNK_FRAMES, walk: bool = False,
-           subject: Subject | None = None, speed: float = SPEED) -> Episode:
-    """An episode of ``chunks`` chunks: a random subject, size, start, background, and actions (random ones
-    for training, ``walk`` for the evaluation's wall-free walk)."""
+           subject: Subject | None = None, speed: float = SPEED, start: tuple[float, float] = START,
+           size: int = START_SIZE) -> Episode:
+    """An episode of ``chunks`` chunks: a random subject and background, and actions (random ones for
+    training, ``walk`` for the evaluation's wall-free walk), from ``start`` at ``size``."""
     subjects = all_subjects()
     subject = subject or subjects[rng.integers(len(subjects))]
-    size = int(rng.integers(_SIZES[0], _SIZES[1] + 1))
-    low, high = bounds(size)
-    start = (float(rng.uniform(low, high)), float(rng.uniform(low, high)))
     background = rng.integers(0, 51, 3)
     noise = rng.normal(0, 3, (SIZE, SIZE, 3))
     chooser = walk_actions if walk else training_actions

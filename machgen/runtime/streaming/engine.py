@@ -248,8 +248,8 @@ class StreamingEngine:
             session.deadline_misses += done > due
             result = ChunkResult(session.session_id, chunk, session.frames_sent, first_frame, frames, clean, {
                 "denoise_ms": session.chunk_denoise_s * 1000, "decode_ms": (done - decode_started) * 1000,
-                "rows": session.chunk_rows, "deadline_missed": done > due, "late_ms": max(0.0, done - due) * 1000,
-                "cache_bytes": session.cache.bytes()})
+                "decoded_together": len(finished), "rows": session.chunk_rows, "deadline_missed": done > due,
+                "late_ms": max(0.0, done - due) * 1000, "cache_bytes": session.cache.bytes()})
             session.chunk_denoise_s, session.chunk_rows = 0.0, 0
             session.frames_sent += len(frames)
             session.wants -= 1
