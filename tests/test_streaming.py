@@ -212,6 +212,29 @@ def test_sessions_are_evicted_when_idle_refused_over_the_budget_and_give_their_m
     engine.open("c", PROMPT, 1, HEIGHT, WIDTH)
 
 
+def test_the_load_admission_reads_is_the_share_of_time_in_calls_and_fades_when_idle(pipeline):
+    """The sampler refuses a new session while the denoiser calls keep the model busy (runtime/triton_models/
+    sessions.py FULL_BUSY_SHARE): the share of wall time in calls, here on a clock the calls themselves move
+    (each call takes 1 s, 0.25 s pass between calls), fading to nothing over 2 s without a call."""
+    now = [0.0]
+    engine = pipeline.streaming(clock=lambda: now[0])
+    run = engine.run_component
+
+    def slow_call(name, inputs):
+        now[0] += 1.0
+        return run(name, inputs)
+
+    engine.run_component = slow_call
+    engine.open("a", PROMPT, 1, HEIGHT, WIDTH)
+    engine.want("a", 20)
+    for _ in range(60):
+        engine.step()
+        now[0] += 0.25
+    assert engine.load() == pytest.approx(0.8 * (1 - 0.25 / 2), abs=0.05)
+    now[0] += 2.0
+    assert engine.load() == 0.0
+
+
 def test_a_session_over_the_memory_budget_is_refused_until_one_closes(pipeline):
     engine = pipeline.streaming(memory_budget_bytes=1)
     stream(engine, "a", 1)
