@@ -121,6 +121,8 @@ class ComponentResult:
     max_abs_diff: float
     tolerance: float
     seconds: float
+    # The exported file's bytes with its external data: its weights at the precision it was built in.
+    file_bytes: int = 0
 
 
 def _quiet_exporter() -> None:
@@ -306,8 +308,10 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 if cache is not None:
                     cache.store(key, folder, {"sparse_attention_nodes": nodes, "parity": asdict(report)})
             sparse_nodes += nodes
+            file_bytes = sum(item.stat().st_size for item in folder.glob(path.name + "*") if item.is_file())
             log(f"[{index}/{len(exports)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
-                f"(tolerance {report.tolerance:g}){f', {nodes} SparseAttention calls' if nodes else ''}"
+                f"(tolerance {report.tolerance:g}), {file_bytes / 2**20:.2f} MiB"
+                f"{f', {nodes} SparseAttention calls' if nodes else ''}"
                 f"{f', {len(adapter_layers)} adaptable layers' if adapter_layers else ''}, "
                 f"{time.perf_counter() - start:.1f} s{' (export cache)' if cached is not None else ''}")
             onnx_files[spec.name] = path
@@ -315,7 +319,9 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 path = _engine(exporter, component, path, defaults, settings, options, target_options, sparse, log)
             exported[spec.name] = path
             results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance,
-                                           time.perf_counter() - start))
+                                           time.perf_counter() - start, file_bytes))
+        log(f"weights: {sum(result.file_bytes for result in results) / 2**20:.2f} MiB in {len(results)} components "
+            f"({target_options.precision})")
         if target == "onnxruntime":
             exported.update(_fuse_chains(specs, exported, Path(scratch), log))
         if sparse is not None and not sparse_nodes:
