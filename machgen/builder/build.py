@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import tempfile
 import time
@@ -58,7 +59,7 @@ class AttentionOptions:
 
 
 # What each target can build, its default first.
-TARGET_PRECISIONS = {"onnxruntime": ("float",), "torch": ("float",), "tensorrt": ("bf16", "fp8")}
+TARGET_PRECISIONS = {"onnxruntime": ("float", "int8"), "torch": ("float",), "tensorrt": ("bf16", "fp8")}
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class TargetOptions:
             return built[0]
         if self.precision not in built:
             raise ValueError(f"--precision {self.precision}: the {target} target builds {', '.join(built)} only "
-                             "(INT8 and FP8 linear layers on the CPU and the torch target are not built yet)")
+                             "(FP8 linear layers on the onnxruntime and torch targets are not built yet)")
         return self.precision
 
     def torch_device(self) -> str:
@@ -190,6 +191,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     its card's (machgen.json's ``"streaming"``); either adds its components."""
     from machgen.builder.calibrate import calibration_summary
     from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch, onnx_exporter
+    from machgen.builder.quantize import INT8_RELATIVE_TOLERANCE, quantize_int8
+    from machgen.contract.specs import is_denoiser
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
     from machgen.builder.rebuild import plan_rebuild
     from machgen.builder.repository import ServingOptions, TargetServing, render_repository, write_repository
@@ -269,6 +272,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         export_options["onnx_exporter"] = onnx_exporter_name
     results: list[ComponentResult] = []
     sparse_nodes = 0
+    precision: dict = {}  # the components built below float: what each got (builder/quantize.py)
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
         exported: dict[str, Path] = {}
         onnx_files: dict[str, Path] = {}  # the tensorrt target's checked ONNX files, beside its engines
@@ -308,6 +312,11 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 if cache is not None:
                     cache.store(key, folder, {"sparse_attention_nodes": nodes, "parity": asdict(report)})
             sparse_nodes += nodes
+            if target_options.precision == "int8" and is_denoiser(spec.name):
+                precision[spec.name] = quantize_int8(path)
+                report = check_parity(component, path, dtype, device, relative_tolerance=INT8_RELATIVE_TOLERANCE)
+                log(f"[{index}/{len(exports)}] {spec.name}: int8, {len(precision[spec.name]['layers'])} layers "
+                    f"(weights per output channel, inputs per call)")
             file_bytes = sum(item.stat().st_size for item in folder.glob(path.name + "*") if item.is_file())
             log(f"[{index}/{len(exports)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
                 f"(tolerance {report.tolerance:g}), {file_bytes / 2**20:.2f} MiB"
@@ -324,6 +333,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             f"({target_options.precision})")
         if target == "onnxruntime":
             exported.update(_fuse_chains(specs, exported, Path(scratch), log))
+        if precision:
+            _record_precision(plan.files, name, precision)
         if sparse is not None and not sparse_nodes:
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
@@ -348,6 +359,15 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         plan.write_record({relative.split("/", 1)[0] for relative in files})
     log(f"wrote model repository {out} (public model '{name}', target {target})")
     return results
+
+
+def _record_precision(files: dict[str, str], name: str, precision: dict) -> None:
+    """The manifest among the files to write, with what each component built below float got."""
+    from machgen.contract.manifest import MANIFEST_FILE, PipelineManifest, SAMPLER, model_name
+
+    path = f"{model_name(name, SAMPLER)}/1/{MANIFEST_FILE}"
+    manifest = PipelineManifest.from_json(json.loads(files[path]))
+    files[path] = replace(manifest, precision=precision).render()
 
 
 def _fuse_chains(specs: dict, onnx_files: dict[str, Path], scratch: Path,

@@ -130,8 +130,9 @@ def build(
     compile_programs: bool = typer.Option(_TARGET.compile, "--compile/--no-compile",
                                           help="torch: torch.compile the programs at load"),
     precision: str = typer.Option(None, "--precision", help="the linear layers' precision the target builds: "
-                                                            "tensorrt bf16 (default) or fp8; onnxruntime and "
-                                                            "torch float (default); another is refused"),
+                                                            "onnxruntime float (default) or int8 (the "
+                                                            "denoiser's); tensorrt bf16 (default) or fp8; torch "
+                                                            "float; another is refused"),
     refittable: bool = typer.Option(_TARGET.refittable, "--refittable/--no-refittable",
                                     help="tensorrt: engines whose weights can be swapped without a rebuild"),
     timing_cache: Path = typer.Option(None, "--timing-cache", dir_okay=False,

@@ -462,14 +462,16 @@ def _as_tuple(outputs):
 
 
 def check_parity(component: ExportableComponent, path: Path, dtype: str = "float32",
-                 device: str = "cpu") -> ParityReport:
+                 device: str = "cpu", relative_tolerance: float = 0.0) -> ParityReport:
     """Run the exported file (ONNX under ONNX Runtime, or the torch target's
     program) and the torch module on the sample inputs, and on their first
     row alone (a batch size the trace did not see).
 
     The module runs in ``dtype`` on ``device``, as the program was traced; in
     a dtype other than float32 the tolerance is relative (1 % of the largest
-    output): the program and the module round the same computation."""
+    output): the program and the module round the same computation. A file
+    in a lower precision than the module (int8 layers) is held to
+    ``relative_tolerance`` of the largest output."""
     import numpy as np
     import torch
 
@@ -494,6 +496,8 @@ def check_parity(component: ExportableComponent, path: Path, dtype: str = "float
             want = as_numpy(want.float() if want.is_floating_point() else want)
             if dtype != "float32" and want.size:
                 tolerance = max(tolerance, 0.01 * float(np.abs(want).max()))
+            if relative_tolerance and want.size:
+                tolerance = max(tolerance, relative_tolerance * float(np.abs(want).max()))
             if have.shape != want.shape:
                 raise ParityError(f"{spec.name}.{tensor.name}: {path.name} shape {have.shape} != torch {want.shape}")
             diff = float(np.max(np.abs(have.astype(np.float64) - want.astype(np.float64)))) if want.size else 0.0

@@ -171,6 +171,9 @@ class PipelineManifest:
     # The parallel layout the denoiser's steps run under (parallel/layout.py ParallelLayout as JSON; each
     # parallel component's folder holds its ShardPlan); None: one device. For the record.
     parallel: Mapping[str, Any] | None = None
+    # The components built in a lower precision than float, by name: what each got (builder/quantize.py),
+    # its layers and their weight scales; None: every component in float. For the record.
+    precision: Mapping[str, Any] | None = None
     version: int = MANIFEST_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -181,6 +184,7 @@ class PipelineManifest:
             "defaults": self.defaults.to_json(), "family_settings": dict(self.family_settings),
             "cache": dict(self.cache), "prompt_cache_size": self.prompt_cache_size, "attention": self.attention,
             "preview_interval": self.preview_interval, "adapters": self.adapters, "parallel": self.parallel,
+            "precision": self.precision,
         }
 
     @classmethod
@@ -198,7 +202,7 @@ class PipelineManifest:
                        family_settings=data["family_settings"], cache=data.get("cache") or {},
                        prompt_cache_size=int(data.get("prompt_cache_size", 256)), attention=data.get("attention"),
                        preview_interval=int(data.get("preview_interval", 4)), adapters=data.get("adapters"),
-                       parallel=data.get("parallel"))
+                       parallel=data.get("parallel"), precision=data.get("precision"))
         except (KeyError, TypeError) as err:
             raise ManifestError(f"{source} is malformed: {err!r}") from err
 

@@ -1,0 +1,78 @@
+"""Lower precision per component (builder/quantize.py, machgen-build build --precision): the onnxruntime target's
+int8 denoiser against the float build of the same tiny Flux, in process and served."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from conftest import PIPELINE_NAME, build_tiny_repository, serving
+
+from machgen.client import MachgenClient
+
+pytestmark = pytest.mark.export
+
+PROMPT = "a red cat"
+OPTIONS = dict(seed=3, num_inference_steps=6, cache_policy="none")
+
+
+@pytest.fixture(scope="module")
+def float_repository(tiny_flux_dir, tmp_path_factory):
+    return build_tiny_repository(tmp_path_factory, tiny_flux_dir, PIPELINE_NAME)
+
+
+@pytest.fixture(scope="module")
+def int8_repository(tiny_flux_dir, tmp_path_factory):
+    from machgen.builder.build import TargetOptions, build_repository
+    from machgen.builder.repository import ServingOptions
+
+    out = tmp_path_factory.mktemp("int8-repository")
+    lines: list[str] = []
+    results = build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lines.append, preview=False,
+                               options=ServingOptions(in_flight=2, component_instances=1),
+                               target_options=TargetOptions(precision="int8"))
+    return out, results, lines
+
+
+def manifest_of(repository):
+    return json.loads((repository / f"{PIPELINE_NAME}_sampler" / "1" / "pipeline.json").read_text())
+
+
+def test_the_denoiser_is_built_in_int8_and_the_manifest_and_log_say_what_each_layer_got(int8_repository,
+                                                                                      float_repository):
+    repository, results, lines = int8_repository
+    precision = manifest_of(repository)["precision"]
+    assert sorted(precision) == ["denoiser_head", "denoiser_reuse", "denoiser_tail"]
+    for name, got in precision.items():
+        assert got["precision"] == "int8" and got["layers"], name
+        assert all(0 < low <= high for low, high in got["layers"].values()), name
+        assert any(f"{name}: int8, {len(got['layers'])} layers" in line for line in lines), name
+    assert manifest_of(float_repository).get("precision") is None
+    sizes = {result.name: result.file_bytes for result in results}
+    float_sizes = {name: (float_repository / f"{PIPELINE_NAME}_{name}" / "1" / "model.onnx").stat().st_size
+                   for name in ("denoiser_head", "denoiser_tail", "text_encoder")}
+    assert sizes["denoiser_tail"] < float_sizes["denoiser_tail"]  # the tiny model's norms and biases stay float
+    assert sizes["text_encoder"] == float_sizes["text_encoder"]  # not quantized
+    joined = onnx.load(str(repository / f"{PIPELINE_NAME}_denoiser" / "1" / "model.onnx"))
+    assert any(node.op_type == "MatMulInteger" for node in joined.graph.node)
+    onnx.checker.check_model(joined, full_check=True)
+
+
+def psnr(a, b) -> float:
+    error = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float(10 * np.log10(255**2 / max(error, 1e-12)))
+
+
+def test_the_int8_build_stays_near_the_float_build_and_serves_what_it_computes_in_process(int8_repository,
+                                                                                      float_repository):
+    from machgen.runtime.local import LocalPipeline
+
+    repository, _, _ = int8_repository
+    int8 = LocalPipeline(repository, PIPELINE_NAME).generate(PROMPT, **OPTIONS)[0]
+    exact = LocalPipeline(float_repository, PIPELINE_NAME).generate(PROMPT, **OPTIONS)[0]
+    assert 30 <= psnr(int8, exact) < 100  # near, and not the float build under another name
+    with serving(repository) as server, MachgenClient(server.grpc_url) as client:
+        served = client.generate(PIPELINE_NAME, PROMPT, **OPTIONS)
+    assert np.abs(served.astype(int) - int8.astype(int)).max() <= 1
