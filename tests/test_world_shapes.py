@@ -53,6 +53,27 @@ def test_captions_are_the_action_templates_around_the_subject():
     assert len(world_shapes.all_captions()) == 21 * 6
 
 
+def test_a_drifted_colour_repaints_only_the_shape_part_of_the_way():
+    rng = np.random.default_rng(5)
+    episode = world_shapes.sample(rng, 3)
+    true = np.asarray(world_shapes.shapes.PALETTE[episode.subject.colour], float)
+    for _ in range(20):
+        drifted = world_shapes.drifted_colour(rng, episode.subject.colour)
+        # On the segment from the true colour to another palette colour, 15-60 % of the way.
+        shares = []
+        for name, other in world_shapes.shapes.PALETTE.items():
+            direction = np.asarray(other, float) - true
+            if name == episode.subject.colour:
+                continue
+            share = (drifted - true) @ direction / (direction @ direction)
+            if np.allclose(true + share * direction, drifted):
+                shares.append(share)
+        assert any(0.15 <= share <= 0.6 for share in shares)
+        frames = world_shapes.recolour(episode, drifted)
+        assert np.array_equal(frames[~episode.masks], episode.frames[~episode.masks])
+        assert np.allclose(frames[episode.masks], np.round(drifted))
+
+
 def _readings(walk: bool, count: int, seed: int):
     rng = np.random.default_rng(seed)
     for _ in range(count):

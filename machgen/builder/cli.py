@@ -416,7 +416,7 @@ def train(
         from machgen.builder.world_training import train_world_cli
 
         record = train_world_cli(out, base, steps=steps, minutes=minutes, batch=batch, seed=seed, resume=resume,
-                                 log=typer.echo)
+                                 decoder_steps=decoder_steps, decoder_minutes=decoder_minutes, log=typer.echo)
         typer.echo(f"trained: {record['transformer_steps']} steps; model in {out / 'model'}")
         return
     if lora:

@@ -8,7 +8,8 @@ detector (machgen/datasets/world_shapes.py).
 
 A session opens with its subject as the prompt ("a red circle"); before each chunk the walk picks an action
 among those whose whole chunk keeps the shape (where the detector last saw it, taken at the largest size)
-inside the walls, and the session switches to that action's prompt (the card's template around the subject).
+inside the walls, and steers the session with it (the engine switches to the action's prompt: the card's
+template around the subject).
 A chunk is steered when the detector reads its action (``stop``: it stays still); the first chunk after a
 key is the first that counts. Reported: the share of chunks steered and with the subject's colour and shape
 kept, over all chunks and over chunks 1-8 and 17-24 (drift); each key's lag (chunks from the key to the
@@ -41,11 +42,6 @@ class SessionRecord:
     frames: list = field(default_factory=list)
 
 
-def steer_prompt(settings, action: str, subject: world_shapes.Subject) -> str:
-    """The prompt an action switches a session to: the card's template around the session's subject."""
-    return settings.actions[action].format(prompt=subject.phrase)
-
-
 def run_sessions(engine, sessions: list[tuple[world_shapes.Subject, int]], chunks: int, rows: int,
                  size: tuple[int, int] = (64, 64), keep_frames: bool = False,
                  log=print) -> list[SessionRecord]:
@@ -68,7 +64,7 @@ def run_sessions(engine, sessions: list[tuple[world_shapes.Subject, int]], chunk
                            else list(world_shapes.ACTIONS))
                 action = allowed[walks[id(record)].integers(len(allowed))]
                 record.actions.append(action)
-                engine.change(f"s{record.seed}", prompt=steer_prompt(settings, action, record.subject))
+                engine.change(f"s{record.seed}", action=action)
                 engine.want(f"s{record.seed}")
             while any(engine.session(f"s{r.seed}").wants for r in group):
                 engine.step({f"s{r.seed}" for r in group})
@@ -89,7 +85,6 @@ def run_sessions(engine, sessions: list[tuple[world_shapes.Subject, int]], chunk
 def key_latency(engine, chunks: int, size: tuple[int, int] = (64, 64)) -> dict:
     """One session alone: the wall time from a key (a prompt switch, re-caching the kept chunks) to the frames
     of the chunk that shows it, for ``chunks`` keys in a row, each a different action than the one before."""
-    settings = engine.settings
     subject = world_shapes.Subject("red", "circle")
     engine.open("latency", subject.phrase, 0, *size)
     engine.next_chunk("latency")
@@ -97,7 +92,7 @@ def key_latency(engine, chunks: int, size: tuple[int, int] = (64, 64)) -> dict:
     times = []
     for index in range(chunks):
         started = time.perf_counter()
-        engine.change("latency", prompt=steer_prompt(settings, cycle[index % len(cycle)], subject))
+        engine.change("latency", action=cycle[index % len(cycle)])
         engine.next_chunk("latency")
         times.append(time.perf_counter() - started)
     engine.close("latency")
@@ -118,7 +113,7 @@ def _last_centre(frames):
 def score(records: list[SessionRecord]) -> dict:
     """Steering, subject and lag figures of played sessions (chunk ranges 1-based, as the issue counts)."""
     def shares(select) -> dict:
-        steered = kept = total = 0
+        steered = kept = colour = shape = total = 0
         for record in records:
             for index, (action, reading) in enumerate(zip(record.actions, record.readings)):
                 if not select(index):
@@ -127,7 +122,10 @@ def score(records: list[SessionRecord]) -> dict:
                 steered += reading is not None and reading.action == action
                 kept += reading is not None and (reading.colour, reading.shape) == (record.subject.colour,
                                                                                     record.subject.shape)
+                colour += reading is not None and reading.colour == record.subject.colour
+                shape += reading is not None and reading.shape == record.subject.shape
         return {"steered": round(steered / max(total, 1), 4), "subject_kept": round(kept / max(total, 1), 4),
+                "colour_kept": round(colour / max(total, 1), 4), "shape_kept": round(shape / max(total, 1), 4),
                 "chunks": total}
 
     lags, missed = [], 0
@@ -153,6 +151,7 @@ def score(records: list[SessionRecord]) -> dict:
         "all": shares(lambda i: True),
         "chunks_1_8": shares(lambda i: i < 8),
         "chunks_17_24": shares(lambda i: 16 <= i < 24),
+        **({f"chunks_{chunks - 7}_{chunks}": shares(lambda i: i >= chunks - 8)} if chunks > 24 else {}),
         "keys": len(lags) + missed, "keys_missed": missed,
         "lag_chunks": {str(lag): lags.count(lag) for lag in sorted(set(lags))},
         "mean_lag_chunks": round(float(np.mean(lags)), 3) if lags else None,

@@ -3,8 +3,18 @@
 realtime session of the streaming mode generates it (docs/realtime.md;
 machgen/datasets/world_shapes.py for the data).
 
-Starts from ``models/shapes-wan`` (its VAE frozen); the transformer and the
-text encoder are fine-tuned causally, as the streaming mode runs them:
+Starts from ``models/shapes-wan``. Two stages, each resumable from its checkpoint in ``OUT/checkpoints/``:
+
+``world-decoder``: the VAE's decoder fine-tuned on long episodes, its encoder
+frozen (so the transformer's latents do not change). The base VAE was
+trained on 17-frame clips only and its causal caches are not stationary:
+round trips of world episodes lost colour from the fourth chunk on (latent
+frame 6; yellow decoded magenta, green cyan, 17-21 dB), so a streamed
+session, decoded chunk after chunk without end, drifted in colour whatever
+the transformer did.
+
+``world-transformer``: the transformer and the text encoder fine-tuned
+causally, as the streaming mode runs them:
 
 - A sample is one target chunk after its context: the sink (the session's
   first chunk) and up to ``window_chunks`` chunks right before the target,
@@ -24,7 +34,11 @@ text encoder are fine-tuned causally, as the streaming mode runs them:
 - Drift: the sink anchors the subject; the context is noised a little
   (context noise augmentation: half of the rows, sigma up to 0.08, still at
   timestep 0) so that a slightly wrong chunk of the model's own does not
-  throw the next one off.
+  throw the next one off; and in a share of the samples the window's chunks
+  show the shape in a drifted colour (15-60 % of the way to another palette
+  colour) while the target shows it right (colour drift augmentation): the
+  first rollouts kept shape and motion but drifted in colour (blue to cyan,
+  yellow to magenta) and then copied the wrong colour from the window.
 
 Episodes of ``episode_chunks`` chunks are encoded once by the frozen VAE into
 a pool, a share of which is replaced by fresh episodes as training goes on.
@@ -43,6 +57,7 @@ from typing import Callable
 import numpy as np
 
 from machgen.builder.training_loop import Checkpointer, EmaTraining
+from machgen.builder.world_decoder import train_world_decoder
 from machgen.datasets import moving_shapes, world_shapes
 
 BASE_MODEL = Path("models/shapes-wan")
@@ -84,15 +99,23 @@ class WorldTrainingSettings:
     # Fresh episodes encoded into the pool (replacing random ones) every so many steps: encoding them together
     # costs a quarter of encoding each alone.
     refresh_episodes: int = 8
-    refresh_every: int = 16
+    refresh_every: int = 24
     # Share of samples at a session's start (the target within the first sink + window chunks, no gap).
     start_share: float = 0.35
     # Share of samples whose target sigma is one of the card's steps (the rest shifted-uniform).
     step_sigma_share: float = 0.75
     context_noise_share: float = 0.5
     context_noise_max: float = 0.08
+    # Share of samples whose window chunks show a drifted colour (the sink and the target the true one).
+    colour_drift_share: float = 0.3
     # Share of still chunks captioned with the bare subject (a session's starting prompt).
     bare_subject_share: float = 0.15
+    # The decoder stage: steps, time budget, learning rate, shape pixels' extra loss weight, episode lengths.
+    decoder_steps: int = 3000
+    decoder_minutes: float | None = None
+    decoder_lr: float = 5e-4
+    decoder_shape_weight: float = 4.0
+    decoder_chunks: tuple[int, ...] = (8, 15)  # alternately: 61 frames two at a time, 117 frames alone
     checkpoint_minutes: float = 5.0
     check_minutes: float | None = 20.0
     check_sessions: int = 6
@@ -198,30 +221,36 @@ class EpisodePool:
 
         self.vae, self.settings, self.rng = vae, settings, rng
         start = time.monotonic()
-        latents, self.subjects, self.actions = [], [], []
+        latents, drifted, self.subjects, self.actions = [], [], [], []
         for first in range(0, settings.pool_episodes, 16):
-            encoded, subjects, actions = self._encode(min(16, settings.pool_episodes - first))
+            encoded, encoded_drifted, subjects, actions = self._encode(min(16, settings.pool_episodes - first))
             latents.append(encoded)
+            drifted.append(encoded_drifted)
             self.subjects += subjects
             self.actions += actions
-        self.latents = torch.cat(latents)
-        log(f"episode pool {tuple(self.latents.shape)} built in {time.monotonic() - start:.0f} s")
+        self.latents, self.drifted = torch.cat(latents), torch.cat(drifted)
+        log(f"episode pool {tuple(self.latents.shape)} (and as many drifted in colour) built in "
+            f"{time.monotonic() - start:.0f} s")
 
     def _encode(self, count: int):
+        """``count`` fresh episodes: their latents, those of the same episodes in a drifted colour, subjects and
+        actions."""
         from machgen.builder.vae_clips import encode_clips
 
         episodes = [world_shapes.sample(self.rng, self.settings.episode_chunks, self.settings.streaming.chunk_frames)
                     for _ in range(count)]
         latents = encode_clips(self.vae, np.stack([e.frames for e in episodes]))
-        return latents, [e.subject for e in episodes], [e.actions for e in episodes]
+        drifted = encode_clips(self.vae, np.stack([
+            world_shapes.recolour(e, world_shapes.drifted_colour(self.rng, e.subject.colour)) for e in episodes]))
+        return latents, drifted, [e.subject for e in episodes], [e.actions for e in episodes]
 
     def refresh(self, count: int) -> None:
         """Replaces ``count`` random episodes with fresh ones."""
         if count <= 0:
             return
-        latents, subjects, actions = self._encode(count)
+        latents, drifted, subjects, actions = self._encode(count)
         for offset, index in enumerate(self.rng.choice(len(self.latents), count, replace=False)):
-            self.latents[index] = latents[offset]
+            self.latents[index], self.drifted[index] = latents[offset], drifted[offset]
             self.subjects[index], self.actions[index] = subjects[offset], actions[offset]
 
 
@@ -279,6 +308,13 @@ def world_loss(forward: BlockCausalForward, text_encoder, prompts: PromptIds, po
     frame_index = torch.tensor([c * frames + f for c in layout.chunks for f in range(frames)])
     x0 = pool.latents[torch.from_numpy(rows)][:, :, frame_index]
     batch, channels, total, height, width = x0.shape
+    # Colour drift: the window's chunks (after the sink, before the target) from the drifted copies.
+    window = [i * frames + f for i, c in enumerate(layout.chunks[:-1]) if c >= streaming.sink_chunks
+              for f in range(frames)]
+    drift_rows = np.flatnonzero(rng.random(batch) < settings.colour_drift_share)
+    if window:
+        for row in drift_rows:
+            x0[row, :, window] = pool.drifted[rows[row]][:, frame_index[window]]
     positions = torch.tensor([p * frames + f for p in layout.positions for f in range(frames)]).expand(batch, -1)
 
     captions = []
@@ -364,6 +400,7 @@ def train_world_model(out: Path, settings: WorldTrainingSettings, base: Path = B
     checkpoints.mkdir(parents=True, exist_ok=True)
     (checkpoints / "settings.json").write_text(json.dumps({"base": str(base), **asdict(settings)}, indent=2) + "\n")
     vae, transformer, text_encoder, tokenizer = load_base(base, checkpoints / "tokenizer", log)
+    decoder_metrics = train_world_decoder(out, settings, vae, resume, log)
     stage = EmaTraining("world-transformer", [transformer, text_encoder], settings.lr, settings.warmup_steps,
                         settings.ema_decay, Checkpointer(checkpoints / "world-transformer.pt",
                                                          settings.checkpoint_minutes),
@@ -387,7 +424,7 @@ def train_world_model(out: Path, settings: WorldTrainingSettings, base: Path = B
     metrics = stage.metrics()
     log(f"world-transformer: {json.dumps(metrics)}")
     export_world_model(out / "model", base, vae, stage.ema, tokenizer, settings)
-    record = {"settings": asdict(settings), "base": str(base), **metrics,
+    record = {"settings": asdict(settings), "base": str(base), **decoder_metrics, **metrics,
               "wall_minutes_this_run": round((time.time() - started) / 60, 1)}
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     log(f"saved {out / 'model'}")
@@ -395,12 +432,14 @@ def train_world_model(out: Path, settings: WorldTrainingSettings, base: Path = B
 
 
 def train_world_cli(out: Path, base: Path | None, *, steps: int, minutes: float | None, batch: int, seed: int,
-                    resume: bool, log: Callable[[str], None]) -> dict:
+                    resume: bool, log: Callable[[str], None], decoder_steps: int = 3000,
+                    decoder_minutes: float | None = None) -> dict:
     """``machgen-build train OUT --world``: one thread (the machine's other work keeps a core)."""
     import torch
 
     torch.set_num_threads(1)
-    settings = WorldTrainingSettings(seed=seed, steps=steps, minutes=minutes, batch=batch)
+    settings = WorldTrainingSettings(seed=seed, steps=steps, minutes=minutes, batch=batch,
+                                     decoder_steps=decoder_steps, decoder_minutes=decoder_minutes)
     return train_world_model(out, settings, base or BASE_MODEL, resume=resume, log=log)
 
 
@@ -520,6 +559,9 @@ def export_checkpoint(out: Path, model_dir: Path | None = None, base: Path = BAS
     settings = WorldTrainingSettings(**saved, streaming=WorldStreaming(**{**streaming,
                                                                           "timesteps": tuple(streaming["timesteps"])}))
     vae, transformer, text_encoder, tokenizer = load_base(base, checkpoints / "tokenizer", log=lambda _: None)
+    decoder = checkpoints / "world-decoder.pt"
+    if decoder.is_file():
+        vae.load_state_dict(torch.load(decoder, weights_only=False)["vae"])
     state = torch.load(checkpoints / "world-transformer.pt", weights_only=False)
     for module, saved_state in zip((transformer, text_encoder), state["ema"]):
         module.load_state_dict(saved_state)

@@ -204,6 +204,22 @@ def sample(rng: np.random.Generator, chunks: int, chunk_frames: int = CHUNK_FRAM
     return Episode(frames, masks, centres, subject, size, tuple(actions), chunk_frames)
 
 
+def drifted_colour(rng: np.random.Generator, colour: str, low: float = 0.15, high: float = 0.6) -> np.ndarray:
+    """A shape colour part of the way (``low`` to ``high``) from ``colour`` towards another palette colour: what
+    a world model's colour drift over a long rollout looks like (blue towards cyan, yellow towards magenta)."""
+    others = [name for name in shapes.PALETTE if name != colour]
+    other = others[rng.integers(len(others))]
+    share = rng.uniform(low, high)
+    return (1 - share) * np.asarray(shapes.PALETTE[colour], float) + share * np.asarray(shapes.PALETTE[other], float)
+
+
+def recolour(episode: Episode, rgb) -> np.ndarray:
+    """The episode's frames with its shape painted ``rgb`` (same place, size and background)."""
+    frames = episode.frames.copy()
+    frames[episode.masks] = np.clip(np.round(np.asarray(rgb, float)), 0, 255).astype(np.uint8)
+    return frames
+
+
 # ----------------------------------------------------------------- detector
 # A chunk whose shape moves slower than this (px per frame, along its larger axis) stayed still. Calibrated on
 # ground-truth episodes (tests/test_world_shapes.py): clean moving chunks read 1.0 px/frame, still ones 0.0,
