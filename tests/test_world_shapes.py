@@ -141,3 +141,25 @@ def test_training_forward_equals_the_streamed_chunks():
                                      torch.ones(1, keys.shape[2]))
             keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)
     assert torch.allclose(dense[:, :, -frames:], out, atol=1e-5)
+
+
+def test_world_eval_scores_ground_truth_sessions_as_fully_steered():
+    """world_eval's scoring on procedural sessions read by the detector: every chunk steered and kept, every
+    key shown at once; a chunk read one action late counts as a lag of one."""
+    from machgen.builder.world_eval import SessionRecord, score
+
+    records = []
+    for episode, readings in _readings(True, 6, 6):
+        records.append(SessionRecord(episode.subject, 0, list(episode.actions), readings))
+    figures = score(records)
+    assert figures["all"]["steered"] == 1.0 and figures["all"]["subject_kept"] == 1.0
+    keys = sum(1 + sum(a != b for a, b in zip(r.actions, r.actions[1:])) for r in records)
+    assert figures["keys"] == keys and figures["lag_chunks"] == {"0": keys} and figures["keys_missed"] == 0
+
+    late = records[0]
+    switch = next(i for i in range(1, len(late.actions)) if late.actions[i] != late.actions[i - 1])
+    runs_on = switch + 1 < len(late.actions) and late.actions[switch + 1] == late.actions[switch]
+    late.readings[switch] = late.readings[switch - 1]  # the old action still shows in the first chunk
+    figures = score([late])
+    assert figures["all"]["steered"] == round(1 - 1 / len(late.actions), 4)
+    assert (figures["lag_chunks"].get("1") == 1) if runs_on else (figures["keys_missed"] == 1)
