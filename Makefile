@@ -14,6 +14,11 @@ PROMPT ?= a red circle at the top left
 VIDEO_MODEL ?= models/shapes-wan
 VIDEO_NAME ?= shapes-video
 VIDEO_PROMPT ?= a red circle moves to the right
+# The world model, played as a realtime session steered by a fixed key sequence (see models/shapes-world/README.md).
+WORLD_MODEL ?= models/shapes-world
+WORLD_NAME ?= shapes-world
+WORLD_SUBJECT ?= a yellow square
+WORLD_KEYS ?= --steer 1:right --steer 3:up --steer 5:left --steer 7:down --steer 9:stop
 
 .PHONY: install system-tools test test-fast demo repository clean
 
@@ -51,6 +56,7 @@ test-fast: install
 repository: install
 	$(BIN)/machgen-build build $(MODEL) --name $(NAME) --target onnxruntime --out model_repository
 	$(BIN)/machgen-build build $(VIDEO_MODEL) --name $(VIDEO_NAME) --target onnxruntime --out model_repository
+	$(BIN)/machgen-build build $(WORLD_MODEL) --name $(WORLD_NAME) --target onnxruntime --out model_repository
 
 demo: repository
 	@mkdir -p out $(DEMO_DIR)
@@ -65,7 +71,9 @@ demo: repository
 	grep '^ready' $(DEMO_DIR)/serve.log; \
 	$(BIN)/machgen generate --url $(DEMO_GRPC) --model $(NAME) --prompt "$(PROMPT)" --seed 0 --out out/demo.png; \
 	$(BIN)/machgen generate --url $(DEMO_GRPC) --model $(VIDEO_NAME) --prompt "$(VIDEO_PROMPT)" --seed 0 \
-		--out out/demo.mp4
+		--out out/demo.mp4; \
+	$(BIN)/machgen session --url $(DEMO_GRPC) --model $(WORLD_NAME) --prompt "$(WORLD_SUBJECT)" --seed 0 \
+		--chunks 10 $(WORLD_KEYS) --out out/world.mp4
 
 clean:
 	rm -rf build out model_repository/*/ .pytest_cache

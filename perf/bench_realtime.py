@@ -31,6 +31,8 @@ What it measures:
    second, where the time went (denoiser calls, decode), the ratio. Paced
    at the model's fps (max_ahead_s, sessions opened together): deadline
    misses, the worst lateness and the share of real time the calls took.
+   Then the most sessions held at the model's fps with no deadline miss:
+   batched and paced, 1, 2, 4, 6, 8, 12, ... sessions until one misses.
 3. The cache against recomputing the whole prefix each chunk, at chunk 10
    and 40: our StreamingChunkDenoiser (families/wan/streaming.py) in torch
    eager with every earlier chunk cached, against diffusers'
@@ -87,10 +89,13 @@ class Plan:
     prefix_chunks: tuple[int, ...] = (10, 40)
     prefix_repeats: int = 3
     fork_after: int = 10
+    # Sessions held at real time: batched and paced, more sessions until one misses a deadline.
+    held_sessions: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48)
+    held_chunks: int = 8
 
 
 QUICK = Plan(ttfc_repeats=2, alone_chunks=3, sessions=(1, 2), chunks=4, min_chunks=2, rounds=1, paced_chunks=2,
-             prefix_chunks=(3,), prefix_repeats=1, fork_after=2)
+             prefix_chunks=(3,), prefix_repeats=1, fork_after=2, held_sessions=(1, 2), held_chunks=2)
 
 
 def write_random_model(folder: Path, scale: str) -> Path:
@@ -288,6 +293,22 @@ def sessions_at_once(pipeline, size, plan: Plan, max_ahead_s: float) -> list[dic
     return rows
 
 
+def most_sessions_held(pipeline, size, plan: Plan, max_ahead_s: float) -> dict:
+    """The most sessions played at the model's frame rate with no deadline miss: batched (every session a row
+    of each call), paced, opened together, ``held_chunks`` chunks each; counts tried in order until one
+    misses."""
+    held, tried = 0, []
+    for count in plan.held_sessions:
+        run = paced(pipeline, size, count, count, plan.held_chunks, max_ahead_s)
+        tried.append({"sessions": count, **run})
+        print(f"held at real time? {count} sessions: {run['misses']} misses of {run['chunks']} chunks, busy "
+              f"{100 * run['busy_share']:.0f} %", flush=True)
+        if run["misses"]:
+            break
+        held = count
+    return {"held": held, "tried": tried}
+
+
 # 3. The cache against recomputing the prefix
 
 def cache_against_prefix(model_dir: Path, pipeline, size, plan: Plan) -> list[dict]:
@@ -436,7 +457,7 @@ def fork_against_replay(pipeline, size, plan: Plan) -> list[dict]:
     return rows
 
 
-def tables(header: str, first: dict, together: list[dict], prefix: list[dict], forks: list[dict],
+def tables(header: str, first: dict, together: list[dict], held: dict, prefix: list[dict], forks: list[dict],
            max_ahead_s: float) -> str:
     lines = [header, "",
              "One session alone, unpaced:", "",
@@ -469,6 +490,14 @@ def tables(header: str, first: dict, together: list[dict], prefix: list[dict], f
     if at_8:
         lines += ["", f"Goal (issue 60): batched at least {GOAL_BATCHED_AT_8:g}x separate at K = 8: "
                       f"{'met' if at_8[0]['ratio'] >= GOAL_BATCHED_AT_8 else 'not met'} ({at_8[0]['ratio']:.2f}x)."]
+    lines += ["", "The most sessions held at the model's frame rate: batched, paced as above, opened together, "
+                  "each playing its chunks; more sessions until one misses a deadline.", "",
+              "| sessions | misses / chunks | worst late ms | busy share | CPU cores |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {run['sessions']} | {run['misses']} / {run['chunks']} | {run['late_ms']:.0f} | "
+              f"{100 * run['busy_share']:.0f} % | {run['cores']:.2f} |" for run in held["tried"]]
+    at_least = "at least " if held["tried"] and not held["tried"][-1]["misses"] else ""
+    lines += ["", f"Held with no deadline miss: **{at_least}{held['held']} sessions** "
+                  f"({held['held'] * first['model_fps']} frames/s in all, {first['model_fps']} each)."]
     lines += ["", "The cache against recomputing the whole prefix each chunk (diffusers' SkyReels-V2 way), per chunk "
                   "at chunk index N (N earlier chunks): its steps, plus the cached paths' pass writing the chunk's "
                   "keys and values. Eager: torch, the same weights; difference: the chunk's clean latents against "
@@ -551,6 +580,7 @@ def main() -> int:
             size = tuple(int(v) for v in args.size.split("x")) if args.size else (defaults.height, defaults.width)
             first = alone(pipeline, size, plan)
             together = sessions_at_once(pipeline, size, plan, args.max_ahead)
+            held = most_sessions_held(pipeline, size, plan, args.max_ahead)
             prefix = cache_against_prefix(model_dir, pipeline, size, plan)
             forks = fork_against_replay(pipeline, size, plan)
             settings = pipeline.streaming().settings
@@ -568,7 +598,7 @@ def main() -> int:
               f"cores ({cpu_model()}), {args.threads} threads (torch and ONNX Runtime), load average "
               f"{load:.2f} at the start, measured {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{time.perf_counter() - started:.0f} s in all.")
-    table = tables(header, first, together, prefix, forks, args.max_ahead)
+    table = tables(header, first, together, held, prefix, forks, args.max_ahead)
     print(table)
     if args.record:
         record(args.record, f"{SECTION}:{label}", table, "Realtime sessions (perf/bench_realtime.py)")

@@ -65,9 +65,10 @@ def _streaming_option(text: str | None):
     if text is None:
         return None
     try:
-        source = Path(text).read_text() if Path(text).is_file() else text
+        # Inline JSON is an object; anything else names a file (a long JSON is no file name: the OS refuses it).
+        source = text if text.lstrip().startswith("{") else Path(text).read_text()
         return StreamingSettings.from_json(json.loads(source))
-    except (json.JSONDecodeError, StreamingSettingsError, TypeError) as err:
+    except (json.JSONDecodeError, StreamingSettingsError, TypeError, OSError) as err:
         raise typer.BadParameter(str(err), param_hint="--streaming") from None
 
 

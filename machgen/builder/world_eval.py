@@ -5,6 +5,7 @@ detector (machgen/datasets/world_shapes.py).
     python -m machgen.builder.world_eval --checkpoint training/world      # its latest checkpoint's EMA
     python -m machgen.builder.world_eval --model models/shapes-world
     python -m machgen.builder.world_eval --repository REPO --name shapes-world
+    python -m machgen.builder.world_eval --url 127.0.0.1:8001 --name shapes-world   # served (world_served.py)
 
 A session opens with its subject as the prompt ("a red circle"); before each chunk the walk picks an action
 among those whose whole chunk keeps the shape (where the detector last saw it, taken at the largest size)
@@ -21,25 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from machgen.builder.world_scores import SessionRecord, last_centre, score
 from machgen.datasets import world_shapes
 
 # The walk takes every shape at the dataset's largest size, with a pixel to spare, as the detector's centre of a
 # generated shape may be a pixel off.
 _WALK_SIZE = 22 + 2
-
-
-@dataclass
-class SessionRecord:
-    subject: world_shapes.Subject
-    seed: int
-    actions: list[str] = field(default_factory=list)
-    readings: list = field(default_factory=list)
-    frames: list = field(default_factory=list)
 
 
 def run_sessions(engine, sessions: list[tuple[world_shapes.Subject, int]], chunks: int, rows: int,
@@ -59,7 +51,7 @@ def run_sessions(engine, sessions: list[tuple[world_shapes.Subject, int]], chunk
         for chunk in range(chunks):
             for record in group:
                 moves = lengths[chunk] - (chunk == 0)
-                centre = _last_centre(last[id(record)])
+                centre = last_centre(last[id(record)])
                 allowed = (world_shapes.allowed_actions(centre, _WALK_SIZE, moves) if centre is not None
                            else list(world_shapes.ACTIONS))
                 action = allowed[walks[id(record)].integers(len(allowed))]
@@ -101,64 +93,6 @@ def key_latency(engine, chunks: int, size: tuple[int, int] = (64, 64)) -> dict:
             "max_ms": round(float(ms.max()), 1)}
 
 
-def _last_centre(frames):
-    if frames is None:
-        return None
-    from machgen.datasets import shapes
-
-    found = shapes.find(frames[-1])
-    return None if found is None else found[1]
-
-
-def score(records: list[SessionRecord]) -> dict:
-    """Steering, subject and lag figures of played sessions (chunk ranges 1-based, as the issue counts)."""
-    def shares(select) -> dict:
-        steered = kept = colour = shape = total = 0
-        for record in records:
-            for index, (action, reading) in enumerate(zip(record.actions, record.readings)):
-                if not select(index):
-                    continue
-                total += 1
-                steered += reading is not None and reading.action == action
-                kept += reading is not None and (reading.colour, reading.shape) == (record.subject.colour,
-                                                                                    record.subject.shape)
-                colour += reading is not None and reading.colour == record.subject.colour
-                shape += reading is not None and reading.shape == record.subject.shape
-        return {"steered": round(steered / max(total, 1), 4), "subject_kept": round(kept / max(total, 1), 4),
-                "colour_kept": round(colour / max(total, 1), 4), "shape_kept": round(shape / max(total, 1), 4),
-                "chunks": total}
-
-    lags, missed = [], 0
-    per_action = {action: [0, 0] for action in world_shapes.ACTIONS}
-    for record in records:
-        for index, (action, reading) in enumerate(zip(record.actions, record.readings)):
-            per_action[action][0] += reading is not None and reading.action == action
-            per_action[action][1] += 1
-            if index and action == record.actions[index - 1]:
-                continue
-            run = index
-            while run < len(record.actions) and record.actions[run] == action:
-                reading_here = record.readings[run]
-                if reading_here is not None and reading_here.action == action:
-                    lags.append(run - index)
-                    break
-                run += 1
-            else:
-                missed += 1
-    chunks = len(records[0].actions) if records else 0
-    return {
-        "sessions": len(records), "chunks_per_session": chunks,
-        "all": shares(lambda i: True),
-        "chunks_1_8": shares(lambda i: i < 8),
-        "chunks_17_24": shares(lambda i: 16 <= i < 24),
-        **({f"chunks_{chunks - 7}_{chunks}": shares(lambda i: i >= chunks - 8)} if chunks > 24 else {}),
-        "keys": len(lags) + missed, "keys_missed": missed,
-        "lag_chunks": {str(lag): lags.count(lag) for lag in sorted(set(lags))},
-        "mean_lag_chunks": round(float(np.mean(lags)), 3) if lags else None,
-        "per_action": {a: round(hit / max(n, 1), 4) for a, (hit, n) in per_action.items()},
-    }
-
-
 def frame_strip(record: SessionRecord, every: int = 4):
     """uint8 picture: every ``every``-th frame of a session, one row per chunk group, captioned by nothing
     (the actions go beside it in the card)."""
@@ -194,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     source.add_argument("--checkpoint", help="a world training folder: its latest checkpoint's EMA weights")
     source.add_argument("--model", help="a world model folder (diffusers, with its machgen.json)")
     source.add_argument("--repository", help="a built repository (with --name)")
+    source.add_argument("--url", help="host:port of a Triton (gRPC) serving the model (with --name): the "
+                                      "sessions played through it, paced to real time")
     parser.add_argument("--name", default="shapes-world")
     parser.add_argument("--work", default="build/world-eval", help="where the export and the build go")
     parser.add_argument("--sessions", type=int, default=64)
@@ -204,6 +140,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--strip", help="write the first session's frame strip (PNG) here")
     parser.add_argument("--latency", type=int, default=0, help="also time this many keys of one session alone")
     args = parser.parse_args(argv)
+    if args.url:
+        from machgen.builder.world_served import served_figures
+
+        started = time.monotonic()
+        figures = served_figures(args.url, args.name, world_shapes.evaluation_sessions(args.sessions, args.seed),
+                                 args.chunks, args.rows, _WALK_SIZE, args.latency)
+        return _report({**figures, "seconds": round(time.monotonic() - started, 1)}, args.out)
 
     import torch
 
@@ -225,9 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         Image.fromarray(frame_strip(records[0])).save(args.strip)
         figures["strip_actions"] = records[0].actions
+    return _report(figures, args.out)
+
+
+def _report(figures: dict, out: str | None) -> dict:
     print(json.dumps(figures, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
+    if out:
+        Path(out).write_text(json.dumps(figures, indent=2) + "\n")
     return figures
 
 

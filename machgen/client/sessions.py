@@ -49,11 +49,34 @@ class RealtimeSession:
         self.session_id = session_id
         self.info: dict[str, Any] | None = None
         self._responses: queue.Queue = queue.Queue()
+        # A start opens the session on the server when the stream's request gets there: an op sent before (on
+        # another connection) could overtake it, so ops wait for the stream's first answer. A play's session
+        # is open already.
+        self._opened = threading.Event()
+        if inputs.get(SESSION_OP_INPUT) != "start":
+            self._opened.set()
         # One stream per session: tritonclient's gRPC client carries one at a time.
         self._stream_client = client.new_grpc_client()
-        self._stream_client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
+        self._stream_client.start_stream(callback=self._answered)
         self._closed = threading.Event()
-        self._stream_client.async_stream_infer(model_name(model, STREAM), self._inputs(inputs))
+        self._send(model_name(model, STREAM), self._inputs(inputs))
+
+    def _send(self, stream_model: str, inputs: list) -> None:
+        # A stream that failed before its request went out (the server down or starting again) says why only
+        # through its callback; tritonclient's own exception names no status.
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            self._stream_client.async_stream_infer(stream_model, inputs)
+        except InferenceServerException as err:
+            try:
+                _, error = self._responses.get(timeout=1.0)
+            except queue.Empty:
+                error = None
+            self._end_stream()
+            why = error.message() if error is not None else err.message()
+            raise GenerationError("StatusCode.UNAVAILABLE", f"the session's stream failed before its request was "
+                                                            f"sent: {why}") from err
 
     def _inputs(self, values: dict[str, Any]) -> list:
         return [self.client.make_input(name, value, model=self.model)
@@ -71,6 +94,10 @@ class RealtimeSession:
                     raise GenerationError("StatusCode.UNAVAILABLE", f"the server sent nothing for "
                                       f"{self.client.stream_silence_s:g} s: the session's stream is lost") from None
                 if error is not None:
+                    if error.status() is not None:  # not the server's answer: the stream broke (gRPC's status)
+                        raise GenerationError(str(error.status()), f"the session's stream broke, its server or the "
+                                              f"connection to it gone (a session dies with its server): "
+                                              f"{error.message()}")
                     status, message = stream_error_status(error.message())
                     raise GenerationError(f"StatusCode.{_grpc_code(status)}", message)
                 names = {output.name for output in result.get_response().outputs}
@@ -92,7 +119,14 @@ class RealtimeSession:
             self._stream_client.stop_stream(cancel_requests=True)
             self._stream_client.close()
 
+    def _answered(self, result, error) -> None:
+        self._opened.set()
+        self._responses.put((result, error))
+
     def _op(self, op: str, **values: Any) -> dict[str, Any]:
+        if not self._opened.wait(self.client.stream_silence_s):
+            raise GenerationError("StatusCode.UNAVAILABLE", f"session {self.session_id!r} was not started: its "
+                                  f"stream got no answer in {self.client.stream_silence_s:g} s")
         inputs = self._inputs({SESSION_OP_INPUT: op, **values})
         return _json(self.client.infer(self.model, inputs, outputs=(SESSION_INFO_OUTPUT,))[SESSION_INFO_OUTPUT])
 

@@ -65,7 +65,8 @@ class StreamingEngine:
         # Real-time pacing: a session this far ahead of its next frame's deadline gives its rows to the others
         # (None: every session as fast as the calls go, for benchmarks and tests).
         self.max_ahead_s = max_ahead_s
-        # The time a session's first frame is due after it opens; each later frame 1 / fps after the one before.
+        # The time a session's first chunk is due after it opens. It is made at once, whatever the pacing; the
+        # video plays from when it is ready, each later frame due 1 / fps after the one before.
         self.startup_s = startup_s
         # The share of recent wall time spent in calls (an exponential average): the load admission reads.
         self.busy_share = 0.0
@@ -114,6 +115,7 @@ class StreamingEngine:
                                                    "fork it after its next chunk")
             child = parent.fork(child_id, **self._changes(prompt, action, seed, parent.subject))
             child.opened_at, child.last_used = parent.opened_at, self.clock()
+            child.playing_since = parent.playing_since
             self.sessions[child_id] = child
             return child
 
@@ -182,9 +184,23 @@ class StreamingEngine:
 
     # Chunks
 
+    def at_end(self, session: StreamSession) -> bool:
+        """Whether the session's next chunk would pass the positions the build tabled (``max_frames``): it makes
+        no more, and never rides in another session's call (its row would fail the whole call)."""
+        return session.first_frame + self.settings.chunk_frames > self.settings.max_frames
+
     def deadline(self, session: StreamSession) -> float:
-        """When the session's next frame is due: its first after ``startup_s``, then one every 1 / fps."""
-        return session.opened_at + self.startup_s + session.frames_sent / self.fps
+        """When the session's next frame is due: its first ``startup_s`` after it opened; each later one 1 / fps
+        after the one before, counted from when the first was ready (where its video starts playing)."""
+        if session.playing_since is None:
+            return session.opened_at + self.startup_s
+        return session.playing_since + session.frames_sent / self.fps
+
+    def _paced_out(self, session: StreamSession, now: float) -> bool:
+        """Whether real-time pacing holds the session back: it is more than ``max_ahead_s`` ahead of its next
+        frame's deadline. A first chunk never waits (a reader is waiting for it)."""
+        return (self.max_ahead_s is not None and session.playing_since is not None
+                and self.deadline(session) - now > self.max_ahead_s)
 
     def next_rows(self, wanted: set[str] | None = None) -> list[StreamSession]:
         """The sessions of the next call: the one nearest its deadline and those of its size, in deadline
@@ -192,8 +208,7 @@ class StreamingEngine:
         it is wanted (``want``), so it never runs ahead of its reader, and steering lands where asked."""
         now = self.clock()
         ready = sorted((s for s in self.sessions.values() if (wanted is None or s.session_id in wanted)
-                        and s.wants > 0
-                        and (self.max_ahead_s is None or self.deadline(s) - now <= self.max_ahead_s)),
+                        and s.wants > 0 and not self.at_end(s) and not self._paced_out(s, now)),
                        key=self.deadline)
         if not ready:
             return []
@@ -251,6 +266,8 @@ class StreamingEngine:
                 "decoded_together": len(finished), "rows": session.chunk_rows, "deadline_missed": done > due,
                 "late_ms": max(0.0, done - due) * 1000, "cache_bytes": session.cache.bytes()})
             session.chunk_denoise_s, session.chunk_rows = 0.0, 0
+            if session.playing_since is None:
+                session.playing_since = done
             session.frames_sent += len(frames)
             session.wants -= 1
             session.outbox.append(result)
@@ -288,6 +305,13 @@ class StreamingEngine:
                 if session.outbox:
                     session.last_used = self.clock()
                     return session.outbox.pop(0)
+                if self.at_end(session):  # it can make nothing more: its memory goes at once
+                    self.close(session_id)
+                    frames = self.settings.max_frames
+                    raise InvalidArgument("session", f"session {session_id!r} has played the {frames} latent "
+                                                     f"frames ({frames // self.settings.chunk_frames} chunks) this "
+                                                     "model's positions reach (its streaming max_frames): it is "
+                                                     "closed; open a new session")
                 if self.next_rows():
                     self.step()
                     continue

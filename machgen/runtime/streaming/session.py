@@ -64,6 +64,8 @@ class StreamSession:
     # Changes asked for while a chunk runs, applied at the next chunk boundary (prompt, embeddings, seed).
     pending: dict[str, Any] = field(default_factory=dict)
     opened_at: float = field(default_factory=time.monotonic)
+    # When the session's first frame was ready: its video plays from there, a frame every 1 / fps (None before).
+    playing_since: float | None = None
     last_used: float = field(default_factory=time.monotonic)
     frames_sent: int = 0
     deadline_misses: int = 0
