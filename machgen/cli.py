@@ -48,6 +48,11 @@ def serve(
                                                      help=f"the API's {WEBHOOK_SECRET_HELP}"),
     api_database_url: Optional[str] = typer.Option(None, "--api-database-url", envvar=DATABASE_URL_ENV,
                                                    help=f"the API's {DATABASE_URL_HELP}"),
+    api_max_sessions_per_key: int = typer.Option(4, "--api-max-sessions-per-key", min=1,
+                                                 help="the API's realtime sessions open at once per key"),
+    api_allowed_origins: Optional[list[str]] = typer.Option(None, "--api-allowed-origin",
+                                                            help="a browser origin that may open the API's realtime "
+                                                                 "sessions besides its own; repeatable; '*': any"),
     supervisor_metrics_port: int = typer.Option(8003, "--supervisor-metrics-port", min=0,
                                                 help="the supervisor's Prometheus metrics (model recoveries, "
                                                      "server restarts) at /metrics; with --replicas also each "
@@ -125,7 +130,8 @@ def serve(
             threading.Thread(target=stop_api_if_given_up, daemon=True).start()
             _run_api(ApiSettings(triton_url=f"127.0.0.1:{grpc_port}", data_dir=api_data_dir,
                                  keys_file=api_keys_file, webhook_secret=api_webhook_secret,
-                                 database_url=api_database_url),
+                                 database_url=api_database_url, max_sessions_per_key=api_max_sessions_per_key,
+                                 allowed_origins=tuple(api_allowed_origins or ())),
                      host, api_port)
             if supervisor.exit_code:
                 raise typer.Exit(supervisor.exit_code)
