@@ -393,3 +393,106 @@ def test_the_documented_client_plays_a_session_to_an_mp4(realtime_api, tmp_path,
     assert "chunk 0: 5 frames" in run.stdout and "session.interaction.queued" in run.stdout, run.stdout
     video = decoded([(tmp_path / "session.mp4").read_bytes()])
     assert video.shape[1:] == (HEIGHT, WIDTH, 3) and len(video) == 5 + 8 * 2
+
+
+def triton_sessions(server) -> float:
+    """machgen_realtime_sessions of the model on Triton's /metrics: the sessions open on the server."""
+    text = httpx.get(f"http://{server.host}:{server.ports.metrics}/metrics", timeout=30).text
+    found = re.search(rf'^machgen_realtime_sessions{{[^}}]*model="{MODEL}"[^}}]*}} (\S+)$', text, re.M)
+    assert found, "machgen_realtime_sessions of the model is not on Triton's /metrics"
+    return float(found[1])
+
+
+def test_a_handed_off_session_plays_on_where_it_was_on_the_connection_that_claims_it(realtime_api, grpc,
+                                                                                        no_sessions_left):
+    """Handed off between chunks, its first connection closed before the claim: the claimer's chunks go on from
+    the session's next one, steering on the new connection lands, and the frames are those of the same session
+    played on one gRPC stream (lossless m4s)."""
+    with Socket(realtime_api) as first:
+        first.send(type="session.start", model=MODEL, prompt=PROMPT, seed=31, width=WIDTH, height=HEIGHT,
+                   lossless=True, chunks=1, session="live")
+        first.paused("live")
+        first.send(type="session.handoff", session="live")
+        handed = first.next()
+        assert (handed["type"], handed["session"], handed["chunk"], handed["expires_in"]) == (
+            "session.handed_off", "live", 1, 60)
+        assert re.fullmatch(r"mgh_[A-Za-z0-9_-]{32}", handed["token"])
+        first.send(type="session.interaction", session="live", interaction={"event": {"action": "right"}})
+        assert first.error()["code"] == "session_not_found"  # no longer this connection's
+    assert sessions_open(realtime_api) == 1  # its first connection gone, the session is not
+    with Socket(realtime_api) as second:
+        second.send(type="session.claim", token=handed["token"], session="mine", chunks=1)
+        start = second.next()
+        assert start == {"type": "video.start", "request_id": "mine", "session": "mine", "model": MODEL,
+                         "format": "m4s", "claimed": True,
+                         "config": {"width": WIDTH, "height": HEIGHT, "fps": 16, "chunk_frames": 8,
+                                    "first_chunk_frames": 5, "lossless": True, "actions": ["left", "right"]}}
+        second.paused("mine")
+        second.send(type="session.interaction", session="mine", interaction={"event": {"action": "right"}})
+        assert second.next()["applies_from"] == 2
+        second.send(type="session.play", session="mine", chunks=1)
+        second.paused("mine")
+        second.send(type="session.stop")
+        second.ended("mine")
+    assert [(m["chunk"], m["first_frame"], m["transport_chunk_index"]) for m, _ in second.chunks["mine"]] == [
+        (1, 5, 0), (2, 13, 1)]
+    assert second.chunks["mine"][0][0]["init"]  # the claimer's stream begins with its own init segment
+    session = grpc.open_session(MODEL, prompt=PROMPT, seed=31, height=HEIGHT, width=WIDTH, chunks=2)
+    played = list(session)
+    session.interact(action="right")  # at chunk 2, as test 1 shows it steers seed 31
+    played += list(session.play(chunks=1))
+    session.stop()
+    streamed = np.concatenate([decoded(fragments_of(first, "live")), decoded(fragments_of(second, "mine"))])
+    assert largest_difference(streamed, frames_of(played)) <= BATCHED
+
+
+def test_a_handoff_of_a_playing_session_its_refusals_the_cap_and_an_unclaimed_session_stopped_at_expiry(
+        realtime_server, realtime_api, api_keys, no_sessions_left):
+    _, _, other_key = api_keys
+    with Socket(realtime_api) as first, Socket(realtime_api) as second, Socket(realtime_api, other_key) as other:
+        first.send(type="session.start", model=MODEL, prompt=PROMPT, seed=4, width=WIDTH, height=HEIGHT,
+                   format="jpeg", session="live")  # plays until stopped
+        first.until(lambda message: message["type"] == "video.chunk_metadata")
+        first.send(type="session.handoff", session="live")
+        token = first.until(lambda message: message["type"] == "session.handed_off")[-1]["token"]
+        for message, words in ((dict(token=token), "another API key's"),
+                               (dict(token="mgh_" + "A" * 32), "issued no such handoff token")):
+            other.send(type="session.claim", **message)
+            refused = other.error()
+            assert (refused["code"], refused["field"]) == ("invalid_handoff", "token") and words in refused["message"]
+        second.send(type="session.claim", token=token, chunks=2)  # the refusal above did not spend it
+        assert second.next()["session"] == "live"
+        second.paused("live")
+        claimed = [m["chunk"] for m, _ in second.chunks["live"]]
+        assert len(claimed) == 2 and claimed[0] >= first.chunks["live"][-1][0]["chunk"] + 1
+        first.send(type="session.ping")  # the first connection was sent nothing of it since
+        assert first.next() == {"type": "session.pong"}
+        second.send(type="session.claim", token=token)
+        refused = second.error()
+        assert (refused["code"], refused["field"]) == ("invalid_handoff", "token") and "claimed already" in \
+            refused["message"]
+        second.send(type="session.stop", session="live")
+        second.ended("live")
+
+        # Unclaimed: it holds its seat under the key's cap until its token expires, then it is stopped.
+        first.send(type="session.start", model=MODEL, prompt=PROMPT, seed=5, width=WIDTH, height=HEIGHT,
+                   chunks=1, session="orphan")
+        first.paused("orphan")
+        before = triton_sessions(realtime_server)
+        first.send(type="session.handoff", session="orphan", expires_in=2)
+        handed = first.until(lambda message: message["type"] == "session.handed_off")[-1]
+        assert handed["expires_in"] == 2
+        first.send(type="session.start", model=MODEL, prompt=PROMPT, seed=5, width=WIDTH, height=HEIGHT,
+                   chunks=1, session="second")
+        first.paused("second")
+        first.send(type="session.start", model=MODEL, prompt=PROMPT, seed=5, width=WIDTH, height=HEIGHT,
+                   chunks=1, session="third")
+        assert first.error()["code"] == "too_many_sessions"  # "orphan" and "second" hold the key's 2 seats
+        wait_until(lambda: triton_sessions(realtime_server) == before, timeout=30,
+                   what="the unclaimed session stopped on the server")  # "second" opened, "orphan" stopped
+        wait_until(lambda: sessions_open(realtime_api) == 1, timeout=30, what="the unclaimed session's seat back")
+        second.send(type="session.claim", token=handed["token"])
+        refused = second.error()
+        assert refused["field"] == "token" and "expired" in refused["message"]
+        first.send(type="session.stop")
+        first.ended("second")

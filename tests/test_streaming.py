@@ -407,6 +407,21 @@ def test_sessions_started_together_each_play_steered_and_the_server_stays_up(pip
         assert np.abs(frames_of(chunks).astype(int) - frames_of(expected).astype(int)).max() <= 1
 
 
+def test_a_stream_closed_mid_play_and_played_again_at_once_loses_no_chunk(client):
+    """A client's stream closed while the sampler waits to make its next chunk (paced: chunk 2 is due 0.8 s
+    after the first frame), and the session played again at once (a reconnect, a handoff): the new play takes
+    over and gets every chunk from that one on (the old play, waiting for it, once took it or left both plays
+    waiting for ever)."""
+    for attempt in range(3):
+        session = client.open_session("tiny-stream", prompt=PROMPT, seed=60 + attempt, height=HEIGHT, width=WIDTH)
+        chunks = iter(session)
+        read = [next(chunks).chunk, next(chunks).chunk]
+        session.close()
+        again = [c.chunk for c in session.play(chunks=2)]
+        assert read == [0, 1] and again == [2, 3], (read, again)
+        session.stop()
+
+
 def test_bad_session_requests_are_refused_naming_the_field_and_the_server_serves_on(client):
     from machgen.client import GenerationError
 

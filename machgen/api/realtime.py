@@ -50,11 +50,19 @@ class RealtimeMetrics:
 
 
 class RealtimeParts:
-    """The API process's realtime state: its metrics and the sessions open per key (the cap counts them)."""
+    """The API process's realtime state: its metrics and the sessions open per key (the cap counts them: a
+    connection's sessions and those handed off and not yet claimed)."""
 
     def __init__(self, registry):
         self.metrics = RealtimeMetrics(registry)
         self.open_by_owner: collections.Counter = collections.Counter()
+
+    def release(self, owner: str, model: str) -> None:
+        """A session of ``owner`` gone: its seat under the key's cap back."""
+        self.open_by_owner[owner] -= 1
+        if self.open_by_owner[owner] <= 0:
+            del self.open_by_owner[owner]
+        self.metrics.sessions.labels(model).dec()
 
 
 class RealtimeError(Exception):
@@ -185,6 +193,12 @@ class Session:
     chunks_sent: int = 0
     stopping: bool = False
     last_send_ms: float | None = None
+    # The next chunk the session makes, as far as this connection knows (its last chunk sent, its pause).
+    next_chunk: int = 0
+
+
+def encoder_for(output_format: str, width: int, height: int, fps: int, lossless: bool):
+    return JpegEncoder() if output_format == "jpeg" else Fmp4Encoder(width, height, fps, lossless)
 
 
 # Fragmented MP4: each chunk is encoded by its own ffmpeg run (so its fragment is out as soon as its frames are

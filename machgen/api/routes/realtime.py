@@ -23,8 +23,9 @@ from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 
 from machgen.api.incoming import ANONYMOUS, bearer
-from machgen.api.realtime import (FORMATS, Fields, Fmp4Encoder, JpegEncoder, Realtime, RealtimeError, RealtimeParts,
-                                  Session, invalid, session_info)
+from machgen.api.realtime import (FORMATS, Fields, Realtime, RealtimeError, RealtimeParts, Session, encoder_for,
+                                  invalid, session_info)
+from machgen.api.realtime_handoff import Handoffs, HandoffMessages
 from machgen.api.schemas import ApiError
 from machgen.api.triton import ServedModel, TritonFailure, TritonModels, _next_within
 from machgen.contract.api import STREAM_SILENCE_S, stream_error_status
@@ -45,9 +46,14 @@ STEERING = ("prompt", ACTION_INPUT, "seed")
 
 @contextlib.asynccontextmanager
 async def _lifespan(app):
-    """The API process's realtime parts, made with the app's (its registry for the metrics)."""
+    """The API process's realtime parts, made with the app's (its registry for the metrics); at its end the
+    sessions handed off and never claimed are stopped on the server."""
     app.state.realtime = RealtimeParts(app.state.registry)
-    yield
+    app.state.realtime_handoffs = Handoffs(app.state.realtime)
+    try:
+        yield
+    finally:
+        await app.state.realtime_handoffs.close()
 
 
 router = APIRouter(lifespan=_lifespan)
@@ -112,20 +118,21 @@ async def realtime_video(websocket: WebSocket):
                 param="key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
         owner = found.name
     await websocket.accept()
-    connection = Connection(websocket, state, parts, owner)
+    connection = Connection(websocket, state, parts, websocket.app.state.realtime_handoffs, owner)
     try:
         await connection.serve()
     finally:
         await connection.close()
 
 
-class Connection:
+class Connection(HandoffMessages):
     """One client's connection: its messages in order, its sessions' streams beside them."""
 
-    def __init__(self, websocket: WebSocket, state, parts: RealtimeParts, owner: str):
+    def __init__(self, websocket: WebSocket, state, parts: RealtimeParts, handoffs: Handoffs, owner: str):
         import tritonclient.grpc.aio as grpcaio
 
         self.websocket, self.state, self.parts, self.owner = websocket, state, parts, owner
+        self.handoffs = handoffs
         self.metrics = parts.metrics
         self.token = secrets.token_hex(8)
         self.sessions: dict[str, Session] = {}
@@ -134,7 +141,7 @@ class Connection:
         self.client = grpcaio.InferenceServerClient(state.triton.url)
         self.handlers = {"session.start": self.start, "session.interaction": self.interact,
                          "session.fork": self.fork, "session.play": self.play, "session.stop": self.stop,
-                         "session.ping": self.ping}
+                         "session.ping": self.ping, "session.handoff": self.handoff, "session.claim": self.claim}
 
     async def serve(self) -> None:
         while self.open:
@@ -366,10 +373,8 @@ class Connection:
         self.parts.open_by_owner[self.owner] += 1
         self.metrics.sessions.labels(model.name).inc()
         self.metrics.deadline_misses.labels(model.name)  # its series shows 0 before the first miss
-        encoder = (JpegEncoder() if output_format == "jpeg"
-                   else Fmp4Encoder(width, height, realtime.fps, lossless))
         session = Session(name, f"{self.token}.{name}", model, realtime, width, height, output_format, lossless,
-                          encoder, time.monotonic())
+                          encoder_for(output_format, width, height, realtime.fps, lossless), time.monotonic())
         self.sessions[name] = session
         return session
 
@@ -377,10 +382,7 @@ class Connection:
         if self.sessions.get(session.name) is not session:
             return False
         del self.sessions[session.name]
-        self.parts.open_by_owner[self.owner] -= 1
-        if self.parts.open_by_owner[self.owner] <= 0:
-            del self.parts.open_by_owner[self.owner]
-        self.metrics.sessions.labels(session.model.name).dec()
+        self.parts.release(self.owner, session.model.name)
         return True
 
     async def _end(self, session: Session, reason: str) -> None:
@@ -402,7 +404,7 @@ class Connection:
     def _failure(self, failure: TritonFailure, session: Session, prefix: str) -> RealtimeError:
         """Triton's refusal in this protocol's words: its field as the message names it here, the connection's
         token left out of session ids."""
-        message = str(failure).replace(f"{self.token}.", "")
+        message = str(failure).replace(session.triton_id, session.name).replace(f"{self.token}.", "")
         if failure.status == "INVALID_ARG":
             field = failure.field or "session"
             ours = FIELDS.get(field) or (prefix + field if field in STEERING else field)
@@ -495,6 +497,7 @@ class Connection:
             finished.set()
             session.opened.set()  # nobody waits on a start that failed
         if info.get("state") == "open" and not session.stopping:
+            session.next_chunk = info.get("chunk", session.next_chunk)
             await self.send({"type": "session.paused", "request_id": session.name, "session": session.name,
                              "chunks": sent, "chunk": info.get("chunk")})
         else:
@@ -512,6 +515,7 @@ class Connection:
             "fps": info.get("fps", session.realtime.fps), "generation_chunk_index": info["chunk"],
             "transport_chunk_index": session.chunks_sent, "num_frames": info["frames"], "parts": len(parts),
             "byte_length": sum(len(part) for part in parts), **extra, "stats": stats}, parts)
+        session.next_chunk = info["chunk"] + 1
         if not sent:
             return
         done = time.monotonic()

@@ -292,16 +292,23 @@ class StreamingEngine:
         with self.lock:
             self.session(session_id).wants += chunks
 
-    def next_chunk(self, session_id: str, poll_s: float = 0.005) -> ChunkResult:
-        """The session's next chunk: from its outbox, else wanted and made by stepping (other sessions' rows
-        riding along), waiting while pacing holds it back."""
+    def put_back(self, session_id: str, chunk: ChunkResult) -> None:
+        """A chunk taken by a reader that is gone before it sent it: the next reader's first."""
         with self.lock:
-            session = self.session(session_id)
-            if not session.outbox and not session.wants:
-                session.wants = 1
+            self.session(session_id).outbox.insert(0, chunk)
+
+    def next_chunk(self, session_id: str, poll_s: float = 0.005,
+                   still_wanted: Callable[[], bool] | None = None) -> ChunkResult | None:
+        """The session's next chunk: from its outbox, else wanted and made by stepping (other sessions' rows
+        riding along), waiting while pacing holds it back. None as soon as ``still_wanted`` says no (its reader
+        is gone or another took its place): the chunk stays for the next reader."""
         while True:
+            if still_wanted is not None and not still_wanted():
+                return None
             with self.lock:
                 session = self.session(session_id)
+                if not session.outbox and not session.wants:  # asked again each time: another reader may
+                    session.wants = 1                           # have taken the chunk this one waited for
                 if session.outbox:
                     session.last_used = self.clock()
                     return session.outbox.pop(0)

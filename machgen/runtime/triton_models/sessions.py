@@ -87,6 +87,9 @@ class SessionHost:
         self.size_multiple = int(runtime.settings.get("size_multiple", 16))
         self.logger = logger
         self.metrics = SessionMetrics(model)
+        # The play streaming each session's chunks now (the newest: an older one ends).
+        self._players: dict[str, object] = {}
+        self._players_lock = threading.Lock()
         self._closing = threading.Event()
         self._evictor = threading.Thread(target=self._evict_idle, name="session-evictor", daemon=True)
         self._evictor.start()
@@ -130,25 +133,42 @@ class SessionHost:
         self.metrics.gauges(len(self.engine.sessions), self.engine.cache_bytes())
 
     def _play(self, request: SessionRequest, sender, is_cancelled: Callable[[], bool]) -> list:
+        """Streams the session's chunks. A newer play of the session (its client's stream closed and played
+        again, or the session handed to another connection) takes over: this one ends, leaving it the chunks."""
+        player = object()
+        with self._players_lock:
+            self._players[request.session] = player
+        still_wanted = _Throttled(lambda: self._players.get(request.session) is player and not is_cancelled())
         sent = 0
-        while request.chunks is None or sent < request.chunks:
-            if is_cancelled():
-                break
-            asked = time.monotonic()
-            try:
-                chunk = self.engine.next_chunk(request.session)
-            except SessionRefused:
-                return self._info(request.session, "closed", sent)
-            info = {"session": request.session, "chunk": chunk.chunk, "first_frame": chunk.first_frame,
-                    "frames": int(len(chunk.frames)), "fps": self.engine.fps,
-                    "stats": {**chunk.stats, "wait_ms": (time.monotonic() - asked) * 1000}}
-            sender.send(pb_utils.InferenceResponse([
-                pb_utils.Tensor(VIDEO_CHUNK_OUTPUT, np.ascontiguousarray(chunk.frames)),
-                pb_utils.Tensor(CHUNK_INFO_OUTPUT, text_array(json.dumps(info)))]))
-            sent += 1
-            self.metrics.chunk_sent(chunk.stats["deadline_missed"], info["stats"]["wait_ms"] / 1000)
-            self._update_gauges()
+        try:
+            while request.chunks is None or sent < request.chunks:
+                asked = time.monotonic()
+                try:
+                    chunk = self.engine.next_chunk(request.session, still_wanted=still_wanted)
+                except SessionRefused:
+                    return self._info(request.session, "closed", sent)
+                if chunk is None:
+                    break
+                if not still_wanted.now():  # gone while the chunk was made: it is the next play's
+                    self.engine.put_back(request.session, chunk)
+                    break
+                self._send_chunk(request, sender, chunk, asked)
+                sent += 1
+        finally:
+            with self._players_lock:
+                if self._players.get(request.session) is player:
+                    del self._players[request.session]
         return self._info(request.session, "open" if request.session in self.engine.sessions else "closed", sent)
+
+    def _send_chunk(self, request: SessionRequest, sender, chunk, asked: float) -> None:
+        info = {"session": request.session, "chunk": chunk.chunk, "first_frame": chunk.first_frame,
+                "frames": int(len(chunk.frames)), "fps": self.engine.fps,
+                "stats": {**chunk.stats, "wait_ms": (time.monotonic() - asked) * 1000}}
+        sender.send(pb_utils.InferenceResponse([
+            pb_utils.Tensor(VIDEO_CHUNK_OUTPUT, np.ascontiguousarray(chunk.frames)),
+            pb_utils.Tensor(CHUNK_INFO_OUTPUT, text_array(json.dumps(info)))]))
+        self.metrics.chunk_sent(chunk.stats["deadline_missed"], info["stats"]["wait_ms"] / 1000)
+        self._update_gauges()
 
     def _info(self, session_id: str, state: str, chunks: int | None = None, **extra) -> list:
         info = {"session": session_id, "state": state, "cache_bytes": self.engine.cache_bytes(),
@@ -184,3 +204,19 @@ class SessionHost:
         self._closing.set()
         self._evictor.join(timeout=5)
         self.metrics.close()
+
+
+class _Throttled:
+    """A check asked often (each poll of a waiting chunk) and run at most every ``every_s`` seconds: asking
+    Triton whether a request was cancelled is a message to the server."""
+
+    def __init__(self, check: Callable[[], bool], every_s: float = 0.1):
+        self.check, self.every_s = check, every_s
+        self._last, self._answer = 0.0, True
+
+    def __call__(self) -> bool:
+        return self.now() if time.monotonic() - self._last >= self.every_s else self._answer
+
+    def now(self) -> bool:
+        self._last, self._answer = time.monotonic(), bool(self.check())
+        return self._answer
