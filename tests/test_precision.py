@@ -26,13 +26,14 @@ def float_repository(tiny_flux_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def int8_repository(tiny_flux_dir, tmp_path_factory):
     from machgen.builder.build import TargetOptions, build_repository
+    from machgen.builder.precision_sweep import SweepSettings
     from machgen.builder.repository import ServingOptions
 
     out = tmp_path_factory.mktemp("int8-repository")
     lines: list[str] = []
     results = build_repository(tiny_flux_dir, PIPELINE_NAME, out, log=lines.append, preview=False,
                                options=ServingOptions(in_flight=2, component_instances=1),
-                               target_options=TargetOptions(precision="int8"))
+                               target_options=TargetOptions(precision="int8", sweep=SweepSettings(pairs=1)))
     return out, results, lines
 
 

@@ -22,6 +22,7 @@ from machgen.contract.adapters import (
     ADAPTER_INFO,
     ADAPTER_WEIGHTS,
     ROW_SCALES_INPUT,
+    ROWS_AXIS,
     ROWS_INPUT,
     AdapterInfo,
     AdapterLayer,
@@ -59,7 +60,12 @@ class AdaptableLinear(torch.nn.Module):
             return out
         down, up, rows, row_scales = self.bank
         low = torch.nn.functional.linear(x.index_select(0, rows), down.to(x.dtype))
-        low = low * row_scales.to(x.dtype).view(row_scales.shape[0], *([1] * (x.dim() - 2)), row_scales.shape[1])
+        # [rows, 1, ..., rank]: unsqueezed, not viewed to sizes, which the TorchScript exporter writes as a Reshape
+        # to [rows, 1, -1] that ONNX Runtime refuses on the empty bank of a call without adapters.
+        scales = row_scales.to(x.dtype)
+        for _ in range(x.dim() - 2):
+            scales = scales.unsqueeze(1)
+        low = low * scales
         return out.index_add(0, rows, torch.nn.functional.linear(low, up.to(x.dtype)))
 
 
@@ -134,8 +140,11 @@ def adapted(component: ExportableComponent, model: torch.nn.Module, sample_rank:
         sample[down_input(index)] = torch.randn(sample_rank, layer.in_features, generator=generator) * 0.1
         sample[up_input(index)] = torch.randn(layer.out_features, sample_rank, generator=generator) * 0.1
     spec = replace(component.spec, inputs=component.spec.inputs + extra)
-    return ExportableComponent(spec, module_class(component.module, called, own).eval(),
-                               {**component.sample_inputs, **sample}, first_row=_first_row), layers
+    # The rows a call adapts are distinct (a row twice would get its adapters twice): the TorchScript exporter's
+    # check at other sizes keeps them, and doubles the rank.
+    return replace(component, spec=spec, module=module_class(component.module, called, own).eval(),
+                   sample_inputs={**component.sample_inputs, **sample}, first_row=_first_row,
+                   axis_growth={**component.axis_growth, ROWS_AXIS: 1}), layers
 
 
 def _first_row(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

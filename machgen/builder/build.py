@@ -19,6 +19,7 @@ from machgen.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from machgen.builder.family_export import FamilyExport
+    from machgen.builder.precision_sweep import SweepSettings
     from machgen.builder.repository import ServingOptions
     from machgen.plugins.schema import SparseAttentionConfig
     from machgen.contract.streaming import StreamingSettings
@@ -81,6 +82,10 @@ class TargetOptions:
     # first. tensorrt: bf16, or fp8 (FP8 where the graph has Q/DQ pairs or the FP8 attention plugin, BF16
     # elsewhere); onnxruntime: float (float32); torch: float (the programs' --dtype).
     precision: str | None = None
+    # onnxruntime int8: which layer groups stay float, chosen by the sensitivity sweep (builder/precision_sweep.py,
+    # ``sweep``: its settings, None the defaults); off: every MatMul and Gemm of the denoisers int8.
+    precision_sweep: bool = True
+    sweep: "SweepSettings | None" = None
     # tensorrt: engines whose weights can be swapped (refit) without a rebuild.
     refittable: bool = True
     # tensorrt: tactic timings kept across builds (read, then rewritten).
@@ -273,6 +278,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     results: list[ComponentResult] = []
     sparse_nodes = 0
     precision: dict = {}  # the components built below float: what each got (builder/quantize.py)
+    int8_parts: dict = {}  # the denoiser parts the sensitivity sweep chooses the int8 layers of, by name
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
         exported: dict[str, Path] = {}
         onnx_files: dict[str, Path] = {}  # the tensorrt target's checked ONNX files, beside its engines
@@ -295,14 +301,17 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
             cached = cache.load(key, folder) if cache is not None else None
             if cached is not None:
                 nodes, report = cached["sparse_attention_nodes"], ParityReport(**cached["parity"])
+                exported_by = cached.get("exporter", "an earlier build's exporter")
             else:
                 # Swapped for the parity check too: torch then runs the operator's CPU reference.
                 with attention_for(exporter, pipe, sparse, sparse_layers, parallel_here, defaults):
                     if target == "torch":
                         nodes = export_torch(component, folder, dtype, device,
                                              cuda_graphs=target_options.cuda_graphs, compile=target_options.compile)
+                        exported_by = "torch.export"
                     else:
-                        nodes = export_onnx(component, path, attention=sparse, exporter=onnx_exporter_name)
+                        onnx_export = export_onnx(component, path, attention=sparse, exporter=onnx_exporter_name)
+                        nodes, exported_by = onnx_export.sparse_attention_nodes, onnx_export.exporter
                     # On one rank (the plan is written after it): the program's sequence attention is SDPA.
                     report = check_parity(component, path, dtype, device)
                 if parallel_here:
@@ -310,9 +319,12 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 if adapter_layers is not None:
                     write_component_layers(folder, adapter_layers)
                 if cache is not None:
-                    cache.store(key, folder, {"sparse_attention_nodes": nodes, "parity": asdict(report)})
+                    cache.store(key, folder, {"sparse_attention_nodes": nodes, "parity": asdict(report),
+                                              "exporter": exported_by})
             sparse_nodes += nodes
-            if target_options.precision == "int8" and is_denoiser(spec.name):
+            if target_options.precision == "int8" and is_denoiser(spec.name) and target_options.precision_sweep:
+                int8_parts[spec.name] = component  # quantized once the sweep has run on every part's float file
+            elif target_options.precision == "int8" and is_denoiser(spec.name):
                 precision[spec.name] = quantize_int8(path)
                 report = check_parity(component, path, dtype, device, relative_tolerance=INT8_RELATIVE_TOLERANCE)
                 log(f"[{index}/{len(exports)}] {spec.name}: int8, {len(precision[spec.name]['layers'])} layers "
@@ -322,19 +334,24 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 f"(tolerance {report.tolerance:g}), {file_bytes / 2**20:.2f} MiB"
                 f"{f', {nodes} SparseAttention calls' if nodes else ''}"
                 f"{f', {len(adapter_layers)} adaptable layers' if adapter_layers else ''}, "
-                f"{time.perf_counter() - start:.1f} s{' (export cache)' if cached is not None else ''}")
+                f"{time.perf_counter() - start:.1f} s, {exported_by}{' (export cache)' if cached is not None else ''}")
             onnx_files[spec.name] = path
             if target == "tensorrt":
                 path = _engine(exporter, component, path, defaults, settings, options, target_options, sparse, log)
             exported[spec.name] = path
             results.append(ComponentResult(spec.name, report.max_abs_diff, report.tolerance,
                                            time.perf_counter() - start, file_bytes))
+        if int8_parts:
+            _sweep_int8(name, files, exported, int8_parts, {a: model_dir / a for a in exporter.sampler_assets},
+                        Path(scratch), target_options, precision, results, log)
         log(f"weights: {sum(result.file_bytes for result in results) / 2**20:.2f} MiB in {len(results)} components "
             f"({target_options.precision})")
         if target == "onnxruntime":
             exported.update(_fuse_chains(specs, exported, Path(scratch), log))
         if precision:
+            # In the build's own record too: the next build must not take this build's precision for a user's edit.
             _record_precision(plan.files, name, precision)
+            _record_precision(plan.own_files, name, precision)
         if sparse is not None and not sparse_nodes:
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
@@ -359,6 +376,34 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         plan.write_record({relative.split("/", 1)[0] for relative in files})
     log(f"wrote model repository {out} (public model '{name}', target {target})")
     return results
+
+
+def _sweep_int8(name: str, files: dict[str, str], exported: dict[str, Path], int8_parts: dict, assets: dict,
+                scratch: Path, target_options: TargetOptions, precision: dict, results: list[ComponentResult],
+                log: Callable[[str], None]) -> None:
+    """The sensitivity sweep over the denoiser parts' float files (builder/precision_sweep.py), then each part
+    quantized without the layers it keeps float and checked against torch; what each got in ``precision``
+    (the manifest's) and ``results``."""
+    from machgen.builder.export import check_parity
+    from machgen.builder.precision_sweep import SweepSettings, sweep_build
+    from machgen.builder.quantize import INT8_RELATIVE_TOLERANCE, quantize_int8
+
+    choice = sweep_build(name, files, exported, {part: exported[part] for part in int8_parts}, assets, scratch,
+                         target_options.sweep or SweepSettings(), log)
+    for index, result in enumerate(results):
+        if result.name not in int8_parts:
+            continue
+        path = exported[result.name]
+        got = precision[result.name] = quantize_int8(path, exclude=choice.float_modules(result.name))
+        got["sweep"] = choice.record(result.name)
+        report = check_parity(int8_parts[result.name], path, "float32", "cpu",
+                              relative_tolerance=INT8_RELATIVE_TOLERANCE)
+        file_bytes = sum(item.stat().st_size for item in path.parent.glob(path.name + "*") if item.is_file())
+        results[index] = replace(result, max_abs_diff=report.max_abs_diff, tolerance=report.tolerance,
+                                 file_bytes=file_bytes)
+        log(f"{result.name}: int8, {len(got['layers'])} layers, {len(got['float_layers'])} kept float (the "
+            f"sweep's choice); max |{path.name} - torch| = {report.max_abs_diff:.3g} (tolerance "
+            f"{report.tolerance:g}), {file_bytes / 2**20:.2f} MiB")
 
 
 def _record_precision(files: dict[str, str], name: str, precision: dict) -> None:

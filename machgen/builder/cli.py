@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from machgen.builder.build import TARGETS, AttentionOptions, TargetOptions
+from machgen.builder.precision_sweep import SWEEP_HELP, sweep_settings
 from machgen.builder.repository import ServingOptions
 from machgen.contract.tasks import long_task_name, short_task_name
 from machgen.contract.manifest import PipelineManifest, find_pipeline_dir
@@ -130,10 +131,11 @@ def build(
                                      help="torch on cuda: replay each shape bucket as a CUDA graph"),
     compile_programs: bool = typer.Option(_TARGET.compile, "--compile/--no-compile",
                                           help="torch: torch.compile the programs at load"),
-    precision: str = typer.Option(None, "--precision", help="the linear layers' precision the target builds: "
-                                                            "onnxruntime float (default) or int8 (the "
-                                                            "denoiser's); tensorrt bf16 (default) or fp8; torch "
-                                                            "float; another is refused"),
+    precision: str = typer.Option(None, "--precision", help="the linear layers' precision: onnxruntime float "
+                                  "(default) or int8 (the denoiser's); tensorrt bf16 (default) or fp8; torch float"),
+    sweep: bool = typer.Option(True, "--precision-sweep/--no-precision-sweep", help=SWEEP_HELP["sweep"]),
+    min_psnr: float = typer.Option(None, "--int8-min-psnr", help=SWEEP_HELP["min_psnr"]),
+    sweep_pairs: int = typer.Option(None, "--precision-sweep-pairs", min=1, help=SWEEP_HELP["pairs"]),
     refittable: bool = typer.Option(_TARGET.refittable, "--refittable/--no-refittable",
                                     help="tensorrt: engines whose weights can be swapped without a rebuild"),
     timing_cache: Path = typer.Option(None, "--timing-cache", dir_okay=False,
@@ -217,7 +219,8 @@ def build(
                          target_options=TargetOptions(device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                                       compile=compile_programs, precision=precision,
                                                       refittable=refittable, timing_cache=timing_cache,
-                                                      onnx_exporter=onnx_exporter),
+                                                      onnx_exporter=onnx_exporter, precision_sweep=sweep,
+                                                      sweep=sweep_settings(precision, sweep, min_psnr, sweep_pairs)),
                          export_cache=export_cache, preview=preview, drop_unfit_adapters=drop_unfit_adapters,
                          discard_changes=discard_changes, parallel=layout,
                          streaming=_streaming_option(streaming))

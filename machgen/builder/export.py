@@ -35,11 +35,9 @@ if TYPE_CHECKING:  # pragma: no cover
 EXTERNAL_DATA_BYTES = 1 << 30
 ONNX_EXPORTER_ENV = "MACHGEN_ONNX_EXPORTER"
 ONNX_EXPORTERS = ("dynamo", "torchscript")
-# The opset from which the TorchScript exporter's added translations hold (export_torchscript).
-TORCHSCRIPT_TRANSLATIONS_OPSET = 18
 # Axes that are empty in some calls (a denoiser call without adapters: no rows, a bank of rank 0), which no
-# sample shows: the TorchScript exporter's reshapes of an empty tensor fail where torch's do not (seen: Flux's
-# adapted denoiser), so components with them keep the dynamo exporter.
+# sample shows: the TorchScript exporter's file is also checked with them empty (its reshapes of an empty tensor
+# can fail where torch's do not: seen, Flux's adapted denoiser).
 _EMPTY_AXES = (ROWS_AXIS, RANK_AXIS)
 
 
@@ -119,8 +117,17 @@ def _tracing() -> Iterator[None]:
         yield
 
 
+@dataclass(frozen=True)
+class OnnxExport:
+    """What ``export_onnx`` wrote: the exporter whose file it is ("torchscript" or "dynamo") and the number of
+    ``machgen::SparseAttention`` nodes in it."""
+
+    exporter: str
+    sparse_attention_nodes: int = 0
+
+
 def export_onnx(component: ExportableComponent, path: Path,
-                attention: "SparseAttentionConfig | None" = None, exporter: str | None = None) -> int:
+                attention: "SparseAttentionConfig | None" = None, exporter: str | None = None) -> OnnxExport:
     """Export ``component`` to ``path`` (ONNX, opset chosen by the exporter):
     its ``trace`` in float32 on the CPU, converted; with ``exporter``
     torchscript (``onnx_exporter``), the TorchScript exporter's file where it
@@ -129,7 +136,7 @@ def export_onnx(component: ExportableComponent, path: Path,
     With ``attention``, the module is expected to call the SparseAttention
     op (plugins/ops.attention_swapped): each call becomes a
     ``machgen::SparseAttention`` node and the file gets that op's function
-    body for ONNX Runtime. Returns the number of such nodes.
+    body for ONNX Runtime.
     """
     import onnx
     import torch
@@ -138,7 +145,7 @@ def export_onnx(component: ExportableComponent, path: Path,
 
     # The TorchScript exporter has no translation of the SparseAttention op: a module calling it falls through.
     if onnx_exporter(exporter) == "torchscript" and export_torchscript(component, path):
-        return 0
+        return OnnxExport("torchscript")
     spec = component.spec
     # torch.export first, then the conversion of its program: the exporter's own trace leaves some shapes
     # unproved that torch.export proves (LTX's attention mask view: (b*h*t)//(b*h*t)).
@@ -163,33 +170,37 @@ def export_onnx(component: ExportableComponent, path: Path,
     nodes = ops.attach_onnx_function(model, attention) if attention is not None else 0
     onnx.save_model(model, os.fspath(path), save_as_external_data=size > EXTERNAL_DATA_BYTES,
                     location=path.name + ".data")
-    return nodes
+    return OnnxExport("dynamo", nodes)
 
 
 def export_torchscript(component: ExportableComponent, path: Path) -> bool:
     """Export ``component`` to ``path`` with the TorchScript-based exporter,
     every named axis dynamic; False (the file then meaningless) where it does
-    not apply: an input has an axis that can be empty (``_EMPTY_AXES``), the
-    exporter fails (an op it cannot translate: the SparseAttention op, say),
-    the trace read a value out of a tensor (a TracerWarning other than a
-    condition's: that value is then a constant of the file), or the file
-    differs from torch on the parity check's inputs (``check_parity``, which
-    the build runs again) or on them at other sizes (``_at_other_sizes``).
-    A trace can fix a size silently, without a warning: Wan's and Flux's
-    denoisers fix the batch, which the first row alone shows. Unlike
+    not apply: the exporter fails (an op it cannot translate: the
+    SparseAttention op, say), the trace read a value out of a tensor (a
+    TracerWarning other than a condition's: that value is then a constant of
+    the file), or the file differs from torch on the parity check's inputs
+    (``check_parity``, which the build runs again), on them at other sizes
+    (``_at_other_sizes``) or with the axes that can be empty empty
+    (``_with_empty_axes``). A trace can fix a size silently, without a
+    warning (before builder/torchscript_translations.py, Wan's and Flux's
+    denoisers fixed the batch, which the first row alone showed). Unlike
     torch.export's, nothing proves the other sizes right: hence dynamo by
-    default."""
+    default.
+
+    ``component.torchscript_context`` is entered around the trace (not the
+    checks, which run the module as it is)."""
     import onnx
     import torch
     from torch.onnx import _constants
     from torch.onnx._internal.exporter import _constants as dynamo_constants
 
+    from machgen.builder import torchscript_translations
+
     spec = component.spec
     if sum(t.numel() * t.element_size() for t in component.module.state_dict().values()) > EXTERNAL_DATA_BYTES:
         return False  # kept for the dynamo path, which writes the weights to an external data file
-    if any(size in _EMPTY_AXES for t in spec.inputs for size in t.shape):
-        return False
-    _register_torchscript_translations()
+    torchscript_translations.register()
     names = [t.name for t in spec.inputs]
     # Positional, in the spec's order: the exporter orders keyword inputs by the forward's signature.
     module = _positional(component.module, names)
@@ -197,7 +208,8 @@ def export_torchscript(component: ExportableComponent, path: Path) -> bool:
     dynamic_axes = {t.name: {axis: size for axis, size in enumerate(t.shape) if isinstance(size, str)}
                     for t in spec.inputs + spec.outputs}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+    traced_under = component.torchscript_context or contextlib.nullcontext
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), traced_under():
         warnings.simplefilter("always")
         try:
             torch.onnx.export(module, inputs, os.fspath(path), dynamo=False, input_names=names,
@@ -213,9 +225,12 @@ def export_torchscript(component: ExportableComponent, path: Path) -> bool:
     model = onnx.load(os.fspath(path))
     model.ir_version = dynamo_constants.ONNX_IR_VERSION
     onnx.save_model(model, os.fspath(path))
+    checked = [component, _at_other_sizes(component)]
+    if any(size in _EMPTY_AXES for t in spec.inputs for size in t.shape):
+        checked.append(_with_empty_axes(component))
     try:
-        check_parity(component, path)
-        check_parity(_at_other_sizes(component), path)
+        for sample in checked:
+            check_parity(sample, path)
     except Exception:  # noqa: BLE001 (ParityError, ONNX Runtime refusing the file, torch refusing the sizes)
         return False
     return True
@@ -235,6 +250,19 @@ def _at_other_sizes(component: ExportableComponent) -> ExportableComponent:
                 value = torch.cat([value] * component.axis_growth.get(size, 2), dim=axis)
         inputs[tensor.name] = value
     return replace(component, sample_inputs=inputs)
+
+
+def _with_empty_axes(component: ExportableComponent) -> ExportableComponent:
+    """``component`` with its sample inputs cut to nothing along the axes that can be empty (``_EMPTY_AXES``: the
+    adapter bank of a call without adapters)."""
+    inputs = {}
+    for tensor in component.spec.inputs:
+        value = component.sample_inputs[tensor.name]
+        for axis, size in enumerate(tensor.shape):
+            if size in _EMPTY_AXES:
+                value = value.narrow(axis, 0, 0)
+        inputs[tensor.name] = value
+    return replace(component, sample_inputs=inputs, first_row=None)
 
 
 def _branch_taken(warning) -> bool:
@@ -261,41 +289,11 @@ def _positional(module, names: list[str]):
     return Positional().train(module.training)
 
 
-@functools.cache
 def _register_torchscript_translations() -> None:
-    """What the TorchScript exporter lacks: ``aten::rms_norm`` (Flux's, Wan's, LTX's attention norms) as torch
-    computes it, x * rsqrt(mean(x^2) + eps) * weight, eps by default the dtype's; nearest-exact upsampling by
-    scale factors (Wan's VAE) as ONNX's Resize: torch's source index floor((i + 0.5) * in / out) is half_pixel's
-    (i + 0.5) * in / out - 0.5 rounded half up."""
-    import torch
-    from torch.onnx._internal.torchscript_exporter import symbolic_helper
+    """builder/torchscript_translations.register (perf/bench_export.py calls it by this name)."""
+    from machgen.builder import torchscript_translations
 
-    def upsample_nearest_exact(g, x, output_size, scale_factors):
-        if symbolic_helper._is_none(scale_factors):
-            raise NotImplementedError("nearest-exact upsampling to an output size")  # the dynamo exporter's
-        factors = symbolic_helper._get_const(scale_factors, "fs", "scale_factors")
-        return g.op("Resize", x, symbolic_helper._optional_input_placeholder_tensor(g),
-                    g.op("Constant", value_t=torch.tensor([1.0, 1.0, *factors], dtype=torch.float32)),
-                    mode_s="nearest", coordinate_transformation_mode_s="half_pixel",
-                    nearest_mode_s="round_prefer_ceil")
-
-    def rms_norm(g, x, normalized_shape, weight, eps):
-        axes = symbolic_helper._get_const(normalized_shape, "is", "normalized_shape")
-        if symbolic_helper._is_none(eps):
-            eps = torch.finfo(torch.float32).eps
-        else:
-            eps = symbolic_helper._get_const(eps, "f", "eps")
-        squares = g.op("Mul", x, x)
-        mean = g.op("ReduceMean", squares, g.op("Constant", value_t=torch.tensor(list(range(-len(axes), 0)))),
-                    keepdims_i=1)
-        scale = g.op("Reciprocal", g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(eps)))))
-        out = g.op("Mul", x, scale)
-        return out if symbolic_helper._is_none(weight) else g.op("Mul", out, weight)
-
-    torch.onnx.register_custom_op_symbolic("aten::rms_norm", rms_norm, TORCHSCRIPT_TRANSLATIONS_OPSET)
-    for rank in ("1d", "2d", "3d"):
-        torch.onnx.register_custom_op_symbolic(f"aten::_upsample_nearest_exact{rank}", upsample_nearest_exact,
-                                               TORCHSCRIPT_TRANSLATIONS_OPSET)
+    torchscript_translations.register()
 
 
 _TORCHLIB_REGISTRIES: dict = {}

@@ -86,7 +86,7 @@ def export_sources(module) -> list[Path]:
     files = {Path(inspect.getsourcefile(cls)) for sub in module.modules() for cls in type(sub).__mro__
              if cls.__module__.startswith("machgen.")}
     here = Path(__file__).resolve().parent
-    files |= {here / "export.py", here.parent / "plugins" / "ops.py"}
+    files |= {here / "export.py", here / "torchscript_translations.py", here.parent / "plugins" / "ops.py"}
     return sorted(files)
 
 

@@ -15,6 +15,8 @@ from machgen.contract.specs import AxisRange, ComponentSpec, ServedDefaults
 from machgen.parallel.layout import ParallelLayout, ParallelSupport, ShardPlan, shard_plan
 
 if TYPE_CHECKING:  # pragma: no cover
+    from contextlib import AbstractContextManager
+
     import torch
 
     from machgen.families.registry import Family
@@ -33,6 +35,11 @@ class ExportableComponent:
     # How many times longer a named axis gets where the others double (the TorchScript exporter's check at
     # other sizes): an axis that is a product of two others (a flat cache of height x width) grows 4 times.
     axis_growth: dict[str, int] = field(default_factory=dict)
+    # What the TorchScript exporter traces the module under: numerically identical replacements of what it
+    # mistranslates or translates slowly (LTX-2's rotary embedding adds into halves of a tensor in place, Wan's
+    # writes into every other element of an empty one). The parity checks run the module as it is: they compare
+    # the file with the model's own code.
+    torchscript_context: "Callable[[], AbstractContextManager] | None" = None
 
 
 @dataclass(frozen=True)

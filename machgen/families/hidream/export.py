@@ -56,7 +56,9 @@ class LlamaLayers(torch.nn.Module):
         self.layers = layers
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.decoder(input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+        # No key-value cache: nothing reads it, and the TorchScript exporter would keep its lengths as constants.
+        hidden = self.decoder(input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                              use_cache=False).hidden_states
         # hidden_states[0] is the embedding; diffusers indexes hidden_states[1:].
         return torch.stack([hidden[layer + 1] for layer in self.layers], dim=1)
 

@@ -49,10 +49,52 @@ class TextEncoder(torch.nn.Module):
         self.padding_side = padding_side
 
     def forward(self, input_ids, attention_mask):
-        out = self.language_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        # No key-value cache: nothing reads it, and the TorchScript exporter would keep its lengths as constants.
+        out = self.language_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                                  use_cache=False)
         hidden = torch.stack(out.hidden_states, dim=-1).flatten(2, 3)
         video, audio, mask = self.connectors(hidden, attention_mask, padding_side=self.padding_side)
         return video, audio, mask.to(video.dtype)
+
+
+def _split_rotary_out_of_place(x, freqs):
+    """diffusers' transformer_ltx2.apply_split_rotary_emb with its two in-place ``addcmul_`` into halves of the
+    product as ``torch.addcmul`` of the same halves, joined: the same kernels on the same values, bit for bit. The
+    TorchScript exporter mistranslates the writes into views (its file differed from torch by 0.5)."""
+    cos, sin = freqs
+    x_dtype = x.dtype
+    needs_reshape = False
+    if x.ndim != 4 and cos.ndim == 4:
+        b, h, t, _ = cos.shape
+        x = x.reshape(b, t, h, -1).swapaxes(1, 2)
+        needs_reshape = True
+    last = x.shape[-1]
+    if last % 2 != 0:
+        raise ValueError(f"Expected x.shape[-1] to be even for split rotary, got {last}.")
+    split_x = x.reshape(*x.shape[:-1], 2, last // 2).float()
+    first_x, second_x = split_x[..., :1, :], split_x[..., 1:, :]
+    cos_u, sin_u = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    out = split_x * cos_u
+    out = torch.cat([torch.addcmul(out[..., :1, :], -sin_u, second_x), torch.addcmul(out[..., 1:, :], sin_u, first_x)],
+                    dim=-2)
+    out = out.reshape(*out.shape[:-2], last)
+    if needs_reshape:
+        out = out.swapaxes(1, 2).reshape(b, t, -1)
+    return out.to(dtype=x_dtype)
+
+
+@contextlib.contextmanager
+def rotary_out_of_place():
+    """diffusers' LTX-2 attention (the transformer's and the text connectors') calling _split_rotary_out_of_place:
+    what the TorchScript exporter traces (ExportableComponent.torchscript_context)."""
+    from diffusers.models.transformers import transformer_ltx2
+
+    kept = transformer_ltx2.apply_split_rotary_emb
+    transformer_ltx2.apply_split_rotary_emb = _split_rotary_out_of_place
+    try:
+        yield
+    finally:
+        transformer_ltx2.apply_split_rotary_emb = kept
 
 
 def modulation(embed, values, batch: int, dtype):
@@ -411,10 +453,13 @@ class Ltx2Export(FamilyExport):
         vae_spatial = pipe.vae_spatial_compression_ratio
         latent_mel = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
         components = [
-            ExportableComponent(specs["text_encoder"], encoder, {"input_ids": ids, "attention_mask": text_mask}),
-            ExportableComponent(specs["denoiser_head"], head_module, {**latents, **step}),
+            ExportableComponent(specs["text_encoder"], encoder, {"input_ids": ids, "attention_mask": text_mask},
+                                torchscript_context=rotary_out_of_place),
+            ExportableComponent(specs["denoiser_head"], head_module, {**latents, **step},
+                                torchscript_context=rotary_out_of_place),
             ExportableComponent(specs["denoiser_tail"], DenoiserTail(pipe.transformer).eval(),
-                                {"video_hidden": video_hidden, "audio_hidden": audio_hidden, **step}),
+                                {"video_hidden": video_hidden, "audio_hidden": audio_hidden, **step},
+                                torchscript_context=rotary_out_of_place),
             ExportableComponent(specs["denoiser_reuse"], DenoiserReuse(pipe.transformer).eval(),
                                 {**latents, **timesteps, "blocks_residual": randn(*residual.shape)}),
             ExportableComponent(specs["vae_decoder"], VaeDecoder(pipe.vae).eval(),
