@@ -94,12 +94,7 @@ class RealtimeSession:
                     raise GenerationError("StatusCode.UNAVAILABLE", f"the server sent nothing for "
                                       f"{self.client.stream_silence_s:g} s: the session's stream is lost") from None
                 if error is not None:
-                    if error.status() is not None:  # not the server's answer: the stream broke (gRPC's status)
-                        raise GenerationError(str(error.status()), f"the session's stream broke, its server or the "
-                                              f"connection to it gone (a session dies with its server): "
-                                              f"{error.message()}")
-                    status, message = stream_error_status(error.message())
-                    raise GenerationError(f"StatusCode.{_grpc_code(status)}", message)
+                    raise _stream_failure(error)
                 names = {output.name for output in result.get_response().outputs}
                 if SESSION_INFO_OUTPUT in names:
                     self.info = _json(result.as_numpy(SESSION_INFO_OUTPUT))
@@ -127,8 +122,21 @@ class RealtimeSession:
         if not self._opened.wait(self.client.stream_silence_s):
             raise GenerationError("StatusCode.UNAVAILABLE", f"session {self.session_id!r} was not started: its "
                                   f"stream got no answer in {self.client.stream_silence_s:g} s")
-        inputs = self._inputs({SESSION_OP_INPUT: op, **values})
-        return _json(self.client.infer(self.model, inputs, outputs=(SESSION_INFO_OUTPUT,))[SESSION_INFO_OUTPUT])
+        return _json(self._infer(op, self._inputs({SESSION_OP_INPUT: op, **values}))[SESSION_INFO_OUTPUT])
+
+    def _infer(self, op: str, inputs: list) -> dict[str, np.ndarray]:
+        """An op's request. One that fails once the session's stream has ended with an error says what the
+        stream was told: a sampler that died fails the stream at once, while the op, sent again until a
+        sampler answers, would only hear that no such session is open."""
+        try:
+            return self.client.infer(self.model, inputs, outputs=(SESSION_INFO_OUTPUT,))
+        except GenerationError as err:
+            with self._responses.mutex:
+                ended = next((error for _, error in self._responses.queue if error is not None), None)
+            if ended is None or self._closed.is_set():  # a stream this client ended holds its own cancellation
+                raise
+            told = _stream_failure(ended)
+            raise GenerationError(told.status, f"{told} (then {op}: {err})") from err
 
     def interact(self, prompt: str | None = None, action: str | None = None, seed: int | None = None):
         """A new prompt, one of the model's actions, or a new seed: from the chunk after the one being made
@@ -144,7 +152,7 @@ class RealtimeSession:
                                ACTION_INPUT: action, "seed": seed})
         inputs = [tensor for tensor in inputs if tensor.name() != SESSION_INPUT]
         inputs.append(self.client.make_input(SESSION_INPUT, child_id))
-        self.client.infer(self.model, inputs, outputs=(SESSION_INFO_OUTPUT,))
+        self._infer("fork", inputs)
         return RealtimeSession(self.client, self.model, child_id, {SESSION_OP_INPUT: "play", CHUNKS_INPUT: chunks})
 
     def play(self, chunks: int | None = None) -> "RealtimeSession":
@@ -171,6 +179,15 @@ class RealtimeSession:
         except GenerationError:
             pass
         self._end_stream()
+
+
+def _stream_failure(error) -> GenerationError:
+    """A session stream's error (tritonclient's) as the client raises it."""
+    if error.status() is not None:  # not the server's answer: the stream broke (gRPC's status)
+        return GenerationError(str(error.status()), f"the session's stream broke, its server or the connection to "
+                                                    f"it gone (a session dies with its server): {error.message()}")
+    status, message = stream_error_status(error.message())
+    return GenerationError(f"StatusCode.{_grpc_code(status)}", message)
 
 
 def _grpc_code(status: str | None) -> str:

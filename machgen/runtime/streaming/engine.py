@@ -18,6 +18,8 @@ from machgen.runtime.streaming.kv_cache import SessionCache, bytes_of, padded_ro
 from machgen.runtime.streaming.session import StreamSession
 
 STREAMING_DENOISER = "streaming_denoiser"
+# How long a fork waits for its parent's chunk to be done (a chunk takes a second on a loaded CPU, at most).
+FORK_WAIT_S = 10.0
 
 
 class SessionRefused(InvalidArgument):
@@ -70,6 +72,9 @@ class StreamingEngine:
         self.startup_s = startup_s
         # The share of recent wall time spent in calls (an exponential average): the load admission reads.
         self.busy_share = 0.0
+        # Seconds a chunk recently took to make (its calls and its decode; an exponential average): pacing lets a
+        # session start that much earlier, or sessions whose chunks ride in one call would all miss together.
+        self.chunk_make_s = 0.0
         self._last_step_end: float | None = None
         self.clock = clock
         self.sessions: dict[str, StreamSession] = {}
@@ -103,21 +108,40 @@ class StreamingEngine:
             return session.change(**self._changes(prompt, action, seed, session.subject))
 
     def fork(self, session_id: str, child_id: str, prompt: str | None = None, action: str | None = None,
-             seed: int | None = None) -> StreamSession:
-        """A child of a session between chunks (the engine forks only there: it holds the lock between calls)."""
+             seed: int | None = None, wait_s: float = FORK_WAIT_S) -> StreamSession:
+        """A child of a session at its next chunk boundary. A session playing is between two of its calls, not
+        between chunks, most of the time: it finishes the chunk it is making (its reader's calls make it) and
+        starts no other until forked; one whose chunk is not done within ``wait_s`` (nobody reads it) is
+        refused."""
         with self.lock:
-            if child_id in self.sessions:
-                raise SessionRefused("session", f"session {child_id!r} is already open")
-            parent = self.session(session_id)
-            self._check_room()
-            if not parent.at_boundary:
-                raise SessionRefused("session", f"session {session_id!r} is re-caching a prompt switch: "
-                                                   "fork it after its next chunk")
-            child = parent.fork(child_id, **self._changes(prompt, action, seed, parent.subject))
-            child.opened_at, child.last_used = parent.opened_at, self.clock()
-            child.playing_since = parent.playing_since
-            self.sessions[child_id] = child
-            return child
+            parent = self._fork_parent(session_id, child_id)
+            parent.fork_waits += 1
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                with self.lock:
+                    if self._fork_parent(session_id, child_id) is not parent:  # closed, and one of its name opened
+                        raise SessionRefused("session", f"session {session_id!r} was closed while its fork waited")
+                    if parent.at_boundary:
+                        child = parent.fork(child_id, **self._changes(prompt, action, seed, parent.subject))
+                        child.opened_at, child.last_used = parent.opened_at, self.clock()
+                        child.playing_since = parent.playing_since
+                        self.sessions[child_id] = child
+                        return child
+                if time.monotonic() > deadline:
+                    raise SessionRefused("session", f"session {session_id!r} did not finish its chunk within "
+                                                    f"{wait_s:g} s (is it being read?): fork it between chunks")
+                time.sleep(0.005)
+        finally:
+            with self.lock:
+                parent.fork_waits -= 1
+
+    def _fork_parent(self, session_id: str, child_id: str) -> StreamSession:
+        if child_id in self.sessions:
+            raise SessionRefused("session", f"session {child_id!r} is already open")
+        parent = self.session(session_id)
+        self._check_room()
+        return parent
 
     def close(self, session_id: str) -> None:
         with self.lock:
@@ -197,10 +221,10 @@ class StreamingEngine:
         return session.playing_since + session.frames_sent / self.fps
 
     def _paced_out(self, session: StreamSession, now: float) -> bool:
-        """Whether real-time pacing holds the session back: it is more than ``max_ahead_s`` ahead of its next
-        frame's deadline. A first chunk never waits (a reader is waiting for it)."""
+        """Whether real-time pacing holds the session back: its next frame's deadline is further than
+        ``max_ahead_s`` plus the time a chunk takes to make. A first chunk never waits (a reader waits for it)."""
         return (self.max_ahead_s is not None and session.playing_since is not None
-                and self.deadline(session) - now > self.max_ahead_s)
+                and self.deadline(session) - now > self.max_ahead_s + self.chunk_make_s)
 
     def next_rows(self, wanted: set[str] | None = None) -> list[StreamSession]:
         """The sessions of the next call: the one nearest its deadline and those of its size, in deadline
@@ -208,7 +232,8 @@ class StreamingEngine:
         it is wanted (``want``), so it never runs ahead of its reader, and steering lands where asked."""
         now = self.clock()
         ready = sorted((s for s in self.sessions.values() if (wanted is None or s.session_id in wanted)
-                        and s.wants > 0 and not self.at_end(s) and not self._paced_out(s, now)),
+                        and s.wants > 0 and not self.at_end(s) and not self._paced_out(s, now)
+                        and not (s.fork_waits and s.at_boundary)),
                        key=self.deadline)
         if not ready:
             return []
@@ -265,6 +290,7 @@ class StreamingEngine:
                 "denoise_ms": session.chunk_denoise_s * 1000, "decode_ms": (done - decode_started) * 1000,
                 "decoded_together": len(finished), "rows": session.chunk_rows, "deadline_missed": done > due,
                 "late_ms": max(0.0, done - due) * 1000, "cache_bytes": session.cache.bytes()})
+            self.chunk_make_s += 0.2 * (session.chunk_denoise_s + done - decode_started - self.chunk_make_s)
             session.chunk_denoise_s, session.chunk_rows = 0.0, 0
             if session.playing_since is None:
                 session.playing_since = done

@@ -75,6 +75,8 @@ class StreamSession:
     # Finished chunks its reader has not taken yet, and chunks asked for and not made yet.
     outbox: list = field(default_factory=list)
     wants: int = 0
+    # Forks waiting for this session's next chunk boundary: it starts no chunk while one waits.
+    fork_waits: int = 0
     closed: bool = False
 
     def __post_init__(self):

@@ -61,8 +61,11 @@ class SessionMetrics:
             self.misses.increment(int(deadline_missed))
             self.latency.observe(latency_s)
 
-    def gauges(self, sessions: int, cache_bytes: int) -> None:
+    def gauges(self, read: Callable[[], tuple[int, int]]) -> None:
+        """``read``: the sessions open and the bytes cached, read under the lock, or an older reading could
+        be written last."""
         with self.lock:
+            sessions, cache_bytes = read()
             self.sessions.set(sessions)
             self.cache_bytes.set(cache_bytes)
 
@@ -130,7 +133,7 @@ class SessionHost:
         return self._info(request.session, "open")
 
     def _update_gauges(self) -> None:
-        self.metrics.gauges(len(self.engine.sessions), self.engine.cache_bytes())
+        self.metrics.gauges(lambda: (len(self.engine.sessions), self.engine.cache_bytes()))
 
     def _play(self, request: SessionRequest, sender, is_cancelled: Callable[[], bool]) -> list:
         """Streams the session's chunks. A newer play of the session (its client's stream closed and played
@@ -158,6 +161,7 @@ class SessionHost:
             with self._players_lock:
                 if self._players.get(request.session) is player:
                     del self._players[request.session]
+            self._update_gauges()  # a session closed at its end, or by an error, is counted out
         return self._info(request.session, "open" if request.session in self.engine.sessions else "closed", sent)
 
     def _send_chunk(self, request: SessionRequest, sender, chunk, asked: float) -> None:
@@ -198,7 +202,7 @@ class SessionHost:
         while not self._closing.wait(1.0):
             for session_id in self.engine.evict_idle():
                 self.logger.log_info(f"session {session_id}: closed after {self.engine.idle_timeout_s:g} s idle")
-                self._update_gauges()
+            self._update_gauges()
 
     def close(self) -> None:
         self._closing.set()
