@@ -891,16 +891,36 @@ class ServeProcess:
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
 
     def stop(self, timeout: float = 90.0) -> None:
-        """SIGTERM (a drain), killed after ``timeout``."""
+        """SIGTERM (a drain), killed after ``timeout``; then any tritonserver or stub it leaves (its own
+        session, so a killed machgen serve orphans it) is killed too: no test leaves a server running."""
         import signal
         import subprocess
 
+        import psutil
+
+        try:
+            started = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait()
+        left = []
+        for process in started:
+            try:
+                left += [process, *process.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        for process in left:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=10)
 
 
 @contextlib.contextmanager
