@@ -75,6 +75,9 @@ class StreamingEngine:
         # Seconds a chunk recently took to make (its calls and its decode; an exponential average): pacing lets a
         # session start that much earlier, or sessions whose chunks ride in one call would all miss together.
         self.chunk_make_s = 0.0
+        # Seconds of video a chunk plays: the most that earlier start may be (a model slower than real time
+        # misses either way, and further ahead a key would wait longer for the chunks already begun).
+        self.chunk_play_s = 0.0
         self._last_step_end: float | None = None
         self.clock = clock
         self.sessions: dict[str, StreamSession] = {}
@@ -224,7 +227,7 @@ class StreamingEngine:
         """Whether real-time pacing holds the session back: its next frame's deadline is further than
         ``max_ahead_s`` plus the time a chunk takes to make. A first chunk never waits (a reader waits for it)."""
         return (self.max_ahead_s is not None and session.playing_since is not None
-                and self.deadline(session) - now > self.max_ahead_s + self.chunk_make_s)
+                and self.deadline(session) - now > self.max_ahead_s + min(self.chunk_make_s, self.chunk_play_s))
 
     def next_rows(self, wanted: set[str] | None = None) -> list[StreamSession]:
         """The sessions of the next call: the one nearest its deadline and those of its size, in deadline
@@ -291,6 +294,7 @@ class StreamingEngine:
                 "decoded_together": len(finished), "rows": session.chunk_rows, "deadline_missed": done > due,
                 "late_ms": max(0.0, done - due) * 1000, "cache_bytes": session.cache.bytes()})
             self.chunk_make_s += 0.2 * (session.chunk_denoise_s + done - decode_started - self.chunk_make_s)
+            self.chunk_play_s = max(self.chunk_play_s, len(frames) / self.fps)
             session.chunk_denoise_s, session.chunk_rows = 0.0, 0
             if session.playing_since is None:
                 session.playing_since = done
