@@ -11,24 +11,13 @@ import base64
 import io
 import json
 import os
-import shutil
-import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from browser_helpers import MISSING, browser, poll  # noqa: F401 (browser: a fixture)
 
-CHROMIUM = shutil.which("chromium")
-CHROMEDRIVER = shutil.which("chromedriver")
-try:
-    import selenium  # noqa: F401
-    SELENIUM = True
-except ImportError:
-    SELENIUM = False
-
-MISSING = [what for what, there in (("chromium (on PATH)", CHROMIUM), ("chromedriver (on PATH)", CHROMEDRIVER),
-                                    ("the selenium package", SELENIUM)) if not there]
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(bool(MISSING), reason="the playground's browser test needs " + ", ".join(MISSING)
@@ -74,36 +63,6 @@ let text = "";
 for (let i = 0; i < data.length; i += 0x8000) text += String.fromCharCode.apply(null, data.subarray(i, i + 0x8000));
 return {width: canvas.width, height: canvas.height, rgba: btoa(text)};
 """
-
-
-@pytest.fixture
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
-        options.add_argument(arg)
-    # The paths given: no Selenium Manager (it would download a driver).
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_script_timeout(10)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-
-
-def poll(condition, timeout: float, what: str):
-    """``condition()``'s first truthy answer, polled every 20 ms."""
-    deadline = time.monotonic() + timeout
-    while True:
-        answer = condition()
-        if answer:
-            return answer
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
-        time.sleep(0.02)
 
 
 def reference_image(api, prompt: str, size: str, seed: int, steps: int) -> np.ndarray:

@@ -13,26 +13,16 @@ from __future__ import annotations
 
 import base64
 import itertools
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from browser_helpers import MISSING, browser, poll  # noqa: F401 (browser: a fixture)
 from conftest import api_on, build_tiny_repository, serving
 
 from machgen.datasets import world_shapes
 
-CHROMIUM = shutil.which("chromium")
-CHROMEDRIVER = shutil.which("chromedriver")
-try:
-    import selenium  # noqa: F401
-    SELENIUM = True
-except ImportError:
-    SELENIUM = False
-
-MISSING = [what for what, there in (("chromium (on PATH)", CHROMIUM), ("chromedriver (on PATH)", CHROMEDRIVER),
-                                    ("the selenium package", SELENIUM)) if not there]
 pytestmark = [
     pytest.mark.export,
     pytest.mark.integration,
@@ -90,36 +80,6 @@ def world_server(world_repository):
 def world_api(world_server, api_keys, tmp_path_factory):
     with api_on(world_server.grpc_url, api_keys, tmp_path_factory, "world-api") as api:
         yield api
-
-
-@pytest.fixture
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
-        options.add_argument(arg)
-    # The paths given: no Selenium Manager (it would download a driver).
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_script_timeout(10)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-
-
-def poll(condition, timeout: float, what: str):
-    """``condition()``'s first truthy answer, polled every 20 ms."""
-    deadline = time.monotonic() + timeout
-    while True:
-        answer = condition()
-        if answer:
-            return answer
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
-        time.sleep(0.02)
 
 
 class Page:
