@@ -183,6 +183,10 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             "--model-control-mode=explicit", "--load-model=*", "--strict-readiness=true",
+            # Every config is written whole by machgen-build: without this the Python backend starts one more
+            # stub per model to ask it to complete its config (measured: the three defaults ready in 11.5 s
+            # instead of 17.8 on these 2 cores).
+            "--disable-auto-complete-config",
             f"--http-restricted-api={RESTRICTED_APIS}:{CONTROL_KEY_HEADER}={self.control_key}",
             f"--grpc-restricted-protocol={RESTRICTED_APIS}:{CONTROL_KEY_HEADER}={self.control_key}",
         ]

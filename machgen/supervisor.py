@@ -248,25 +248,28 @@ class Supervisor:
                 self.server.unload_model(model)
             # Said once it is true: a client that reads it and sends a request is refused.
             self.log(f"supervisor: draining: {', '.join(models)} take no new request")
-            if not self._public_models_gone(models, timeout_s):
-                self.log(f"supervisor: requests still in flight after {timeout_s:.0f} s; stopping them at their "
-                         "next step")
+            holding = self._models_holding_requests(models, timeout_s)
+            if holding:
+                self.log(f"supervisor: requests still in flight after {timeout_s:.0f} s in {', '.join(holding)}; "
+                         "stopping them at their next step")
                 self.server.stop_file.touch()
-                self._public_models_gone(models, 30.0)
+                holding = self._models_holding_requests(holding, 30.0)
+                if holding:
+                    self.log(f"supervisor: {', '.join(holding)} still not unloaded after 30 s more; killing the "
+                             "server")
         except ServerError as err:
             self.log(f"supervisor: drain: {err}")
 
-    def _public_models_gone(self, models: list[str], timeout_s: float) -> bool:
-        """Whether every one of ``models`` answered all its requests within ``timeout_s``: unloaded, or
-        finalizing (runtime/triton_models/backend.py mark_drained)."""
+    def _models_holding_requests(self, models: list[str], timeout_s: float) -> list[str]:
+        """Those of ``models`` that still hold a request after ``timeout_s`` (none once each answered all its
+        requests: unloaded, or finalizing, runtime/triton_models/backend.py mark_drained)."""
         deadline = time.monotonic() + timeout_s
         while True:
             states = self.server.model_states()
-            if all(states.get(model) not in ("READY", "UNLOADING")
-                   or os.path.exists(drained_file(os.fspath(self.server.stop_file), model)) for model in models):
-                return True
-            if time.monotonic() > deadline:
-                return False
+            holding = [model for model in models if states.get(model) in ("READY", "UNLOADING")
+                       and not os.path.exists(drained_file(os.fspath(self.server.stop_file), model))]
+            if not holding or time.monotonic() > deadline:
+                return holding
             time.sleep(0.25)
 
     def metrics_text(self) -> str:

@@ -543,7 +543,9 @@ def steps_after_stop_asked(server, request_id: str, timeout: float = 30.0) -> in
         if asked_at and stopped_at:
             return int(stopped_at.group(1)) - int(asked_at.group(1))
         if time.monotonic() > deadline:
-            raise AssertionError(f"no stop of request {request_id} in the server log")
+            lines = [line for line in log.splitlines() if request_id in line]
+            raise AssertionError(f"no stop of request {request_id} in the server log; its lines:\n"
+                                 + "\n".join(lines[-20:]))
         time.sleep(0.1)
 
 
@@ -833,6 +835,13 @@ def api_server(triton_server, api_keys, tmp_path_factory):
         yield api
 
 
+SLOW_STOP_S = 20.0  # a drain with nothing in flight takes seconds
+
+
+class SlowStop(UserWarning):
+    """A machgen serve whose drain outlasted SLOW_STOP_S, in pytest's warnings summary (also from xdist workers)."""
+
+
 class ServeProcess:
     """``machgen serve REPOSITORY`` as a user runs it (``extra``: more of its options), on free ports, and what
     it printed. ``http``, ``grpc``, ``metrics`` and ``supervisor`` are its ports."""
@@ -903,12 +912,16 @@ class ServeProcess:
         except psutil.NoSuchProcess:
             started = []
         if self.process.poll() is None:
+            asked = time.monotonic()
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+            if time.monotonic() - asked > SLOW_STOP_S:  # a drain that waited on a request: which model held it
+                warnings.warn(f"machgen serve took {time.monotonic() - asked:.0f} s to stop; it said:\n"
+                              + "".join(self.lines[-12:]), SlowStop)
         left = []
         for process in started:
             try:

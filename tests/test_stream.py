@@ -72,7 +72,7 @@ def test_cancelling_a_stream_stops_the_request_at_the_next_step(triton_server):
     responses: queue.Queue = queue.Queue()
     triton.start_stream(callback=lambda result, error: responses.put((result, error)))
     inputs = [client.make_input("prompt", "a long cat"), client.make_input("seed", 1),
-              client.make_input("num_inference_steps", 400)]
+              client.make_input("num_inference_steps", 1000)]  # the most: still running when cancelled on loaded cores
     triton.async_stream_infer(STREAM, inputs, request_id="stream-to-cancel")
     steps = []
     while len(steps) < 3:

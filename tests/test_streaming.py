@@ -305,10 +305,11 @@ def test_a_fork_leaves_memory_counted_once(pipeline):
 
 @pytest.fixture(scope="module")
 def served(pipeline):
-    """``machgen serve`` (it brings a killed stub back, as a user's server does)."""
+    """``machgen serve`` (it brings a killed stub back, as a user's server does). A short drain: what these
+    tests check ends with each test, and a drain that waits on a request is reported (conftest.SlowStop)."""
     from conftest import machgen_serve
 
-    with machgen_serve(pipeline.repository) as server:
+    with machgen_serve(pipeline.repository, "--drain-timeout", "10") as server:
         yield server
 
 

@@ -384,7 +384,8 @@ def test_deleting_a_running_video_stops_it_within_two_steps(ti2v_server, ti2v_ap
     from conftest import steps_after_stop_asked
 
     client = openai.OpenAI(base_url=f"{ti2v_api.url}/v1", api_key=ti2v_api.key, max_retries=0)
-    video = client.videos.create(model=NAME, prompt=PROMPT, extra_body={"num_inference_steps": 500})
+    # The most steps: the video must still run when the delete comes, even on loaded cores (500 ended first once).
+    video = client.videos.create(model=NAME, prompt=PROMPT, extra_body={"num_inference_steps": 1000})
     deadline = time.monotonic() + 60
     while client.videos.retrieve(video.id).progress < 1 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -125,12 +125,10 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
         # Stops the loop at its next step; its answer (CANCELLED) is still read.
         pb_utils.Logger.log_info(f"request {request.request_id() or '-'}: withdrawn by its client; stopping it")
         cancel_sent = True
-        stop = pb_utils.InferenceRequest(model_name=sampler, requested_output_names=[],
-                                         inputs=[pb_utils.Tensor(CANCEL_INPUT, text_array(key))])
-        stop_stream = stop.exec(decoupled=True)
-        keep_stream(stop_stream)
-        for _ in stop_stream:  # its one (empty) final response
-            pass
+        # On a thread of its own: a sampler killed under the request never ends the stop's stream either, and a
+        # relay blocked on it would never answer its client (nor let a drain unload the model).
+        threading.Thread(target=_send_stop, args=(sampler, key, keep_stream), name="sampler-stop",
+                         daemon=True).start()
 
     sent_at = time.time()
     stream = call.exec(decoupled=True)
@@ -167,6 +165,16 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
     if answer is None:
         answer = error_response(f"{sampler} ended the request without an answer", pb_utils.TritonError.INTERNAL)
     return answer
+
+
+def _send_stop(sampler: str, key: str, keep_stream) -> None:
+    """Ask the sampler to stop the request it runs under ``key`` (at its next step)."""
+    stop = pb_utils.InferenceRequest(model_name=sampler, requested_output_names=[],
+                                     inputs=[pb_utils.Tensor(CANCEL_INPUT, text_array(key))])
+    stop_stream = stop.exec(decoupled=True)
+    keep_stream(stop_stream)
+    for _ in stop_stream:  # its one (empty) final response
+        pass
 
 
 _SILENCE = object()
