@@ -240,7 +240,7 @@ class TritonServer:
             if size != logged or cpu - computed >= STARTING_CPU_S:
                 logged, computed, progressed = size, cpu, time.monotonic()
             elif stall_timeout is not None and time.monotonic() - progressed > stall_timeout:
-                stalled = self._stalled_load(self._log_since(log_start))
+                stalled = self._stalled_load(self.log_since(log_start))
                 self.kill_process()
                 raise StartStalled(f"tritonserver made no progress for {stall_timeout:.0f} s (its log unchanged, "
                                    f"its processes idle, not ready): {stalled}\n{self.log_tail()}")
@@ -248,7 +248,7 @@ class TritonServer:
             if self.ready() and self._answers(f"http://{self.host}:{self.ports.metrics}/metrics"):
                 return self
             # In explicit mode a model that fails to load leaves the server up, and never ready.
-            if b"failed to load '" in self._log_since(log_start):
+            if b"failed to load '" in self.log_since(log_start):
                 self.kill_process()
                 raise ServerError(f"a model failed to load:\n{self.log_tail()}")
             time.sleep(0.25)
@@ -285,25 +285,49 @@ class TritonServer:
         begun = dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', text))
         ended = set(re.findall(r"(?:successfully loaded|failed to load) '([^']+)'", text))
         waiting = [name for name in begun if name not in ended]
-        stubs, asked = [], 0
+        stubs = []
         for stub in self.stubs():
             try:
                 process = psutil.Process(stub.pid)
                 times = process.cpu_times()
                 stubs.append(f"{stub.instance} (pid {stub.pid}) {process.status()}, "
                              f"{times.user + times.system:.1f} s CPU")
-                if stub.model in waiting:
-                    os.kill(stub.pid, STACKS_SIGNAL)
-                    asked += 1
-            except (psutil.NoSuchProcess, ProcessLookupError):
+            except psutil.NoSuchProcess:
                 continue
-        if asked:
-            time.sleep(1.0)  # for the stacks to reach the log before the server is killed
+        asked = self.write_stacks(waiting)
         return (f"models not loaded: {', '.join(waiting) or 'none'}; "
                 f"stub processes: {'; '.join(stubs) or 'none'}"
                 + (f"; the Python stacks of {asked} of them are in the server log" if asked else ""))
 
-    def _log_since(self, offset: int) -> bytes:
+    def write_stacks(self, models: list[str]) -> int:
+        """Ask every live stub of ``models`` for its threads' Python stacks, which it writes into the server log
+        (a second later); how many were asked."""
+        asked = 0
+        size = self.log_size()
+        for stub in self.stubs():
+            if stub.model in models:
+                try:
+                    os.kill(stub.pid, STACKS_SIGNAL)
+                    asked += 1
+                except ProcessLookupError:
+                    continue
+        # For the stacks to reach the log (before the server is killed, where it is): once it grew, until it
+        # stops growing; at most five seconds (a loaded machine schedules the stubs late).
+        deadline, started = time.monotonic() + 5.0, size
+        while asked and time.monotonic() < deadline:
+            time.sleep(0.25)
+            previous, size = size, self.log_size()
+            if size == previous and size != started:
+                break
+        return asked
+
+    def log_size(self) -> int:
+        try:
+            return self.log_file.stat().st_size
+        except OSError:
+            return 0
+
+    def log_since(self, offset: int) -> bytes:
         try:
             with open(self.log_file, "rb") as log:
                 log.seek(offset)

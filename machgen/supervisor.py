@@ -28,9 +28,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from machgen.contract.manifest import MANIFEST_FILE, SAMPLER, STREAM, PipelineManifest, drained_file, model_name
+from machgen.contract.manifest import (BUSY_PREFIX, MANIFEST_FILE, SAMPLER, STREAM, PipelineManifest, drained_file,
+                                      model_name)
 from machgen.runtime.processes import Stub
 from machgen.server import START_ATTEMPTS, ServerError, ServerTimeout, TritonServer
+
+# A drain takes a public model that Triton still unloads for drained once none of its instances has held a
+# request for this long: longer than Triton takes to send an answer its instance returned, which the busy
+# file no longer shows.
+IDLE_SETTLE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -252,6 +258,7 @@ class Supervisor:
             if holding:
                 self.log(f"supervisor: requests still in flight after {timeout_s:.0f} s in {', '.join(holding)}; "
                          "stopping them at their next step")
+                self._log_stacks(holding)
                 self.server.stop_file.touch()
                 holding = self._models_holding_requests(holding, 30.0)
                 if holding:
@@ -260,17 +267,43 @@ class Supervisor:
         except ServerError as err:
             self.log(f"supervisor: drain: {err}")
 
+    def _log_stacks(self, models: list[str]) -> None:
+        """The Python stacks of ``models``' stubs, from the server log into this log: where a request is held
+        (the server log goes with the server's folder when machgen serve stops)."""
+        offset = self.server.log_size()
+        if self.server.write_stacks(models):
+            text = self.server.log_since(offset).decode(errors="replace").strip()
+            self.log(f"supervisor: where {', '.join(models)} hold their requests (each thread's stack):\n{text}")
+
     def _models_holding_requests(self, models: list[str], timeout_s: float) -> list[str]:
         """Those of ``models`` that still hold a request after ``timeout_s`` (none once each answered all its
-        requests: unloaded, or finalizing, runtime/triton_models/backend.py mark_drained)."""
+        requests: unloaded, finalizing (runtime/triton_models/backend.py mark_drained), or, while Triton
+        still unloads it, none of its instances holding a request for IDLE_SETTLE_S)."""
         deadline = time.monotonic() + timeout_s
+        idle_since: dict[str, float] = {}
         while True:
             states = self.server.model_states()
+            now = time.monotonic()
+            for model in models:
+                if self._requests_held(model):
+                    idle_since.pop(model, None)
+                else:
+                    idle_since.setdefault(model, now)
             holding = [model for model in models if states.get(model) in ("READY", "UNLOADING")
-                       and not os.path.exists(drained_file(os.fspath(self.server.stop_file), model))]
-            if not holding or time.monotonic() > deadline:
+                       and not os.path.exists(drained_file(os.fspath(self.server.stop_file), model))
+                       and now - idle_since.get(model, now) < IDLE_SETTLE_S]
+            if not holding or now > deadline:
                 return holding
             time.sleep(0.25)
+
+    def _requests_held(self, model: str) -> bool:
+        """Whether a live instance of public ``model`` holds a request (contract/manifest.py busy_file)."""
+        import psutil
+
+        prefix = f"{BUSY_PREFIX}{model}-"
+        folder = Path(self.server.stop_file).parent
+        return any(name[len(prefix):].isdigit() and psutil.pid_exists(int(name[len(prefix):]))
+                   for name in (path.name for path in folder.glob(f"{prefix}*")))
 
     def metrics_text(self) -> str:
         """The supervisor's counters in Prometheus' text format."""

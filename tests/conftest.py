@@ -920,8 +920,9 @@ class ServeProcess:
                 self.process.kill()
                 self.process.wait()
             if time.monotonic() - asked > SLOW_STOP_S:  # a drain that waited on a request: which model held it
+                said = self.output()
                 warnings.warn(f"machgen serve took {time.monotonic() - asked:.0f} s to stop; it said:\n"
-                              + "".join(self.lines[-12:]), SlowStop)
+                              + said[said.rfind("stopping tritonserver"):][-12000:], SlowStop)
         left = []
         for process in started:
             try:

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from machgen.builder.calibrate import QualityTargets, Trial, calibrate, choose, magcache_schedule
 from machgen.builder.cli import app
+from machgen.builder.quality_promise import NO_BOUND, ORDER_STATISTIC, TailBound, share_below, tail_bound
 from machgen.contract.manifest import pipeline_dir
 from machgen.runtime.cache import CacheControls, CacheSettings
 from machgen.runtime.local import LocalPipeline
@@ -20,19 +21,70 @@ from conftest import PIPELINE_NAME
 def test_choose_takes_the_fewest_passes_that_hold_both_bounds():
     trials = [Trial("none", 0, 40, 99, 99), Trial("fbcache", 0.1, 30, 40, 35), Trial("fbcache", 0.3, 18, 34, 25),
               Trial("magcache", 0.1, 22, 33.5, 27), Trial("magcache", 0.2, 18.2, 33.1, 26.5)]
-    exact = QualityTargets(33, 26, worst_margin_db=0)
+    exact = QualityTargets(33, 26)
     assert choose(trials, exact) == trials[4]
     assert choose(trials, replace(exact, worst_psnr=20)) == trials[4]  # as few passes, better worst case
     assert choose(trials[:3], replace(exact, worst_psnr=20)) == trials[2]
     assert choose(trials[1:], QualityTargets(50, 40)) is None
-    # the margin on the worst image, and the prediction bound on the mean
-    assert choose(trials, replace(exact, worst_margin_db=1)) == trials[3]
+    # the worst case is held on the tail's lower bound, not on the worst image
+    tails = [replace(trials[3], worst_tail_bound=TailBound(26.1, ORDER_STATISTIC, 0.96, 64, 1)),
+             replace(trials[4], worst_tail_bound=TailBound(25.9, ORDER_STATISTIC, 0.96, 64, 1)),
+             replace(trials[4], threshold=0.3, worst_tail_bound=TailBound(None, NO_BOUND, 0.95, 2))]
+    assert choose(tails, exact) == tails[0]
+    assert choose(tails, replace(exact, worst_psnr=25.9)) == tails[1]  # no bound from 2 pairs: never holds
     bounded = [replace(trials[3], psnr_bound=32.9), replace(trials[4], psnr_bound=33.0)]
     assert choose(bounded, exact) == bounded[1]
     assert choose(bounded, replace(exact, mean_psnr=33.05)) is None
     # as many tail passes: the one that also skips the head (MagCache) is faster
     heads = [replace(trials[4], head_calls=20), replace(trials[4], policy="magcache", head_calls=8, psnr_worst=26.2)]
     assert choose(heads, exact) == heads[1]
+
+
+def test_the_worst_case_is_a_tail_promise_held_on_the_fit_and_judged_by_the_held_out_share():
+    rng = np.random.default_rng(3)
+    scores = list(rng.normal(36, 3, 64))
+    targets = QualityTargets(33, 26)
+    fitted = targets.tail_bound(scores)
+    assert fitted.psnr == round(min(scores), 2) and fitted.method == ORDER_STATISTIC  # 64 pairs: the minimum
+    assert targets.tail_bound(scores[:40]).psnr == round(tail_bound(scores[:40]).psnr, 2)  # normal tolerance
+    # held out: at most 5 % under the target meets it, whatever the minimum
+    held_out = sorted(rng.normal(36, 2, 64))
+    assert targets.met_by(36, share_below([20.0] * 3 + held_out[3:], 26))  # 3 of 64: 4.7 %
+    assert not targets.met_by(36, share_below([20.0] * 4 + held_out[4:], 26))  # 4 of 64: 6.2 %
+    assert not targets.met_by(32.9, share_below(held_out, 26))
+    assert replace(targets, worst_tail=0.1).met_by(36, share_below([20.0] * 6 + held_out[6:], 26))
+    assert targets.to_json() == {"target_psnr": 33, "worst_psnr": 26, "worst_tail": 0.05, "confidence": 0.95}
+    for bad in ({"worst_tail": 0}, {"worst_tail": 1.5}, {"confidence": 1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            QualityTargets(**bad)
+
+
+def test_a_calibration_made_before_the_tail_promise_still_serves_and_states_one():
+    """The committed models were calibrated with a margin on the worst image: their records load as they are, and
+    64 held-out pairs make the held-out minimum the tail's order-statistic bound."""
+    from pathlib import Path
+
+    from machgen.builder.calibrate import calibration_summary
+    from machgen.builder.model_folder import model_cache_settings
+
+    committed = model_cache_settings(Path(__file__).resolve().parents[1] / "models" / "shapes-flux")
+    # its record as a calibration before the tail promise wrote it (what the committed one holds today)
+    earlier = ("threshold", "tail_passes", "psnr_mean", "psnr_worst", "meets_targets")
+    calibration = {**{key: value for key, value in committed.calibration.items() if key != "worst_tail"},
+                   "held_out": {policy: {key: figures[key] for key in earlier}
+                                for policy, figures in committed.calibration["held_out"].items()}}
+    settings, policy = replace(committed, calibration=calibration), committed.default_policy
+    figures = calibration["held_out"][policy]
+    quality = settings.held_out_quality(policy, settings.thresholds[policy])
+    confidence = 1 - 0.95 ** calibration["holdout_prompts"]
+    assert (quality["psnr_worst"], quality["psnr_tail_bound"]) == (figures["psnr_worst"], figures["psnr_worst"])
+    assert quality["promise"] == (f"95 % of requests >= {calibration['worst_psnr']:g} dB (bound "
+                                  f"{figures['psnr_worst']:.1f} dB at {100 * confidence:.0f} % confidence from "
+                                  f"{calibration['holdout_prompts']} held-out pairs)")
+    assert f"; promise: {quality['promise']}" in calibration_summary(settings)
+    # too few held-out pairs for the minimum to bound the tail: no promise stated
+    fewer = replace(settings, calibration={**calibration, "holdout_prompts": 32})
+    assert "promise" not in fewer.held_out_quality(policy, settings.thresholds[policy])
 
 
 def test_the_mean_bound_is_a_prediction_bound_for_the_held_out_mean():
@@ -114,7 +166,7 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     holdout.write_text("a red cat\na white square\na yellow bird\n")  # the first is another pair: other seed
     result = CliRunner().invoke(app, ["calibrate", str(repository), "--prompts", str(prompts), "--count", "3",
                                       "--holdout-prompts", str(holdout), "--holdout-count", "2",
-                                      "--target-psnr", "25", "--confidence", "0.5", "--worst-margin", "0",
+                                      "--target-psnr", "25", "--confidence", "0.5", "--worst-tail", "0.1",
                                       "--warmup-steps", "1", "--final-steps", "1", "--max-consecutive-skips", "2"])
     assert result.exit_code == 0, result.output
     cache = json.loads((pipeline_dir(repository, PIPELINE_NAME) / "pipeline.json").read_text())["cache"]
@@ -122,11 +174,14 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
         "defaults"]["num_inference_steps"]
     assert len(cache["magnitude_ratios"]) == steps and cache["magnitude_ratios"][0] == 1.0
     assert cache["calibration"]["target_psnr"] == 25 and all(c["warmup_steps"] == 1 for c in cache["controls"].values())
+    assert (cache["calibration"]["worst_tail"], cache["calibration"]["worst_psnr"]) == (0.1, 18)
     chosen = cache["calibration"]["chosen"]
     assert chosen and set(chosen) <= {"fbcache", "magcache"}
     assert cache["default_policy"] in chosen
     for policy, trial in chosen.items():
-        assert trial["psnr_mean"] >= 25 and trial["psnr_worst"] >= 18
+        # 3 fit pairs: too few for an order statistic, the normal tolerance bound holds the 90 % promise
+        assert trial["psnr_mean"] >= 25 and trial["worst_tail_bound"]["psnr"] >= 18
+        assert trial["worst_tail_bound"]["method"] == "normal tolerance" and trial["worst_tail_bound"]["pairs"] == 3
         assert cache["thresholds"][policy] == trial["threshold"]
     held_out = cache["calibration"]["held_out"]
     assert set(held_out) == set(chosen) and cache["calibration"]["holdout_prompts"] == 2
@@ -134,6 +189,12 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     assert default["threshold"] == chosen[cache["default_policy"]]["threshold"]
     assert f"held out 2 pairs: {default['tail_passes']:.1f} tail passes, mean {default['psnr_mean']:.2f} dB" \
         in result.output
+    # the held-out report: the share under the worst-case target, its upper bound and the promise in words
+    assert (default["below_worst"] > 0) == (default["psnr_worst"] < 18)
+    assert default["meets_targets"] == (default["psnr_mean"] >= 25 and default["below_fraction"] <= 0.1)
+    assert default["promise"].startswith("90 % of requests >= ") and "from 2 held-out pairs" in default["promise"]
+    assert f"promise: {default['promise']}" in result.output
+    assert f"{default['below_worst']} of 2 under 18 dB" in result.output
 
     # the sampler now serves MagCache and the calibrated default
     local = LocalPipeline(repository, PIPELINE_NAME)
@@ -142,8 +203,10 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     assert stats.cache_policy == cache["default_policy"]
     # with the quality calibration measured for it on the held-out prompts; none for another setting
     assert (stats.expected_psnr, stats.expected_psnr_worst) == (default["psnr_mean"], default["psnr_worst"])
+    assert (stats.expected_psnr_tail_bound, stats.expected_psnr_promise) == (
+        default["worst_tail_bound"]["psnr"], default["promise"])
     _, stats = local.generate("a red cat", seed=0, cache_policy=cache["default_policy"], cache_threshold=9.5)
-    assert stats.expected_psnr is None and stats.expected_psnr_worst is None
+    assert stats.expected_psnr is None and stats.expected_psnr_worst is None and stats.expected_psnr_promise is None
     # nor for requests of a kind it did not measure: from a picture, or part of the schedule
     picture = np.full((64, 64, 3), 128, dtype=np.uint8)
     for kind in ({"image": picture, "strength": 0.6, "height": 64, "width": 64}, {"stop_step": steps // 2}):
@@ -167,6 +230,13 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     assert set(cache["calibration"]["chosen"]) <= {"magcache"}
     refused = CliRunner().invoke(app, ["calibrate", str(only), "--policy", "teacache"])
     assert refused.exit_code == 2 and "teacache: calibrate fits fbcache, magcache" in refused.output
+    refused = CliRunner().invoke(app, ["calibrate", str(only), "--worst-tail", "0"])
+    assert refused.exit_code == 2 and "--worst-tail" in refused.output
+
+
+def test_calibrates_help_offers_the_worst_tail_not_a_margin():
+    shown = CliRunner().invoke(app, ["calibrate", "--help"], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and "--worst-tail" in shown.output and "--worst-margin" not in shown.output
 
 
 def test_the_held_out_set_changes_the_report_never_the_choice(built_repository):
@@ -188,7 +258,7 @@ def test_the_held_out_set_changes_the_report_never_the_choice(built_repository):
     results = []
     for holdout in holdouts:
         pipeline.sampler.cache_settings, seen[:] = served, []
-        results.append(calibrate(pipeline, fit, holdout, QualityTargets(25, 18, confidence=0.5, worst_margin_db=0),
+        results.append(calibrate(pipeline, fit, holdout, QualityTargets(25, 18, confidence=0.5),
                                  control_grid=[CacheControls(1, 0, 2, 2)], threshold_grids=grids,
                                  log=lambda line: None))
         reported = next(index for index, pair in enumerate(seen) if pair not in fit)

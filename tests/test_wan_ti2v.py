@@ -152,7 +152,7 @@ def test_image_to_video_is_calibrated_apart_and_its_requests_run_and_report_its_
         arguments += [f"--{kind}", str(tmp_path / f"{kind}.txt"),
                       "--pictures" if kind == "prompts" else "--holdout-pictures", str(folder)]
     fit = ["calibrate", str(repository), "--count", "2", "--holdout-count", "2", "--target-psnr", "12",
-           "--worst-psnr", "6", "--confidence", "0.5", "--worst-margin", "0", "--warmup-steps", "1",
+           "--worst-psnr", "6", "--confidence", "0.5", "--worst-tail", "0.25", "--warmup-steps", "1",
            "--final-steps", "0", "--max-consecutive-skips", "2", "--policy", "magcache"]
     result = CliRunner().invoke(app, [*fit, "--task", "image-to-video", *arguments])
     assert result.exit_code == 0, result.output

@@ -5,10 +5,11 @@ Runs the fit prompt set uncached (recording MagCache's magnitude ratios on
 the way), then each policy over a grid of thresholds and controls, and
 keeps per policy the setting that skips most while holding the quality
 targets against the uncached images (QualityTargets: a prediction bound on
-the mean, a margin on the worst image). The policy with the fewest tail
-passes becomes the served default. Only then are the chosen settings run
-on the held-out prompt set, uncached and cached: that report is recorded
-and printed, and never feeds back into the choice.
+the mean, a lower confidence bound on the PSNR of the worst tail). The
+policy with the fewest tail passes becomes the served default. Only then
+are the chosen settings run on the held-out prompt set, uncached and
+cached: that report is recorded and printed, and never feeds back into
+the choice.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from machgen.builder.evaluate import psnr
+from machgen.builder.quality_promise import ShareBelow, TailBound, share_below, tail_bound
 from machgen.contract.manifest import PipelineManifest, find_pipeline_dir
-from machgen.runtime.cache import (BlocksResidualRecorder, CacheControls, CacheSettings, StepCache, StepPlan,
-                                   magnitude_ratios)
+from machgen.runtime.cache import (WORST_TAIL, BlocksResidualRecorder, CacheControls, CacheSettings, StepCache,
+                                   StepPlan, magnitude_ratios, tail_promise)
 
 # (prompt, seed) pairs; for a task that starts from a picture, (prompt, seed, picture) triples.
 Prompts = Sequence[tuple]
@@ -47,17 +49,26 @@ class QualityTargets:
     lower one-sided ``confidence`` prediction bound for the mean of
     ``holdout_pairs`` new pairs: mean - z * s * sqrt(1/n + 1/m) (normal
     quantile z, sample deviation s, n fit pairs, m held-out ones). The worst
-    image: the minimum of a set has no such bound at these sizes (it is one
-    draw from the tail), so the fit set's worst must clear ``worst_psnr`` by
-    ``worst_margin_db``; with a fit set as large as the held-out one, both
-    minima are of the same number of draws.
+    case: a set's minimum bounds nothing about the next set's, so the promise
+    is on a tail, "at least 1 - ``worst_tail`` of requests get ``worst_psnr``
+    dB or better", and the fit set holds it when its lower ``confidence``
+    bound for the ``worst_tail``-quantile of its PSNRs does
+    (quality_promise.tail_bound: an order statistic where the pairs allow,
+    else a normal tolerance bound). A held-out set meets it when at most
+    ``worst_tail`` of its pairs fall under ``worst_psnr``.
     """
 
     mean_psnr: float = 33.0
     worst_psnr: float = 26.0
     confidence: float = 0.95
-    worst_margin_db: float = 1.0
+    worst_tail: float = WORST_TAIL
     holdout_pairs: int = HOLDOUT_PAIRS
+
+    def __post_init__(self):
+        if not 0 < self.worst_tail < 1:
+            raise ValueError(f"worst_tail: {self.worst_tail} is not a share of requests between 0 and 1")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence: {self.confidence} is not a probability between 0 and 1")
 
     def mean_bound(self, scores: Sequence[float]) -> float:
         """The prediction bound for a held-out set's mean PSNR, from ``scores``."""
@@ -67,16 +78,23 @@ class QualityTargets:
         spread = float(np.std(scores, ddof=1))
         return float(np.mean(scores)) - z * spread * float(np.sqrt(1 / len(scores) + 1 / self.holdout_pairs))
 
-    def holds(self, trial: "Trial") -> bool:
-        return trial.bound >= self.mean_psnr and trial.psnr_worst >= self.worst_psnr + self.worst_margin_db
+    def tail_bound(self, scores: Sequence[float]) -> TailBound:
+        """The lower bound for the ``worst_tail``-quantile of ``scores``, rounded as recorded."""
+        bound = tail_bound(scores, self.worst_tail, self.confidence)
+        return replace(bound, psnr=None if bound.psnr is None else round(bound.psnr, 2),
+                       confidence=round(bound.confidence, 4))
 
-    def met_by(self, mean: float, worst: float) -> bool:
-        """Whether a held-out set's own figures meet the targets (no margin: they are the outcome)."""
-        return mean >= self.mean_psnr and worst >= self.worst_psnr
+    def holds(self, trial: "Trial") -> bool:
+        return trial.bound >= self.mean_psnr and trial.worst_bound >= self.worst_psnr
+
+    def met_by(self, mean: float, below: ShareBelow) -> bool:
+        """Whether a held-out set's own figures meet the targets (its mean and its share under ``worst_psnr``:
+        they are the outcome, not a prediction)."""
+        return mean >= self.mean_psnr and below.fraction <= self.worst_tail
 
     def to_json(self) -> dict:
-        return {"target_psnr": self.mean_psnr, "worst_psnr": self.worst_psnr, "confidence": self.confidence,
-                "worst_margin_db": self.worst_margin_db}
+        return {"target_psnr": self.mean_psnr, "worst_psnr": self.worst_psnr, "worst_tail": self.worst_tail,
+                "confidence": self.confidence}
 
 
 THRESHOLD_GRIDS = {
@@ -99,10 +117,17 @@ class Trial:
     controls: CacheControls = CacheControls()
     psnr_bound: float | None = None  # QualityTargets.mean_bound of the scores; None: the mean
     head_calls: float = 0.0  # mean per image: MagCache's skipped steps run no head, First-Block Cache's do
+    # QualityTargets.tail_bound of the scores; None: the worst image (the uncached trial: exact).
+    worst_tail_bound: TailBound | None = None
 
     @property
     def bound(self) -> float:
         return self.psnr_mean if self.psnr_bound is None else self.psnr_bound
+
+    @property
+    def worst_bound(self) -> float:
+        """What the worst-case promise is held on: the tail's lower bound (-inf where the pairs give none)."""
+        return self.psnr_worst if self.worst_tail_bound is None else self.worst_tail_bound.value
 
     def label(self) -> str:
         return "none" if self.policy == "none" else f"{self.policy} {self.threshold:g}"
@@ -168,18 +193,35 @@ def magcache_schedule(settings: CacheSettings, threshold: float) -> tuple:
 def choose(trials: Sequence[Trial], targets: QualityTargets) -> Trial | None:
     """The fastest trial that holds the targets: the fewest tail passes (to
     the nearest whole pass), then the fewest head calls; among equals, the
-    one with the best worst case."""
+    one with the best worst case (its tail's bound, then its worst image)."""
     holding = [t for t in trials if targets.holds(t)]
-    return min(holding, key=lambda t: (round(t.tail_passes), round(t.head_calls), -t.psnr_worst)) \
+    return min(holding, key=lambda t: (round(t.tail_passes), round(t.head_calls), -t.worst_bound, -t.psnr_worst)) \
         if holding else None
 
 
-def scored_trial(policy: str, threshold: float, controls: CacheControls, images, stats, reference,
+def scores_against(images, reference) -> list[float]:
+    return [psnr(a, b) for a, b in zip(images, reference)]
+
+
+def scored_trial(policy: str, threshold: float, controls: CacheControls, scores: Sequence[float], stats,
                  targets: QualityTargets) -> Trial:
-    scores = [psnr(a, b) for a, b in zip(images, reference)]
     return Trial(policy, threshold, float(np.mean([s.denoiser_tail_passes for s in stats])),
                  round(float(np.mean(scores)), 2), round(float(np.min(scores)), 2), controls,
-                 round(targets.mean_bound(scores), 2), float(np.mean([s.denoiser_head_calls for s in stats])))
+                 round(targets.mean_bound(scores), 2), float(np.mean([s.denoiser_head_calls for s in stats])),
+                 targets.tail_bound(scores))
+
+
+def _tail_words(trial: Trial, targets: QualityTargets) -> str:
+    bound = trial.worst_tail_bound
+    return "" if bound is None else f", {bound.describe(targets.worst_tail)}"
+
+
+def _below_words(figures: Mapping, pairs: int, target: float) -> str:
+    """A held-out record's share under the worst-case target, in words (none for one recorded before it)."""
+    if "below_worst" not in figures:
+        return ""
+    share = ShareBelow(figures["below_worst"], pairs, figures["below_upper_bound"], figures["below_confidence"])
+    return f", {share.describe(target)}"
 
 
 def disjoint_holdout(prompts: Prompts, holdout: Prompts) -> None:
@@ -224,12 +266,14 @@ def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTarg
                     trial = replace(by_schedule[schedule], threshold=threshold)
                 else:
                     images, stats = run_prompts(pipeline, prompts, cache_policy=policy, cache_threshold=threshold)
-                    trial = scored_trial(policy, threshold, controls, images, stats, reference, targets)
+                    trial = scored_trial(policy, threshold, controls, scores_against(images, reference), stats,
+                                         targets)
                     if schedule is not None:
                         by_schedule[schedule] = trial
                 trials.append(trial)
                 log(f"{policy} threshold {threshold:g}, {controls}: {trial.tail_passes:.1f} tail passes, "
-                    f"PSNR mean {trial.psnr_mean:.1f} dB (bound {trial.bound:.1f}), worst {trial.psnr_worst:.1f} dB")
+                    f"PSNR mean {trial.psnr_mean:.1f} dB (bound {trial.bound:.1f}), worst {trial.psnr_worst:.1f} dB"
+                    f"{_tail_words(trial, targets)}")
         best = choose([t for t in trials if t.policy == policy], targets)
         if best is not None:
             chosen[policy] = best
@@ -252,20 +296,23 @@ def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTarg
         figures = held_out[policy]
         log(f"{trial.label()}{' (default)' if policy == default.policy else ''}: "
             f"fit {len(prompts)} pairs: {trial.tail_passes:.1f} tail passes, PSNR mean {trial.psnr_mean:.2f} dB "
-            f"(bound {trial.bound:.2f}), worst {trial.psnr_worst:.2f}; held out {len(holdout)} pairs: "
-            f"{figures['tail_passes']:.1f} tail passes, mean {figures['psnr_mean']:.2f} dB, worst "
-            f"{figures['psnr_worst']:.2f}: {'meets' if figures['meets_targets'] else 'MISSES'} "
-            f"{targets.mean_psnr:g} / {targets.worst_psnr:g} dB")
+            f"(bound {trial.bound:.2f}), worst {trial.psnr_worst:.2f}{_tail_words(trial, targets)}; held out "
+            f"{len(holdout)} pairs: {figures['tail_passes']:.1f} tail passes, mean {figures['psnr_mean']:.2f} dB, "
+            f"worst {figures['psnr_worst']:.2f}{_below_words(figures, len(holdout), targets.worst_psnr)}: "
+            f"{'meets' if figures['meets_targets'] else 'MISSES'} {targets.mean_psnr:g} / {targets.worst_psnr:g} dB")
+        log(f"  promise: {figures['promise'] or f'none ({len(holdout)} held-out pairs give no tail bound)'}")
     if default.policy in held_out and not held_out[default.policy]["meets_targets"]:
         log("warning: the default misses the targets on the held-out prompts: calibrate on more prompts, or with "
-            "a higher --confidence or --worst-margin")
+            "a higher --confidence")
     return settings, trials
 
 
 def report_held_out(pipeline, chosen: dict[str, Trial], holdout: Prompts, targets: QualityTargets,
                     log: Callable[[str], None] = print) -> dict[str, dict]:
     """Each chosen setting on ``holdout`` against its uncached images, as
-    pipeline.sampler.cache_settings serves it: passes, PSNR mean and worst."""
+    pipeline.sampler.cache_settings serves it: passes, PSNR mean and worst,
+    the share under ``worst_psnr`` with its upper bound, the held-out set's
+    own tail bound and the promise in words (what responses report)."""
     if not chosen:
         return {}
     log(f"held out: {len(holdout)} prompts, uncached and with each chosen setting")
@@ -273,10 +320,16 @@ def report_held_out(pipeline, chosen: dict[str, Trial], holdout: Prompts, target
     report = {}
     for policy, trial in chosen.items():
         images, stats = run_prompts(pipeline, holdout, cache_policy=policy, cache_threshold=trial.threshold)
-        figures = scored_trial(policy, trial.threshold, trial.controls, images, stats, reference, targets)
+        scores = scores_against(images, reference)
+        figures = scored_trial(policy, trial.threshold, trial.controls, scores, stats, targets)
+        below = share_below(scores, targets.worst_psnr, targets.confidence)
         report[policy] = {"threshold": trial.threshold, "tail_passes": figures.tail_passes,
                           "psnr_mean": figures.psnr_mean, "psnr_worst": figures.psnr_worst,
-                          "meets_targets": targets.met_by(figures.psnr_mean, figures.psnr_worst)}
+                          "worst_tail_bound": asdict(figures.worst_tail_bound), **below.to_json(),
+                          "meets_targets": targets.met_by(figures.psnr_mean, below)}
+        bound = figures.worst_tail_bound
+        report[policy]["promise"] = None if bound.psnr is None else tail_promise(
+            targets.worst_tail, targets.worst_psnr, bound.psnr, bound.confidence, bound.pairs)
     return report
 
 
@@ -310,9 +363,12 @@ def _summary_line(settings: CacheSettings) -> str:
         return line + f"; held-out figures {calibration['held_out_note']} (responses report no expected PSNR)"
     if held_out is None:
         return line + "; no held-out report (calibrated before machgen reported one: calibrate again)"
-    return line + (f"; held out {calibration['holdout_prompts']} pairs: mean {held_out['psnr_mean']:.2f} dB, worst "
-                   f"{held_out['psnr_worst']:.2f} ({'meets' if held_out['meets_targets'] else 'MISSES'} "
-                   f"{calibration['target_psnr']:g} / {calibration['worst_psnr']:g} dB)")
+    pairs, target = calibration["holdout_prompts"], calibration["worst_psnr"]
+    line += (f"; held out {pairs} pairs: mean {held_out['psnr_mean']:.2f} dB, worst {held_out['psnr_worst']:.2f}"
+             f"{_below_words(held_out, pairs, target)} ({'meets' if held_out['meets_targets'] else 'MISSES'} "
+             f"{calibration['target_psnr']:g} / {target:g} dB)")
+    promise = (settings.held_out_quality(policy, settings.thresholds[policy]) or {}).get("promise")
+    return line + (f"; promise: {promise}" if promise else "")
 
 
 def write_settings(target: Path, name: str | None, settings: CacheSettings) -> Path:

@@ -255,12 +255,12 @@ def calibrate(
                                        "later build serves it) or a model repository (into its pipeline.json)"),
     name: str = typer.Option(None, "--name", help="the pipeline to calibrate in a repository holding several"),
     target_psnr: float = typer.Option(30.0, "--target-psnr", help="mean PSNR (dB) against uncached to hold"),
-    worst_psnr: float = typer.Option(None, "--worst-psnr", help="worst-image PSNR to hold (default: target - 7)"),
+    worst_psnr: float = typer.Option(None, "--worst-psnr", help="PSNR all but --worst-tail reach (default target - 7)"),
     confidence: float = typer.Option(0.95, "--confidence", min=0.5, max=0.9999,
-                                     help="one-sided confidence that a held-out set's mean holds the target "
-                                          "(the fit's prediction bound)"),
-    worst_margin: float = typer.Option(1.0, "--worst-margin", min=0.0,
-                                       help="dB by which the fit's worst image must clear --worst-psnr"),
+                                     help="one-sided confidence of the fit's bounds on the held-out mean and tail"),
+    worst_tail: float = typer.Option(0.05, "--worst-tail", min=0.001, max=0.5,
+                                     help="share of requests the worst-case promise leaves out: at least 1 - this "
+                                          "share get --worst-psnr or better (a minimum bounds no later set's)"),
     prompts_file: Path = typer.Option(None, "--prompts", exists=True, dir_okay=False,
                                       help="fit prompts, one per line, seeds 0, 1, ... (default: captions of the "
                                            "shapes dataset, or of the moving-shapes one for a video model)"),
@@ -340,7 +340,7 @@ def calibrate(
         return [(prompt, pair_seed, picture) for (prompt, pair_seed), (_, _, picture, _) in zip(pairs, cases)]
 
     targets = QualityTargets(target_psnr, target_psnr - 7 if worst_psnr is None else worst_psnr, confidence,
-                             worst_margin)
+                             worst_tail)
     fixed = {key: value for key, value in {
         "warmup_steps": warmup_steps, "final_steps": final_steps, "max_consecutive_skips": max_consecutive_skips,
         "negative_interval": negative_interval}.items() if value is not None}

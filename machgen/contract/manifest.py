@@ -78,6 +78,16 @@ INTERACTIVE_STEPS_PARAMETER = "interactive_steps_in_sampler"
 def drained_file(stop_file: str, model: str) -> str:
     """Beside the stop file: written when a public model being unloaded has answered all its requests."""
     return os.path.join(os.path.dirname(stop_file), f"drained-{model}")
+
+
+BUSY_PREFIX = "busy-"
+
+
+def busy_file(stop_file: str, model: str, pid: int) -> str:
+    """Beside the stop file: there while the public model's instance in process ``pid`` holds a request. A
+    drain reads them because Triton may never finish unloading a model that answered everything: an instance
+    whose call to a sampler that was killed under it never ends (Triton 2.51) is never finalized."""
+    return os.path.join(os.path.dirname(stop_file), f"{BUSY_PREFIX}{model}-{pid}")
 # The file each target's components are exported to.
 COMPONENT_FILES = {"onnxruntime": "model.onnx", "torch": "model.pt2", "tensorrt": "model.plan"}
 

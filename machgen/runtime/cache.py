@@ -49,6 +49,9 @@ import numpy as np
 from machgen.contract.specs import is_denoiser
 from machgen.runtime.tensors import as_numpy, concat, mean_abs
 
+# The share of requests calibration's worst-case promise leaves out when a calibration records none (one made
+# before the tail promise): builder/quality_promise.py.
+WORST_TAIL = 0.05
 # The head's output the cache keeps: the first block's residual (its image output minus its image input).
 FIRST_BLOCK_RESIDUAL = "first_block_residual"
 
@@ -454,14 +457,35 @@ class CacheSettings:
     def controls_for(self, policy: str) -> CacheControls:
         return self.controls.get(policy, CacheControls())
 
-    def held_out_quality(self, policy: str, threshold: float | None) -> Mapping[str, float] | None:
+    def held_out_quality(self, policy: str, threshold: float | None) -> Mapping[str, Any] | None:
         """What calibration measured for this setting on prompts it was not
-        fitted on (``psnr_mean``, ``psnr_worst`` against uncached, dB); None
-        for a setting it did not choose."""
+        fitted on (``psnr_mean``, ``psnr_worst`` the observed minimum, against
+        uncached, dB) and, where the record allows, its tail promise:
+        ``psnr_tail_bound`` (dB) and ``promise`` (in words); None for a
+        setting it did not choose."""
         figures = self.calibration.get("held_out", {}).get(policy)
         if figures is None or threshold is None or not np.isclose(figures["threshold"], threshold):
             return None
-        return {"psnr_mean": figures["psnr_mean"], "psnr_worst": figures["psnr_worst"]}
+        return {"psnr_mean": figures["psnr_mean"], "psnr_worst": figures["psnr_worst"], **self._tail_promise(figures)}
+
+    def _tail_promise(self, figures: Mapping[str, Any]) -> dict[str, Any]:
+        calibration = self.calibration
+        tail = calibration.get("worst_tail", WORST_TAIL)
+        confidence, pairs = calibration.get("confidence", 0.95), calibration.get("holdout_prompts")
+        recorded = figures.get("worst_tail_bound")
+        if recorded is not None:
+            bound, confidence, pairs = recorded["psnr"], recorded["confidence"], recorded["pairs"]
+        elif pairs and 1 - (1 - tail) ** pairs >= confidence:
+            # Recorded before the tail promise (a worst-image margin): the held-out minimum is the smallest order
+            # statistic, a lower bound for the tail's quantile at confidence 1 - (1 - tail)^pairs
+            # (builder/quality_promise.py).
+            bound, confidence = figures["psnr_worst"], 1 - (1 - tail) ** pairs
+        else:
+            return {}
+        if bound is None or calibration.get("worst_psnr") is None:
+            return {}
+        return {"psnr_tail_bound": bound,
+                "promise": tail_promise(tail, calibration["worst_psnr"], bound, confidence, pairs)}
 
     def available(self) -> tuple[str, ...]:
         """The policies a request may name on this model."""
@@ -485,6 +509,18 @@ class CacheSettings:
                    controls={policy: CacheControls(**values) for policy, values in data.get("controls", {}).items()},
                    calibration=data.get("calibration", {}),
                    tasks={task: cls.from_json(settings) for task, settings in data.get("tasks", {}).items()})
+
+
+def tail_promise(tail: float, target: float, bound: float, confidence: float, pairs: int,
+                 pair_kind: str = "held-out") -> str:
+    """The worst-case promise in words, e.g. "95 % of requests >= 26 dB (bound 26.8 dB at 96 % confidence from
+    64 held-out pairs)": ``bound`` is a lower ``confidence`` bound for the ``tail``-quantile of the PSNRs of
+    ``pairs`` pairs; under ``target`` it is what the pairs support, and the sentence says so."""
+    share, evidence = f"{100 * (1 - tail):g} % of requests", f"{100 * confidence:.0f} % confidence from {pairs} " \
+                                                            f"{pair_kind} pairs"
+    if bound >= target:
+        return f"{share} >= {target:g} dB (bound {bound:.1f} dB at {evidence})"
+    return f"{share} >= {bound:.1f} dB at {evidence}, under the {target:g} dB targeted"
 
 
 def magnitude_ratios(tail_residuals: Sequence[np.ndarray]) -> list[float]:

@@ -4,13 +4,15 @@ its config's parameters, error answers, the stop machgen serve asks for."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from machgen.contract.manifest import STOP_FILE_ENV, drained_file
+from machgen.contract.manifest import STOP_FILE_ENV, busy_file, drained_file
 
 
 def server_stopping() -> bool:
@@ -25,6 +27,39 @@ def mark_drained(model: str) -> None:
     stop_file = os.environ.get(STOP_FILE_ENV)
     if stop_file:
         Path(drained_file(stop_file, model)).touch()
+
+
+class RequestsHeld:
+    """The requests this instance of a public model holds, published to machgen serve's drain as a file
+    that exists while it holds any (busy_file in contract/manifest.py)."""
+
+    def __init__(self, model: str):
+        stop_file = os.environ.get(STOP_FILE_ENV)
+        self._path = Path(busy_file(stop_file, model, os.getpid())) if stop_file else None
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        """A request taken (from execute, before any thread of its own starts)."""
+        with self._lock:
+            self._count += 1
+            if self._count == 1 and self._path is not None:
+                self._path.touch()
+
+    def end(self) -> None:
+        """A request's final response sent."""
+        with self._lock:
+            self._count -= 1
+            if self._count == 0 and self._path is not None:
+                self._path.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def held(self):
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
 
 
 def model_dir(args: dict) -> Path:

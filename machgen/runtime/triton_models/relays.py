@@ -34,7 +34,8 @@ from machgen.contract.manifest import (
 )
 from machgen.contract.sessions import SESSION_INFO_OUTPUT
 from machgen.runtime.processes import instances_of, sibling_stubs
-from machgen.runtime.triton_models.backend import error_response, mark_drained, parameter, pb_utils, text_array
+from machgen.runtime.triton_models.backend import (RequestsHeld, error_response, mark_drained, parameter, pb_utils,
+                                                   text_array)
 
 
 # A relay that hears nothing from its sampler for this long checks that the sampler still runs.
@@ -62,6 +63,7 @@ class PublicModel:
         self.output_names = [entry["name"] for entry in config["output"]]
         self.name = config["name"]
         self.sampler = model_name(config["name"], SAMPLER)
+        self.held = RequestsHeld(self.name)
         # The sampler's response streams, kept here until the stub has let go
         # of them. The stub (Python backend 2.51 and still upstream in
         # 2026-07) keeps each BLS response stream, and every response read
@@ -75,7 +77,8 @@ class PublicModel:
         self._streams: list = []
 
     def execute(self, requests):
-        return [self._relay(request) for request in requests]
+        with self.held.held():  # until Triton sends the answers (a drain gives it a moment more)
+            return [self._relay(request) for request in requests]
 
     def finalize(self) -> None:
         mark_drained(self.name)
@@ -263,6 +266,7 @@ class StreamModel:
                              if entry["name"] not in (PROGRESS_OUTPUT, ELAPSED_OUTPUT, PREVIEW_OUTPUT)]
         self.name = config["name"]
         self.sampler = parameter(config, "sampler", "")
+        self.held = RequestsHeld(self.name)
         # Requests relayed to the sampler at once: those running and those queued. They queue at the sampler's
         # step gate, which decides by priority and owner whose steps run (not first come, first served).
         self.max_admitted = int(parameter(config, "in_flight", "8")) + int(parameter(config, "max_queue_size", "64"))
@@ -285,6 +289,7 @@ class StreamModel:
                                       daemon=True)
             with self._lock:
                 self._threads.add(thread)
+            self.held.begin()
             thread.start()
         return None
 
@@ -304,6 +309,12 @@ class StreamModel:
                 self._ended_count += 1
 
     def _serve(self, request) -> None:
+        try:
+            self._answer_stream(request)
+        finally:
+            self.held.end()
+
+    def _answer_stream(self, request) -> None:
         sender = request.get_response_sender()
         streams: list = []
         try:
