@@ -30,6 +30,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -100,19 +101,54 @@ def prepare_server_dir(work_dir: Path) -> Path:
 
 
 def _spawn_copied_binary(command: list[str], attempts: int = 50, **popen_args) -> subprocess.Popen:
-    """Popen a binary this process has just copied, waiting out ETXTBSY.
+    """Popen a binary this process has just copied, waiting out ETXTBSY, as a child that dies with this process
+    (_spawned_to_die_with_us).
 
     While a thread copies a binary, a fork by any other thread (another replica's server starting) inherits
     the copy's write descriptor until that child execs; exec of the copied file fails with ETXTBSY meanwhile.
     """
     for _ in range(attempts - 1):
         try:
-            return subprocess.Popen(command, **popen_args)
+            return _spawned_to_die_with_us(command, popen_args)
         except OSError as err:
             if err.errno != errno.ETXTBSY:
                 raise
             time.sleep(0.1)
-    return subprocess.Popen(command, **popen_args)
+    return _spawned_to_die_with_us(command, popen_args)
+
+
+_SPAWNER: "concurrent.futures.ThreadPoolExecutor | None" = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawned_to_die_with_us(command: list[str], popen_args: dict) -> subprocess.Popen:
+    """The server runs in a session of its own (a terminal's Ctrl-C must reach machgen serve alone, which
+    drains it), so nothing ends it when this process is SIGKILLed: on Linux it is asked for SIGKILL when its
+    parent dies (PR_SET_PDEATHSIG; its Python stubs then follow it). The kernel sends that when the *thread*
+    that forked it ends, so every server is forked by one thread that lives as long as this process, not by
+    the supervisor's or a replica's thread that happened to start it."""
+    global _SPAWNER
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen(command, **popen_args)
+    import concurrent.futures
+
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="server-spawner")
+    return _SPAWNER.submit(subprocess.Popen, command, preexec_fn=_die_with_parent, **popen_args).result()
+
+
+def _die_with_parent() -> None:
+    # In the child between fork and exec: one C call (libc resolved before the fork, below).
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1
+_PRCTL = None
+if sys.platform.startswith("linux"):
+    import ctypes
+
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def server_environment() -> dict[str, str]:

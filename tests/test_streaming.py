@@ -498,6 +498,7 @@ def test_a_killed_sampler_ends_its_sessions_streams_at_once_and_new_sessions_pla
         for _ in chunks:
             pass
     assert time.monotonic() - killed < 15 and "UNAVAILABLE" in ended.value.status, ended.value
+    assert "the session went with it: open it again" in str(ended.value), ended.value
     deadline = time.monotonic() + 120
     while True:
         try:

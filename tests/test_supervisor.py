@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from machgen.server import ServerError
 from machgen.supervisor import Supervisor, SupervisorSettings
 
@@ -67,3 +69,28 @@ def test_a_server_that_dies_between_the_supervisors_looks_is_started_again(tmp_p
     finally:
         supervisor.drain(timeout_s=1)
     assert supervisor.wait() == 0 and not server.alive()
+
+
+@pytest.mark.integration
+def test_a_killed_machgen_serve_takes_its_tritonserver_and_stubs_with_it(built_repository):
+    """machgen serve SIGKILLed (no drain can run): its tritonserver, in a session of its own, is killed by the
+    kernel as its parent dies, and the Python stubs follow it; nothing of the server is left running."""
+    import os
+    import signal
+
+    import psutil
+
+    from conftest import ServeProcess, wait_until
+
+    pytest.importorskip("tritonclient")
+    served = ServeProcess(built_repository[0])
+    try:
+        (server,) = [child for child in psutil.Process(served.process.pid).children() if child.name() == "tritonserver"]
+        left = [server, *server.children(recursive=True)]
+        assert len(left) > 1, "no stub under the server"
+        os.kill(served.process.pid, signal.SIGKILL)
+        served.process.wait()
+        wait_until(lambda: not any(process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+                                   for process in left), timeout=20, what="the server and its stubs gone")
+    finally:
+        served.stop()

@@ -32,7 +32,7 @@ from machgen.contract.manifest import (
     SAMPLER,
     model_name,
 )
-from machgen.contract.sessions import SESSION_INFO_OUTPUT
+from machgen.contract.sessions import SESSION_INFO_OUTPUT, SESSION_OP_INPUT
 from machgen.runtime.processes import instances_of, sibling_stubs
 from machgen.runtime.triton_models.backend import (RequestsHeld, error_response, mark_drained, parameter, pb_utils,
                                                    text_array)
@@ -145,8 +145,12 @@ def _run_on_sampler(sampler: str, request, inputs: list, output_names: list[str]
         if response is None:  # the sampler's stub died under the request
             where = "" if last_step is None else f" after step {last_step}"
             pb_utils.Logger.log_warn(f"request {request.request_id() or '-'}: {sampler} died{where}")
+            # A session's state (its cache) lived in that process: sent again, the session would not be found.
+            again = ("the session went with it: open it again" if any(tensor.name() == SESSION_OP_INPUT
+                                                                     for tensor in inputs)
+                     else "send the request again")
             answer = error_response(f"{sampler} stopped while it ran the request{where}; it is being loaded "
-                                     "again: send the request again", pb_utils.TritonError.UNAVAILABLE)
+                                     f"again: {again}", pb_utils.TritonError.UNAVAILABLE)
             break
         if response.has_error():  # the sampler model itself failed (not loaded, stopping)
             answer = error_response(f"{sampler}: {response.error().message()}", pb_utils.TritonError.UNAVAILABLE)
