@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from machgen.server import START_ATTEMPTS, Ports, ServerError, TritonServer
+from machgen.server import START_ATTEMPTS, Ports, ServerError, TritonServer, spawn_tied_child
 from machgen.supervisor import Supervisor, SupervisorSettings, metrics_text, serve_metrics
 
 # deploy/ of the checkout, linked into the package (machgen/deploy) so that an installed machgen has it too.
@@ -141,7 +141,7 @@ class Balancer:
             raise ServerError(f"haproxy refused its configuration:\n{checked.stdout}{checked.stderr}")
         with open(self.log_file, "wb") as log:
             # -db: in the foreground, its messages on stderr; -W would fork a master.
-            self.process = subprocess.Popen([binary, "-db", "-f", os.fspath(self.config_file)], stdout=log,
+            self.process = spawn_tied_child([binary, "-db", "-f", os.fspath(self.config_file)], stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
         _wait_until(lambda: self.process.poll() is not None or self.socket_path.exists(), timeout, "haproxy up")
         if self.process.poll() is not None:
@@ -210,7 +210,7 @@ class PrometheusProcess:
         binary = _tool("prometheus", "prometheus")
         self.config_file.write_text(self.render())
         with open(self.log_file, "wb") as log:
-            self.process = subprocess.Popen(
+            self.process = spawn_tied_child(
                 [binary, f"--config.file={self.config_file}", f"--storage.tsdb.path={self.work_dir / 'data'}",
                  f"--web.listen-address={self.host}:{self.port}", "--storage.tsdb.retention.time=1d"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

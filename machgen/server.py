@@ -102,31 +102,32 @@ def prepare_server_dir(work_dir: Path) -> Path:
 
 def _spawn_copied_binary(command: list[str], attempts: int = 50, **popen_args) -> subprocess.Popen:
     """Popen a binary this process has just copied, waiting out ETXTBSY, as a child that dies with this process
-    (_spawned_to_die_with_us).
+    (spawn_tied_child).
 
     While a thread copies a binary, a fork by any other thread (another replica's server starting) inherits
     the copy's write descriptor until that child execs; exec of the copied file fails with ETXTBSY meanwhile.
     """
     for _ in range(attempts - 1):
         try:
-            return _spawned_to_die_with_us(command, popen_args)
+            return spawn_tied_child(command, **popen_args)
         except OSError as err:
             if err.errno != errno.ETXTBSY:
                 raise
             time.sleep(0.1)
-    return _spawned_to_die_with_us(command, popen_args)
+    return spawn_tied_child(command, **popen_args)
 
 
 _SPAWNER: "concurrent.futures.ThreadPoolExecutor | None" = None
 _SPAWNER_LOCK = threading.Lock()
 
 
-def _spawned_to_die_with_us(command: list[str], popen_args: dict) -> subprocess.Popen:
-    """The server runs in a session of its own (a terminal's Ctrl-C must reach machgen serve alone, which
-    drains it), so nothing ends it when this process is SIGKILLed: on Linux it is asked for SIGKILL when its
-    parent dies (PR_SET_PDEATHSIG; its Python stubs then follow it). The kernel sends that when the *thread*
-    that forked it ends, so every server is forked by one thread that lives as long as this process, not by
-    the supervisor's or a replica's thread that happened to start it."""
+def spawn_tied_child(command: list[str], **popen_args) -> subprocess.Popen:
+    """Popen a child that dies with this process. A server (tritonserver, HAProxy, Prometheus) runs in a
+    session of its own (a terminal's Ctrl-C must reach machgen serve alone, which drains it), so nothing would
+    end it when this process is SIGKILLed: on Linux it is asked for SIGKILL when its parent dies
+    (PR_SET_PDEATHSIG; Triton's Python stubs then follow it). The kernel sends that when the *thread* that
+    forked it ends, so every such child is forked by one thread that lives as long as this process, not by the
+    supervisor's or a replica's thread that happened to start it."""
     global _SPAWNER
     if not sys.platform.startswith("linux"):
         return subprocess.Popen(command, **popen_args)
