@@ -235,6 +235,41 @@ def test_the_load_admission_reads_is_the_share_of_time_in_calls_and_fades_when_i
     assert engine.load() == 0.0
 
 
+def test_a_late_chunk_moves_the_session_s_clock_as_its_reader_s_player_waited(pipeline):
+    """A chunk done after its frames were due: the reader's player waited for it (a rebuffer), so the next
+    chunk is due a chunk's play time after it, not on the clock it missed; one on time leaves the clock."""
+    now = [0.0]
+    engine = pipeline.streaming(clock=lambda: now[0])
+    run = engine.run_component
+    call_s = [0.01]
+
+    def timed_call(name, inputs):
+        now[0] += call_s[0]
+        return run(name, inputs)
+
+    engine.run_component = timed_call
+    engine.open("a", PROMPT, 1, HEIGHT, WIDTH)
+    engine.want("a", 3)
+    session = engine.session("a")
+    while not session.outbox:
+        engine.step()
+    first = session.outbox.pop()
+    assert session.playing_since == now[0]
+    assert engine.deadline(session) == pytest.approx(now[0] + len(first.frames) / engine.fps)
+    call_s[0] = 1.0  # each call longer than a chunk plays: the second chunk is late
+    while not session.outbox:
+        engine.step()
+    late = session.outbox.pop()
+    assert late.stats["deadline_missed"] and late.stats["late_ms"] > 0
+    # Its frames play from when it came, the next chunk due after them, not on the clock it missed.
+    assert engine.deadline(session) == pytest.approx(now[0] + len(late.frames) / engine.fps)
+    call_s[0] = 0.0
+    while not session.outbox:
+        engine.step()
+    on_time = session.outbox.pop()
+    assert not on_time.stats["deadline_missed"] and first.chunk + 2 == on_time.chunk
+
+
 def test_a_session_over_the_memory_budget_is_refused_until_one_closes(pipeline):
     engine = pipeline.streaming(memory_budget_bytes=1)
     stream(engine, "a", 1)

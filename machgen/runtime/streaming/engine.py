@@ -298,6 +298,11 @@ class StreamingEngine:
             session.chunk_denoise_s, session.chunk_rows = 0.0, 0
             if session.playing_since is None:
                 session.playing_since = done
+            elif done > due:
+                # The reader's player waited for this chunk (a rebuffer) and plays its later frames on from now:
+                # left on the clock it missed, every later chunk would count late and keep the nearest deadline,
+                # crowding out sessions still on time.
+                session.playing_since += done - due
             session.frames_sent += len(frames)
             session.wants -= 1
             session.outbox.append(result)
