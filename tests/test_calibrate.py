@@ -87,6 +87,27 @@ def test_a_calibration_made_before_the_tail_promise_still_serves_and_states_one(
     assert "promise" not in fewer.held_out_quality(policy, settings.thresholds[policy])
 
 
+def test_a_shortfall_names_each_missed_target_and_by_how_much():
+    """What calibrate says where a quantized build's uncached output misses the targets against float."""
+    from machgen.builder.calibrate import calibration_summary, missed_targets
+
+    targets = QualityTargets(33, 26)
+    holding = Trial("none", 0, 20, 40, 35, psnr_bound=39.0,
+                    worst_tail_bound=TailBound(30.0, ORDER_STATISTIC, 0.96, 64, 1))
+    assert missed_targets(holding, targets) is None
+    short = replace(holding, psnr_bound=31.5, worst_tail_bound=TailBound(24.75, ORDER_STATISTIC, 0.96, 64, 1))
+    words = missed_targets(short, targets)
+    assert words == ("the mean's bound 31.50 dB is 1.50 dB under the 33 dB targeted (--target-psnr); the 5 % tail "
+                     "bound 24.75 dB is 1.25 dB under the 26 dB targeted (--worst-psnr)")
+    assert missed_targets(replace(short, psnr_bound=33.0), targets).startswith("the 5 % tail bound 24.75 dB")
+    unbounded = replace(holding, worst_tail_bound=TailBound(None, NO_BOUND, 0.95, 2))
+    assert missed_targets(unbounded, targets).startswith("2 pairs give no bound for the 5 % tail")
+    record = {"output": "float", "model": "models/x", "precision": {"denoiser_tail": "int8"}, "misses": words}
+    summary = calibration_summary(CacheSettings(calibration={"reference": record}))
+    assert summary == (f"cache default: none (every step computed); int8 (denoiser_tail) uncached misses the targets "
+                       f"against the float output on the fit set ({words}), so cache reuse stays off")
+
+
 def test_the_mean_bound_is_a_prediction_bound_for_the_held_out_mean():
     scores = [30.0, 32.0, 34.0, 36.0]  # mean 33, sample deviation 2.58
     bound = QualityTargets(confidence=0.95, holdout_pairs=64).mean_bound(scores)
@@ -177,6 +198,7 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
     assert (cache["calibration"]["worst_tail"], cache["calibration"]["worst_psnr"]) == (0.1, 18)
     chosen = cache["calibration"]["chosen"]
     assert chosen and set(chosen) <= {"fbcache", "magcache"}
+    assert "reference" not in cache["calibration"]  # a float build: against its own uncached output, as ever
     assert cache["default_policy"] in chosen
     for policy, trial in chosen.items():
         # 3 fit pairs: too few for an order statistic, the normal tolerance bound holds the 90 % promise

@@ -236,11 +236,11 @@ def test_calibrate_takes_either_name_of_a_task(task, expected, monkeypatch, tmp_
     what is checked is which task reaches the fit)."""
     from typer.testing import CliRunner
 
-    from machgen.builder import calibrate, cli
+    from machgen.builder import calibrate, cli, cli_calibrate
     from machgen.runtime import local
 
     class Pipeline:
-        manifest = SimpleNamespace(tasks=("text-to-video", "image-to-video"))
+        manifest = SimpleNamespace(tasks=("text-to-video", "image-to-video"), precision=None)
         sampler = SimpleNamespace(cache_settings=None)
 
         def __init__(self, repository, name):
@@ -252,8 +252,9 @@ def test_calibrate_takes_either_name_of_a_task(task, expected, monkeypatch, tmp_
         fitted.append((task, len(prompts[0])))
         return "fitted", []
 
-    monkeypatch.setattr(cli, "find_pipeline_dir", lambda repository, name: repository)
-    monkeypatch.setattr(cli, "PipelineManifest", SimpleNamespace(read=lambda folder: SimpleNamespace(name="wan")))
+    monkeypatch.setattr(cli_calibrate, "find_pipeline_dir", lambda repository, name: repository)
+    monkeypatch.setattr(cli_calibrate, "PipelineManifest",
+                        SimpleNamespace(read=lambda folder: SimpleNamespace(name="wan")))
     monkeypatch.setattr(local, "LocalPipeline", Pipeline)
     monkeypatch.setattr(calibrate, "calibrate", fit)
     monkeypatch.setattr(calibrate, "with_task", lambda model, fitted, task, first_task: fitted)

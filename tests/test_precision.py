@@ -77,3 +77,28 @@ def test_the_int8_build_stays_near_the_float_build_and_serves_what_it_computes_i
     with serving(repository) as server, MachgenClient(server.grpc_url) as client:
         served = client.generate(PIPELINE_NAME, PROMPT, **OPTIONS)
     assert np.abs(served.astype(int) - int8.astype(int)).max() <= 1
+
+
+def test_the_build_log_and_the_manifest_give_each_component_s_weight_bytes_float_against_int8(int8_repository,
+                                                                                           float_repository):
+    from machgen.builder.quantize import component_weight_bytes, weights_note
+    from conftest import component_onnx
+
+    repository, results, lines = int8_repository
+    int8, floats = manifest_of(repository), manifest_of(float_repository)
+    exported = {result.name for result in results}
+    for manifest, built in ((int8, repository), (floats, float_repository)):
+        assert set(manifest["weight_bytes"]) == exported | {"denoiser"}  # the joined chain holds its own copy
+        for name in exported:
+            assert manifest["weight_bytes"][name] == component_weight_bytes(component_onnx(built, name)), name
+    for name, got in int8["precision"].items():
+        counts = got["weight_bytes"]
+        assert counts == {"float": floats["weight_bytes"][name], "int8": int8["weight_bytes"][name]}, name
+        assert any(line.startswith(f"{name}: int8") and weights_note(counts["int8"], counts["float"], "int8") in line
+                   for line in lines), name
+    assert int8["weight_bytes"]["denoiser_tail"] < floats["weight_bytes"]["denoiser_tail"]
+    assert int8["weight_bytes"]["text_encoder"] == floats["weight_bytes"]["text_encoder"]
+    summary = [line for line in lines if line.startswith(f"{len(results)} components: weights ")]
+    float_total = sum(floats["weight_bytes"][name] for name in exported)
+    assert summary == [f"{len(results)} components: "
+                       + weights_note(sum(int8["weight_bytes"][name] for name in exported), float_total, "int8")]

@@ -196,7 +196,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     its card's (machgen.json's ``"streaming"``); either adds its components."""
     from machgen.builder.calibrate import calibration_summary
     from machgen.builder.export import ParityReport, check_parity, export_onnx, export_torch, onnx_exporter
-    from machgen.builder.quantize import INT8_RELATIVE_TOLERANCE, quantize_int8
+    from machgen.builder.quantize import INT8_RELATIVE_TOLERANCE, component_weight_bytes, quantize_int8, weights_note
     from machgen.contract.specs import is_denoiser
     from machgen.builder.export_cache import ExportCache, cache_root, component_key
     from machgen.builder.rebuild import plan_rebuild
@@ -279,6 +279,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     sparse_nodes = 0
     precision: dict = {}  # the components built below float: what each got (builder/quantize.py)
     int8_parts: dict = {}  # the denoiser parts the sensitivity sweep chooses the int8 layers of, by name
+    weight_bytes: dict[str, int] = {}  # each component's, as built (the manifest's weight_bytes)
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
         exported: dict[str, Path] = {}
         onnx_files: dict[str, Path] = {}  # the tensorrt target's checked ONNX files, beside its engines
@@ -330,8 +331,13 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 log(f"[{index}/{len(exports)}] {spec.name}: int8, {len(precision[spec.name]['layers'])} layers "
                     f"(weights per output channel, inputs per call)")
             file_bytes = sum(item.stat().st_size for item in folder.glob(path.name + "*") if item.is_file())
+            weight_bytes[spec.name] = component_weight_bytes(path)
+            quantized = precision.get(spec.name)
+            weights = weights_note(weight_bytes[spec.name], quantized and quantized["weight_bytes"]["float"],
+                                   target_options.precision)
             log(f"[{index}/{len(exports)}] {spec.name}: max |{path.name} - torch| = {report.max_abs_diff:.3g} "
-                f"(tolerance {report.tolerance:g}), {file_bytes / 2**20:.2f} MiB"
+                f"(tolerance {report.tolerance:g}), {weights}"
+                f"{' (float until the sweep)' if spec.name in int8_parts else ''}"
                 f"{f', {nodes} SparseAttention calls' if nodes else ''}"
                 f"{f', {len(adapter_layers)} adaptable layers' if adapter_layers else ''}, "
                 f"{time.perf_counter() - start:.1f} s, {exported_by}{' (export cache)' if cached is not None else ''}")
@@ -343,15 +349,23 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                                            time.perf_counter() - start, file_bytes))
         if int8_parts:
             _sweep_int8(name, files, exported, int8_parts, {a: model_dir / a for a in exporter.sampler_assets},
-                        Path(scratch), target_options, precision, results, log)
-        log(f"weights: {sum(result.file_bytes for result in results) / 2**20:.2f} MiB in {len(results)} components "
-            f"({target_options.precision})")
+                        Path(scratch), target_options, precision, results, log, weight_bytes)
+        float_total = sum(precision[part]["weight_bytes"]["float"] if part in precision else count
+                          for part, count in weight_bytes.items())
+        total = weights_note(sum(weight_bytes.values()), float_total if precision else None, target_options.precision)
+        log(f"{len(results)} components: {total}")
         if target == "onnxruntime":
-            exported.update(_fuse_chains(specs, exported, Path(scratch), log))
-        if precision:
-            # In the build's own record too: the next build must not take this build's precision for a user's edit.
-            _record_precision(plan.files, name, precision)
-            _record_precision(plan.own_files, name, precision)
+            fused = _fuse_chains(specs, exported, Path(scratch), log)
+            for prefix, path in fused.items():
+                weight_bytes[prefix] = component_weight_bytes(path)
+                log(f"{prefix}: {weights_note(weight_bytes[prefix])}, its steps' again (a model of its own)")
+            exported.update(fused)
+        # In the build's own record too: the next build must not take this build's precision or weights for a
+        # user's edit.
+        for written in (plan.files, plan.own_files):
+            if precision:
+                _record_precision(written, name, precision)
+            _record_weight_bytes(written, name, weight_bytes)
         if sparse is not None and not sparse_nodes:
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
@@ -380,13 +394,13 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
 
 def _sweep_int8(name: str, files: dict[str, str], exported: dict[str, Path], int8_parts: dict, assets: dict,
                 scratch: Path, target_options: TargetOptions, precision: dict, results: list[ComponentResult],
-                log: Callable[[str], None]) -> None:
+                log: Callable[[str], None], weight_bytes: dict[str, int]) -> None:
     """The sensitivity sweep over the denoiser parts' float files (builder/precision_sweep.py), then each part
     quantized without the layers it keeps float and checked against torch; what each got in ``precision``
-    (the manifest's) and ``results``."""
+    (the manifest's), ``results`` and ``weight_bytes``."""
     from machgen.builder.export import check_parity
     from machgen.builder.precision_sweep import SweepSettings, sweep_build
-    from machgen.builder.quantize import INT8_RELATIVE_TOLERANCE, quantize_int8
+    from machgen.builder.quantize import INT8_RELATIVE_TOLERANCE, quantize_int8, weights_note
 
     choice = sweep_build(name, files, exported, {part: exported[part] for part in int8_parts}, assets, scratch,
                          target_options.sweep or SweepSettings(), log)
@@ -401,9 +415,10 @@ def _sweep_int8(name: str, files: dict[str, str], exported: dict[str, Path], int
         file_bytes = sum(item.stat().st_size for item in path.parent.glob(path.name + "*") if item.is_file())
         results[index] = replace(result, max_abs_diff=report.max_abs_diff, tolerance=report.tolerance,
                                  file_bytes=file_bytes)
+        weight_bytes[result.name] = got["weight_bytes"]["int8"]
         log(f"{result.name}: int8, {len(got['layers'])} layers, {len(got['float_layers'])} kept float (the "
             f"sweep's choice); max |{path.name} - torch| = {report.max_abs_diff:.3g} (tolerance "
-            f"{report.tolerance:g}), {file_bytes / 2**20:.2f} MiB")
+            f"{report.tolerance:g}), {weights_note(got['weight_bytes']['int8'], got['weight_bytes']['float'], 'int8')}")
 
 
 def _record_precision(files: dict[str, str], name: str, precision: dict) -> None:
@@ -413,6 +428,17 @@ def _record_precision(files: dict[str, str], name: str, precision: dict) -> None
     path = f"{model_name(name, SAMPLER)}/1/{MANIFEST_FILE}"
     manifest = PipelineManifest.from_json(json.loads(files[path]))
     files[path] = replace(manifest, precision=precision).render()
+
+
+def _record_weight_bytes(files: dict[str, str], name: str, weight_bytes: dict[str, int]) -> None:
+    """The manifest among the files to write, with each component's weight bytes (its JSON edited in place:
+    every other field stays as rendered)."""
+    from machgen.contract.manifest import MANIFEST_FILE, SAMPLER, model_name
+
+    path = f"{model_name(name, SAMPLER)}/1/{MANIFEST_FILE}"
+    manifest = json.loads(files[path])
+    manifest["weight_bytes"] = dict(sorted(weight_bytes.items()))
+    files[path] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
 
 
 def _fuse_chains(specs: dict, onnx_files: dict[str, Path], scratch: Path,

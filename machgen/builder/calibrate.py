@@ -10,6 +10,15 @@ policy with the fewest tail passes becomes the served default. Only then
 are the chosen settings run on the held-out prompt set, uncached and
 cached: that report is recorded and printed, and never feeds back into
 the choice.
+
+A quantized build (an int8 denoiser: the manifest's ``precision``) is
+scored against the float output instead of its own uncached output, which
+would hide the int8 error: a FloatReference, the uncached output of a float
+build of the model folder it came from (the parity check holds that build
+to diffusers' float output). Every fit and held-out score is then the joint
+effect of precision and cache reuse; the build's own uncached output is
+scored too (what precision costs before any cache), and where even that
+misses the targets on the fit set, cache reuse stays off.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -157,6 +166,50 @@ def run_prompts(pipeline, prompts: Prompts, **options) -> tuple[list[np.ndarray]
     return images, stats
 
 
+def quantized_components(manifest: PipelineManifest) -> dict[str, str]:
+    """The components a build made below float, with their precision ({} for a float build)."""
+    return {name: str(got.get("precision", "quantized")) for name, got in (manifest.precision or {}).items()}
+
+
+def precision_words(quantized: Mapping[str, str]) -> str:
+    """e.g. "int8 (denoiser_head, denoiser_tail)"."""
+    kinds = sorted(set(quantized.values()))
+    return f"{'/'.join(kinds)} ({', '.join(sorted(quantized))})"
+
+
+@dataclass(frozen=True)
+class FloatReference:
+    """What a quantized build is scored against: the uncached output of ``pipeline``, a float build (a
+    LocalPipeline) of the model folder ``model`` the quantized build came from."""
+
+    pipeline: Any
+    model: str
+    quantized: Mapping[str, str]  # the quantized build's components and their precision
+
+    def outputs(self, prompts: Prompts) -> list[np.ndarray]:
+        return run_prompts(self.pipeline, prompts, cache_policy="none")[0]
+
+    def to_json(self) -> dict:
+        return {"output": "float", "model": self.model, "precision": dict(self.quantized)}
+
+
+def check_reference(manifest: PipelineManifest, reference: PipelineManifest) -> None:
+    """Refuses a float reference that is not the quantized build's model at the same served defaults: its
+    scores would measure the difference of two models, not the quantized build's error."""
+    if reference.precision:
+        raise ValueError(f"the reference is itself built in {precision_words(quantized_components(reference))}")
+    if (reference.family, tuple(reference.tasks)) != (manifest.family, tuple(manifest.tasks)):
+        raise ValueError(f"the reference is a {reference.family} model ({', '.join(reference.tasks)}), the "
+                         f"calibrated one {manifest.family} ({', '.join(manifest.tasks)}): give the model folder "
+                         "it was built from")
+    ours, theirs = manifest.defaults.to_json(), reference.defaults.to_json()
+    differing = [f"{key} {ours[key]!r} here, {theirs.get(key)!r} in the reference" for key in ours
+                 if ours[key] != theirs.get(key)]
+    if differing:
+        raise ValueError(f"the reference's served defaults differ ({'; '.join(differing)}): give the model folder "
+                         "the build came from, with the model card (machgen.json) it was built with")
+
+
 def record_magnitude_ratios(pipeline, prompts: Prompts) -> tuple[list[np.ndarray], list, list[float]]:
     """Uncached images and stats, and the mean per-step magnitude ratio of the blocks' residual."""
     run = pipeline.sampler.run_component
@@ -237,23 +290,45 @@ def disjoint_holdout(prompts: Prompts, holdout: Prompts) -> None:
 def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTargets = QualityTargets(),
               control_grid: Sequence[CacheControls] = CONTROL_GRID,
               threshold_grids: Mapping[str, Sequence[float]] = THRESHOLD_GRIDS,
-              log: Callable[[str], None] = print, task: str | None = None) -> tuple[CacheSettings, list[Trial]]:
+              log: Callable[[str], None] = print, task: str | None = None,
+              reference: FloatReference | None = None) -> tuple[CacheSettings, list[Trial]]:
     """New cache settings for ``pipeline`` (a LocalPipeline) at its served
     defaults, fitted on ``prompts`` and reported on ``holdout``, for requests
     of ``task`` (None: the model's first; one that starts from a picture
     takes (prompt, seed, picture) triples). The sampler runs them (for every
-    task) when this returns; ``with_task`` files them among the model's."""
+    task) when this returns; ``with_task`` files them among the model's.
+
+    ``reference`` (a quantized build's FloatReference): every score is
+    against its output, the pipeline's own uncached output scored as the
+    "none" trial; where that trial misses the targets no policy is fitted
+    and the default stays none."""
     disjoint_holdout(prompts, holdout)
     task = task or pipeline.manifest.tasks[0]
-    log(f"uncached reference: {len(prompts)} fit prompts ({task})")
+    log(f"uncached{' (the build alone)' if reference else ' reference'}: {len(prompts)} fit prompts ({task})")
     # Every request runs the settings under trial, whatever its task.
     settings = replace(pipeline.sampler.cache_settings.for_task(task), tasks={})
     pipeline.sampler.cache_settings = settings
-    reference, uncached_stats, ratios = record_magnitude_ratios(pipeline, prompts)
+    uncached, uncached_stats, ratios = record_magnitude_ratios(pipeline, prompts)
     settings = replace(settings, magnitude_ratios=tuple(round(r, 5) for r in ratios))
-    uncached_passes = float(np.mean([s.denoiser_tail_passes for s in uncached_stats]))
-    trials: list[Trial] = [Trial("none", 0.0, uncached_passes, 99.0, 99.0,
-                                 head_calls=float(np.mean([s.denoiser_head_calls for s in uncached_stats])))]
+    shortfall = None
+    if reference is None:
+        baseline = uncached
+        trials: list[Trial] = [Trial("none", 0.0, float(np.mean([s.denoiser_tail_passes for s in uncached_stats])),
+                                     99.0, 99.0,
+                                     head_calls=float(np.mean([s.denoiser_head_calls for s in uncached_stats])))]
+    else:
+        log(f"float reference: {len(prompts)} fit prompts, uncached, from a float build of {reference.model}; "
+            f"every score below is against it ({precision_words(reference.quantized)} and cache reuse together)")
+        baseline = reference.outputs(prompts)
+        trials = [scored_trial("none", 0.0, CacheControls(), scores_against(uncached, baseline), uncached_stats,
+                               targets)]
+        log(f"uncached, {precision_words(reference.quantized)} alone: {_fit_words(trials[0], targets)}")
+        shortfall = missed_targets(trials[0], targets)
+        if shortfall is not None:
+            log(f"uncached {'/'.join(sorted(set(reference.quantized.values())))} misses the targets against the "
+                f"float output on the fit set: {shortfall}. Cache reuse stays off (policy none): no cached setting "
+                "can hold a promise that the build misses uncached")
+            threshold_grids = {}
     chosen: dict[str, Trial] = {}
     by_schedule: dict[tuple, Trial] = {}
     for policy, grid in threshold_grids.items():
@@ -266,7 +341,7 @@ def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTarg
                     trial = replace(by_schedule[schedule], threshold=threshold)
                 else:
                     images, stats = run_prompts(pipeline, prompts, cache_policy=policy, cache_threshold=threshold)
-                    trial = scored_trial(policy, threshold, controls, scores_against(images, reference), stats,
+                    trial = scored_trial(policy, threshold, controls, scores_against(images, baseline), stats,
                                          targets)
                     if schedule is not None:
                         by_schedule[schedule] = trial
@@ -277,29 +352,38 @@ def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTarg
         best = choose([t for t in trials if t.policy == policy], targets)
         if best is not None:
             chosen[policy] = best
-    default = choose([trials[0], *chosen.values()], targets)
+    # Uncached missing the targets (a quantized build): nothing holds, and none is what stays served.
+    default = choose([trials[0], *chosen.values()], targets) or trials[0]
+    calibration = {**targets.to_json(), "task": task, "prompts": len(prompts), "holdout_prompts": len(holdout),
+                   "chosen": {p: {k: v for k, v in asdict(t).items() if k != "controls"} for p, t in chosen.items()}}
+    if reference is not None:
+        calibration["reference"] = {**reference.to_json(), "uncached": {"fit": _fit_record(trials[0])},
+                                    **({"misses": shortfall} if shortfall else {})}
     settings = replace(
         settings,
         default_policy=default.policy,
         thresholds={**settings.thresholds, **{p: t.threshold for p, t in chosen.items()}},
         controls={**settings.controls, **{p: t.controls for p, t in chosen.items()}},
-        calibration={**targets.to_json(), "task": task, "prompts": len(prompts), "holdout_prompts": len(holdout),
-                     "chosen": {p: {k: v for k, v in asdict(t).items() if k != "controls"}
-                                for p, t in chosen.items()}})
+        calibration=calibration)
     pipeline.sampler.cache_settings = settings
     # The choice is made: only now does anything run the held-out prompts.
-    held_out = report_held_out(pipeline, chosen, holdout, targets, log)
-    settings = replace(settings, calibration={**settings.calibration, "held_out": held_out})
+    held_out, held_out_uncached = report_held_out(pipeline, chosen, holdout, targets, log, reference)
+    calibration = {**settings.calibration, "held_out": held_out}
+    if reference is not None:
+        calibration["reference"]["uncached"]["held_out"] = held_out_uncached
+    settings = replace(settings, calibration=calibration)
     pipeline.sampler.cache_settings = settings
     log(f"default: {default.label()}")
+    if reference is not None:
+        log(f"{precision_words(reference.quantized)} uncached, against the float output: fit {len(prompts)} pairs: "
+            f"{_fit_words(trials[0], targets)}; held out {len(holdout)} pairs: "
+            f"{_held_out_words(held_out_uncached, len(holdout), targets)}")
     for policy, trial in chosen.items():
         figures = held_out[policy]
         log(f"{trial.label()}{' (default)' if policy == default.policy else ''}: "
-            f"fit {len(prompts)} pairs: {trial.tail_passes:.1f} tail passes, PSNR mean {trial.psnr_mean:.2f} dB "
-            f"(bound {trial.bound:.2f}), worst {trial.psnr_worst:.2f}{_tail_words(trial, targets)}; held out "
-            f"{len(holdout)} pairs: {figures['tail_passes']:.1f} tail passes, mean {figures['psnr_mean']:.2f} dB, "
-            f"worst {figures['psnr_worst']:.2f}{_below_words(figures, len(holdout), targets.worst_psnr)}: "
-            f"{'meets' if figures['meets_targets'] else 'MISSES'} {targets.mean_psnr:g} / {targets.worst_psnr:g} dB")
+            f"fit {len(prompts)} pairs: {trial.tail_passes:.1f} tail passes, {_fit_words(trial, targets)}; held out "
+            f"{len(holdout)} pairs: {figures['tail_passes']:.1f} tail passes, "
+            f"{_held_out_words(figures, len(holdout), targets)}")
         log(f"  promise: {figures['promise'] or f'none ({len(holdout)} held-out pairs give no tail bound)'}")
     if default.policy in held_out and not held_out[default.policy]["meets_targets"]:
         log("warning: the default misses the targets on the held-out prompts: calibrate on more prompts, or with "
@@ -307,30 +391,82 @@ def calibrate(pipeline, prompts: Prompts, holdout: Prompts, targets: QualityTarg
     return settings, trials
 
 
+def missed_targets(trial: Trial, targets: QualityTargets) -> str | None:
+    """Which targets ``trial`` misses on the fit set, and by how much, in words (None: it holds them)."""
+    missed = []
+    if trial.bound < targets.mean_psnr:
+        missed.append(f"the mean's bound {trial.bound:.2f} dB is {targets.mean_psnr - trial.bound:.2f} dB under the "
+                      f"{targets.mean_psnr:g} dB targeted (--target-psnr)")
+    if trial.worst_bound < targets.worst_psnr:
+        bound = trial.worst_tail_bound
+        if bound is None or bound.psnr is None:
+            missed.append(f"{bound.pairs if bound else 'these'} pairs give no bound for the "
+                          f"{100 * targets.worst_tail:g} % tail, which must hold {targets.worst_psnr:g} dB "
+                          "(--worst-psnr): calibrate on more pairs")
+        else:
+            missed.append(f"the {100 * targets.worst_tail:g} % tail bound {bound.psnr:.2f} dB is "
+                          f"{targets.worst_psnr - bound.psnr:.2f} dB under the {targets.worst_psnr:g} dB targeted "
+                          "(--worst-psnr)")
+    return "; ".join(missed) or None
+
+
+def _fit_words(trial: Trial, targets: QualityTargets) -> str:
+    return (f"PSNR mean {trial.psnr_mean:.2f} dB (bound {trial.bound:.2f}), worst {trial.psnr_worst:.2f}"
+            f"{_tail_words(trial, targets)}")
+
+
+def _fit_record(trial: Trial) -> dict:
+    return {"tail_passes": trial.tail_passes, "psnr_mean": trial.psnr_mean, "psnr_bound": trial.psnr_bound,
+            "psnr_worst": trial.psnr_worst, "worst_tail_bound": asdict(trial.worst_tail_bound)}
+
+
+def _held_out_words(figures: Mapping, pairs: int, targets: QualityTargets) -> str:
+    return (f"mean {figures['psnr_mean']:.2f} dB, worst {figures['psnr_worst']:.2f}"
+            f"{_below_words(figures, pairs, targets.worst_psnr)}: "
+            f"{'meets' if figures['meets_targets'] else 'MISSES'} {targets.mean_psnr:g} / {targets.worst_psnr:g} dB")
+
+
 def report_held_out(pipeline, chosen: dict[str, Trial], holdout: Prompts, targets: QualityTargets,
-                    log: Callable[[str], None] = print) -> dict[str, dict]:
-    """Each chosen setting on ``holdout`` against its uncached images, as
+                    log: Callable[[str], None] = print,
+                    reference: FloatReference | None = None) -> tuple[dict[str, dict], dict | None]:
+    """Each chosen setting on ``holdout`` against its uncached images (with
+    ``reference``: against the float output), as
     pipeline.sampler.cache_settings serves it: passes, PSNR mean and worst,
     the share under ``worst_psnr`` with its upper bound, the held-out set's
-    own tail bound and the promise in words (what responses report)."""
-    if not chosen:
-        return {}
-    log(f"held out: {len(holdout)} prompts, uncached and with each chosen setting")
-    reference, _ = run_prompts(pipeline, holdout, cache_policy="none")
-    report = {}
-    for policy, trial in chosen.items():
-        images, stats = run_prompts(pipeline, holdout, cache_policy=policy, cache_threshold=trial.threshold)
-        scores = scores_against(images, reference)
-        figures = scored_trial(policy, trial.threshold, trial.controls, scores, stats, targets)
-        below = share_below(scores, targets.worst_psnr, targets.confidence)
-        report[policy] = {"threshold": trial.threshold, "tail_passes": figures.tail_passes,
-                          "psnr_mean": figures.psnr_mean, "psnr_worst": figures.psnr_worst,
-                          "worst_tail_bound": asdict(figures.worst_tail_bound), **below.to_json(),
-                          "meets_targets": targets.met_by(figures.psnr_mean, below)}
-        bound = figures.worst_tail_bound
-        report[policy]["promise"] = None if bound.psnr is None else tail_promise(
-            targets.worst_tail, targets.worst_psnr, bound.psnr, bound.confidence, bound.pairs)
-    return report
+    own tail bound and the promise in words (what responses report). With
+    ``reference`` also the pipeline's own uncached output against the float
+    output, the second of the pair (None without)."""
+    if not chosen and reference is None:
+        return {}, None
+    runs = ["uncached", *(["float"] if reference else []), *(["with each chosen setting"] if chosen else [])]
+    log(f"held out: {len(holdout)} prompts, {', '.join(runs[:-1])} and {runs[-1]}")
+    uncached, uncached_stats = run_prompts(pipeline, holdout, cache_policy="none")
+    baseline = uncached if reference is None else reference.outputs(holdout)
+    report = {policy: _held_out_figures(pipeline, holdout, trial, baseline, targets)
+              for policy, trial in chosen.items()}
+    if reference is None:
+        return report, None
+    scores = scores_against(uncached, baseline)
+    return report, _scored_figures(scored_trial("none", 0.0, CacheControls(), scores, uncached_stats, targets),
+                                   scores, targets)
+
+
+def _held_out_figures(pipeline, holdout: Prompts, trial: Trial, baseline, targets: QualityTargets) -> dict:
+    images, stats = run_prompts(pipeline, holdout, cache_policy=trial.policy, cache_threshold=trial.threshold)
+    scores = scores_against(images, baseline)
+    return _scored_figures(scored_trial(trial.policy, trial.threshold, trial.controls, scores, stats, targets), scores,
+                           targets)
+
+
+def _scored_figures(figures: Trial, scores: Sequence[float], targets: QualityTargets) -> dict:
+    below = share_below(scores, targets.worst_psnr, targets.confidence)
+    bound = figures.worst_tail_bound
+    return {"threshold": figures.threshold if figures.policy != "none" else None,
+            "tail_passes": figures.tail_passes, "psnr_mean": figures.psnr_mean, "psnr_worst": figures.psnr_worst,
+            "worst_tail_bound": asdict(bound), **below.to_json(),
+            "meets_targets": targets.met_by(figures.psnr_mean, below),
+            "promise": None if bound.psnr is None else tail_promise(targets.worst_tail, targets.worst_psnr,
+                                                                     bound.psnr, bound.confidence, bound.pairs)}
 
 
 def with_task(model: CacheSettings, fitted: CacheSettings, task: str, first_task: str) -> CacheSettings:
@@ -348,6 +484,25 @@ def calibration_summary(settings: CacheSettings) -> str:
 
 
 def _summary_line(settings: CacheSettings) -> str:
+    return _cache_line(settings) + _reference_words(settings.calibration)
+
+
+def _reference_words(calibration: Mapping) -> str:
+    """A quantized build's calibration: what its figures are against, and the build's own uncached figures."""
+    reference = calibration.get("reference")
+    if reference is None:
+        return ""
+    quantized = precision_words(reference["precision"])
+    if reference.get("misses"):
+        return (f"; {quantized} uncached misses the targets against the float output on the fit set "
+                f"({reference['misses']}), so cache reuse stays off")
+    held_out = reference.get("uncached", {}).get("held_out")
+    alone = "" if held_out is None else (f", {quantized} alone uncached: held out mean {held_out['psnr_mean']:.2f} "
+                                         f"dB, worst {held_out['psnr_worst']:.2f}")
+    return f"; figures against the float output ({quantized} and cache reuse together{alone})"
+
+
+def _cache_line(settings: CacheSettings) -> str:
     policy = settings.default_policy
     if policy == "none":
         return "cache default: none (every step computed)"

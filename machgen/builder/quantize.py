@@ -10,6 +10,9 @@ loses what a per-call one keeps, and the QDQ pairs cost time on these kernels. S
 TensorRT's explicit quantization takes (a GPU's FP8 and INT8); it is not built yet.
 
 Which layers stay float is the sensitivity sweep's choice (builder/precision_sweep.py); ``exclude`` names them.
+
+Also what a component's weights weigh (``component_weight_bytes``): the build log says it per component, an int8
+part's float bytes beside, and the manifest records it (``weight_bytes``).
 """
 
 from __future__ import annotations
@@ -94,8 +97,8 @@ def quantize_int8(path: Path, exclude: Iterable[str] = (), out: Path | None = No
                   record: bool = True) -> dict[str, Any]:
     """Rewrites the ONNX file at ``path`` (or writes ``out``) with int8 linear layers (see the module's doc),
     those that ``exclude`` names (by node, weight or module) left float. What each layer got: {"weights": ...,
-    "activations": ..., "layers": {module: [smallest, largest scale]}, "float_layers": [module, ...]}
-    (``record`` False: {}, for the sweep's many trials)."""
+    "activations": ..., "layers": {module: [smallest, largest scale]}, "float_layers": [module, ...],
+    "weight_bytes": {"float": before, "int8": after}} (``record`` False: {}, for the sweep's many trials)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -103,11 +106,13 @@ def quantize_int8(path: Path, exclude: Iterable[str] = (), out: Path | None = No
     model = onnx.load(os.fspath(path), load_external_data=False)
     layers = linear_layers(model)
     external = any(tensor.data_location == onnx.TensorProto.EXTERNAL for tensor in model.graph.initializer)
+    float_bytes = initializer_bytes(model.graph) if record else 0  # before ``out`` may overwrite ``path``
     kept_float = excluded_nodes(layers, exclude)
     if layers and len(kept_float) == len(layers):
         if out != Path(path):
             _copy_model(Path(path), out)
     else:
+        out.parent.mkdir(parents=True, exist_ok=True)  # (the quantizer writes into an existing folder only)
         root = logging.getLogger()
         level = root.level
         root.setLevel(logging.ERROR)  # its advice to pre-process (shape inference) is for static quantization
@@ -123,7 +128,8 @@ def quantize_int8(path: Path, exclude: Iterable[str] = (), out: Path | None = No
     return {"precision": "int8", "weights": "int8, symmetric, a scale per output channel",
             "activations": "uint8, quantized per call from its own range (dynamic)",
             "operators": list(QUANTIZED_OPS), "layers": _weight_scales(out, layers, floats),
-            "float_layers": sorted({layer.module for layer in layers if layer.node in floats})}
+            "float_layers": sorted({layer.module for layer in layers if layer.node in floats}),
+            "weight_bytes": {"float": float_bytes, "int8": onnx_weight_bytes(out)}}
 
 
 def _weight_scales(path: Path, layers: list[LinearLayer], floats: set[str]) -> dict[str, list[float]]:
@@ -153,3 +159,81 @@ def _copy_model(source: Path, target: Path) -> None:
     for item in source.parent.glob(source.name + "*"):
         if item.is_file():
             shutil.copy2(item, target.parent / (target.name + item.name[len(source.name):]))
+
+
+# Weight bytes (issue 62, memory): what the build log prints and the manifest's ``weight_bytes`` records.
+
+# Element types stored two to a byte (ONNX packs them).
+_PACKED_FOUR_BITS = ("INT4", "UINT4", "FLOAT4E2M1")
+
+
+def tensor_bytes(tensor) -> int:
+    """The bytes of an onnx.TensorProto's values at its element type, wherever they are stored (inline or in an
+    external data file: the dims and type say it without reading them)."""
+    import math
+
+    import onnx
+
+    count = math.prod(tensor.dims)
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return sum(len(value) for value in tensor.string_data)
+    packed = {getattr(onnx.TensorProto, name) for name in _PACKED_FOUR_BITS if hasattr(onnx.TensorProto, name)}
+    if tensor.data_type in packed:
+        return (count + 1) // 2
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def initializer_bytes(graph) -> int:
+    """The bytes of an onnx.GraphProto's weights: its initializers (sparse ones by their stored values and
+    indices) and those of the subgraphs its nodes hold (If, Loop, Scan)."""
+    import onnx
+
+    total = sum(tensor_bytes(tensor) for tensor in graph.initializer)
+    total += sum(tensor_bytes(sparse.values) + tensor_bytes(sparse.indices) for sparse in graph.sparse_initializer)
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                total += initializer_bytes(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                total += sum(initializer_bytes(subgraph) for subgraph in attribute.graphs)
+    return total
+
+
+def onnx_weight_bytes(path: Path) -> int:
+    """The weight bytes of the ONNX file at ``path``, its external data included (not read: counted)."""
+    import onnx
+
+    return initializer_bytes(onnx.load(os.fspath(path), load_external_data=False).graph)
+
+
+def component_weight_bytes(path: Path) -> int:
+    """The weight bytes of an exported component's file: an ONNX file's initializers; a torch-target program
+    (model.pt2) what its component.json counted when it was traced (runtime/torch_runner.py weight_bytes)."""
+    import json
+
+    from machgen.runtime.torch_runner import INFO_FILE
+
+    path = Path(path)
+    if path.suffix == ".onnx":
+        return onnx_weight_bytes(path)
+    info = path.parent / INFO_FILE
+    if info.is_file():
+        return int(json.loads(info.read_text())["weight_bytes"])
+    raise ValueError(f"{path}: neither an ONNX file nor a torch-target program with its {INFO_FILE}")
+
+
+def format_bytes(count: int) -> str:
+    """``count`` bytes for a log line: bytes under a KiB, KiB under a MiB, MiB under a GiB, else GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count / 2**10:.1f} KiB" if count >= 2**10 else f"{count} B"
+
+
+def weights_note(built: int, float_bytes: int | None = None, precision: str = "float") -> str:
+    """A build log's words on a component's weights: ``built`` bytes and, where the component was built below
+    float (``float_bytes`` its float export's), float against ``precision`` and their ratio."""
+    if float_bytes is None or precision == "float":
+        return f"weights {format_bytes(built)}"
+    ratio = f"{built / float_bytes:.2f}x" if float_bytes else "-"
+    return f"weights {format_bytes(built)} {precision} against {format_bytes(float_bytes)} float ({ratio})"

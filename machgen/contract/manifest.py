@@ -153,6 +153,17 @@ class ComponentEntry:
                    file=data.get("file"), steps=tuple(data.get("steps", ())))
 
 
+def _weight_bytes(value: Any, source: str) -> dict[str, int] | None:
+    """The manifest's ``weight_bytes``: {component: a count of bytes}, or None where absent."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(count, int) and not isinstance(count, bool)
+                                                 and count >= 0 for count in value.values()):
+        raise ManifestError(f"{source} is malformed: weight_bytes must map each component to a count of bytes, "
+                            f"not {value!r}")
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class PipelineManifest:
     """What the sampler reads at start-up (``pipeline.json``)."""
@@ -184,6 +195,10 @@ class PipelineManifest:
     # The components built in a lower precision than float, by name: what each got (builder/quantize.py),
     # its layers and their weight scales; None: every component in float. For the record.
     precision: Mapping[str, Any] | None = None
+    # Each exported component's weight bytes at the precision it was built in, by name (a joined denoiser chain,
+    # which holds its steps' weights again, too); None: not recorded (a manifest rendered before export, or
+    # written before machgen recorded it). For the record: what the build log says, for benchmarks and users.
+    weight_bytes: Mapping[str, int] | None = None
     version: int = MANIFEST_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -195,6 +210,8 @@ class PipelineManifest:
             "cache": dict(self.cache), "prompt_cache_size": self.prompt_cache_size, "attention": self.attention,
             "preview_interval": self.preview_interval, "adapters": self.adapters, "parallel": self.parallel,
             "precision": self.precision,
+            # Only once known: a manifest rendered before export reads as it did before the field.
+            **({"weight_bytes": dict(self.weight_bytes)} if self.weight_bytes is not None else {}),
         }
 
     @classmethod
@@ -212,7 +229,8 @@ class PipelineManifest:
                        family_settings=data["family_settings"], cache=data.get("cache") or {},
                        prompt_cache_size=int(data.get("prompt_cache_size", 256)), attention=data.get("attention"),
                        preview_interval=int(data.get("preview_interval", 4)), adapters=data.get("adapters"),
-                       parallel=data.get("parallel"), precision=data.get("precision"))
+                       parallel=data.get("parallel"), precision=data.get("precision"),
+                       weight_bytes=_weight_bytes(data.get("weight_bytes"), source))
         except (KeyError, TypeError) as err:
             raise ManifestError(f"{source} is malformed: {err!r}") from err
 
