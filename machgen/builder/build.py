@@ -363,9 +363,8 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         # In the build's own record too: the next build must not take this build's precision or weights for a
         # user's edit.
         for written in (plan.files, plan.own_files):
-            if precision:
-                _record_precision(written, name, precision)
-            _record_weight_bytes(written, name, weight_bytes)
+            _record_in_manifest(written, name, weight_bytes=dict(sorted(weight_bytes.items())),
+                                **({"precision": precision} if precision else {}))
         if sparse is not None and not sparse_nodes:
             # Never a dense model under a sparse name.
             raise ValueError(f"no call of dispatch_attention_fn in {exporter.attention_modules} was exported: "
@@ -421,24 +420,14 @@ def _sweep_int8(name: str, files: dict[str, str], exported: dict[str, Path], int
             f"{report.tolerance:g}), {weights_note(got['weight_bytes']['int8'], got['weight_bytes']['float'], 'int8')}")
 
 
-def _record_precision(files: dict[str, str], name: str, precision: dict) -> None:
-    """The manifest among the files to write, with what each component built below float got."""
+def _record_in_manifest(files: dict[str, str], name: str, **fields) -> None:
+    """The manifest among the files to write, with ``fields`` set (what each component built below float got,
+    each component's weight bytes)."""
     from machgen.contract.manifest import MANIFEST_FILE, PipelineManifest, SAMPLER, model_name
 
     path = f"{model_name(name, SAMPLER)}/1/{MANIFEST_FILE}"
     manifest = PipelineManifest.from_json(json.loads(files[path]))
-    files[path] = replace(manifest, precision=precision).render()
-
-
-def _record_weight_bytes(files: dict[str, str], name: str, weight_bytes: dict[str, int]) -> None:
-    """The manifest among the files to write, with each component's weight bytes (its JSON edited in place:
-    every other field stays as rendered)."""
-    from machgen.contract.manifest import MANIFEST_FILE, SAMPLER, model_name
-
-    path = f"{model_name(name, SAMPLER)}/1/{MANIFEST_FILE}"
-    manifest = json.loads(files[path])
-    manifest["weight_bytes"] = dict(sorted(weight_bytes.items()))
-    files[path] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    files[path] = replace(manifest, **fields).render()
 
 
 def _fuse_chains(specs: dict, onnx_files: dict[str, Path], scratch: Path,
