@@ -229,6 +229,9 @@ def test_calibrate_writes_the_defaults_the_sampler_serves(built_repository, tmp_
         default["worst_tail_bound"]["psnr"], default["promise"])
     _, stats = local.generate("a red cat", seed=0, cache_policy=cache["default_policy"], cache_threshold=9.5)
     assert stats.expected_psnr is None and stats.expected_psnr_worst is None and stats.expected_psnr_promise is None
+    # nor uncached on a float build: its uncached output is the reference itself
+    _, stats = local.generate("a red cat", seed=0, cache_policy="none")
+    assert stats.expected_psnr is None and stats.expected_psnr_tail_bound is None
     # nor for requests of a kind it did not measure: from a picture, or part of the schedule
     picture = np.full((64, 64, 3), 128, dtype=np.uint8)
     for kind in ({"image": picture, "strength": 0.6, "height": 64, "width": 64}, {"stop_step": steps // 2}):

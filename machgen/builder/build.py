@@ -216,6 +216,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     family = detect_family(model_dir)
     exporter = family.exporter()
     log(f"loading {model_dir} ({family.diffusers_pipeline}, family '{family.name}')")
+    source = built_from(model_dir, lora)  # as loaded: the folder may change during minutes of export
     pipe = load_pipeline(model_dir, family)
     exporter.check(pipe)
     if lora is not None:
@@ -363,7 +364,7 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
         # In the build's own record too: the next build must not take this build's precision or weights for a
         # user's edit.
         for written in (plan.files, plan.own_files):
-            _record_in_manifest(written, name, weight_bytes=dict(sorted(weight_bytes.items())),
+            _record_in_manifest(written, name, weight_bytes=dict(sorted(weight_bytes.items())), built_from=source,
                                 **({"precision": precision} if precision else {}))
         if sparse is not None and not sparse_nodes:
             # Never a dense model under a sparse name.
@@ -420,9 +421,34 @@ def _sweep_int8(name: str, files: dict[str, str], exported: dict[str, Path], int
             f"{report.tolerance:g}), {weights_note(got['weight_bytes']['int8'], got['weight_bytes']['float'], 'int8')}")
 
 
+def built_from(model_dir: Path, lora: Path | None) -> dict:
+    """The manifest's ``built_from``: the model folder (absolute) and its files' digests (source_digests), and
+    the LoRA fused into it alike; what calibrate checks a quantized build's float reference against."""
+    record: dict = {"model": str(Path(model_dir).resolve()), "files": source_digests(model_dir)}
+    if lora is not None:
+        record["lora"] = {"path": str(Path(lora).resolve()), "files": source_digests(lora)}
+    return record
+
+
+def source_digests(path: Path) -> dict[str, str]:
+    """Each file's digest under ``path`` (a file: its own) by relative path, as a rebuild digests the files it
+    wrote (whole up to 64 MiB, larger ones by size, head and tail: at most 64 MiB read of any file). Hidden
+    files and the model card (machgen.json) are left out: calibrating the folder rewrites the card's cache
+    defaults, and the served defaults it holds are compared apart (calibrate.check_reference)."""
+    from machgen.builder.model_folder import SERVING_FILE
+    from machgen.builder.rebuild import file_digest
+
+    path = Path(path)
+    if path.is_file():
+        return {path.name: file_digest(path)}
+    relatives = sorted(item.relative_to(path).as_posix() for item in path.rglob("*") if item.is_file())
+    return {relative: file_digest(path / relative) for relative in relatives
+            if relative != SERVING_FILE and not any(part.startswith(".") for part in relative.split("/"))}
+
+
 def _record_in_manifest(files: dict[str, str], name: str, **fields) -> None:
     """The manifest among the files to write, with ``fields`` set (what each component built below float got,
-    each component's weight bytes)."""
+    each component's weight bytes, the folder it was built from)."""
     from machgen.contract.manifest import MANIFEST_FILE, PipelineManifest, SAMPLER, model_name
 
     path = f"{model_name(name, SAMPLER)}/1/{MANIFEST_FILE}"

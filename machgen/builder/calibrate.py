@@ -180,17 +180,20 @@ def precision_words(quantized: Mapping[str, str]) -> str:
 @dataclass(frozen=True)
 class FloatReference:
     """What a quantized build is scored against: the uncached output of ``pipeline``, a float build (a
-    LocalPipeline) of the model folder ``model`` the quantized build came from."""
+    LocalPipeline) of the model folder ``model`` the quantized build came from (with ``lora`` fused, where the
+    build recorded that it fused one)."""
 
     pipeline: Any
     model: str
     quantized: Mapping[str, str]  # the quantized build's components and their precision
+    lora: str | None = None
 
     def outputs(self, prompts: Prompts) -> list[np.ndarray]:
         return run_prompts(self.pipeline, prompts, cache_policy="none")[0]
 
     def to_json(self) -> dict:
-        return {"output": "float", "model": self.model, "precision": dict(self.quantized)}
+        return {"output": "float", "model": self.model, "precision": dict(self.quantized),
+                **({"lora": self.lora} if self.lora else {})}
 
 
 def check_reference(manifest: PipelineManifest, reference: PipelineManifest) -> None:

@@ -74,7 +74,8 @@ def calibrate(
     reference_model: Path = typer.Option(None, "--reference-model", exists=True, file_okay=False,
                                          help="a quantized build (--precision int8): the diffusers model folder it "
                                               "was built from, whose float build's uncached output every PSNR is "
-                                              "then against (the repository keeps no float weights)"),
+                                              "then against (the repository keeps no float weights; default: the "
+                                              "folder the build recorded, while its files are unchanged)"),
 ) -> None:
     """Fit each cache policy's threshold (and MagCache's ratios) to a PSNR target on one prompt set, report it
     on a held-out one; store the best as default (of the model, or of one --task). A quantized build is fitted
@@ -185,16 +186,57 @@ def _float_reference(pipeline, target: Path, reference_model: Path | None, scrat
                                  "option is for a quantized one", param_hint="--reference-model")
     if not quantized:
         return None
+    lora = None
     if reference_model is None:
-        raise typer.BadParameter(f"{target} is built in {precision_words(quantized)}: calibration scores it against "
-                                 "the float output, and the repository keeps no float weights: give the model "
-                                 "folder it was built from", param_hint="--reference-model")
+        reference_model, lora = _recorded_source(pipeline.manifest, target, precision_words(quantized))
     typer.echo(f"{pipeline.manifest.name} is built in {precision_words(quantized)}: building the float reference "
-               f"from {reference_model}")
+               f"from {reference_model}{f' with the LoRA {lora} fused' if lora else ''}")
     try:
-        build_repository(reference_model, "reference", scratch, log=typer.echo, preview=False)
+        build_repository(reference_model, "reference", scratch, lora=lora, log=typer.echo, preview=False)
         float_pipeline = LocalPipeline(scratch, "reference")
         check_reference(pipeline.manifest, float_pipeline.manifest)
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise typer.BadParameter(f"{reference_model}: {err}", param_hint="--reference-model") from None
-    return FloatReference(float_pipeline, str(reference_model), quantized)
+    return FloatReference(float_pipeline, str(reference_model), quantized, None if lora is None else str(lora))
+
+
+def _recorded_source(manifest, target: Path, precision: str) -> tuple[Path, Path | None]:
+    """The model folder (and the LoRA it fused) that a quantized build recorded it came from (the manifest's
+    ``built_from``), while every file of it is as it was at the build; else a refusal that says what was recorded
+    and asks for --reference-model."""
+    refusal = (f"{target} is built in {precision}: calibration scores it against the float output, and the "
+               "repository keeps no float weights")
+    recorded = manifest.built_from
+    if not recorded:
+        raise typer.BadParameter(f"{refusal}: give the model folder it was built from (this build recorded none: "
+                                 "built before machgen recorded it)", param_hint="--reference-model")
+    model, lora = Path(recorded["model"]), recorded.get("lora")
+    changes = _changes(model, recorded["files"])
+    if lora is not None:
+        changes += [f"the LoRA it fused: {change}" for change in _changes(Path(lora["path"]), lora["files"])]
+    fused = f" with the LoRA {lora['path']} fused" if lora else ""
+    if changes:
+        raise typer.BadParameter(f"{refusal}; the build recorded the model folder {model}{fused} "
+                                 f"({len(recorded['files'])} files), but {'; '.join(changes)}: pass "
+                                 "--reference-model, a folder with the weights it was built from",
+                                 param_hint="--reference-model")
+    typer.echo(f"--reference-model not given: the float reference is the folder this build recorded, {model}{fused} "
+               "(every file as it was at the build)")
+    return model, None if lora is None else Path(lora["path"])
+
+
+def _changes(path: Path, recorded: dict[str, str]) -> list[str]:
+    """How ``path`` differs from its ``recorded`` file digests (build.source_digests), in words ([]: not at
+    all)."""
+    from machgen.builder.build import source_digests
+
+    if not path.exists():
+        return [f"{path} is gone"]
+    now = source_digests(path)
+    kinds = {"changed": [name for name in recorded if name in now and now[name] != recorded[name]],
+             "gone": [name for name in recorded if name not in now],
+             "new": [name for name in now if name not in recorded]}
+    said = [f"{len(names)} file{'s' if len(names) > 1 else ''} "
+            f"{kind if kind == 'changed' else ('are ' if len(names) > 1 else 'is ') + kind} "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" for kind, names in kinds.items() if names]
+    return [f"since the build {', '.join(said)}"] if said else []

@@ -199,6 +199,11 @@ class PipelineManifest:
     # which holds its steps' weights again, too); None: not recorded (a manifest rendered before export, or
     # written before machgen recorded it). For the record: what the build log says, for benchmarks and users.
     weight_bytes: Mapping[str, int] | None = None
+    # The model folder the build came from: its absolute path and a digest of each of its files (and the LoRA it
+    # fused, alike), which ``machgen-build calibrate`` of a quantized build takes for its float reference while
+    # they still match (builder/calibrate.py); None: not recorded (a manifest rendered before export, or written
+    # before machgen recorded it).
+    built_from: Mapping[str, Any] | None = None
     version: int = MANIFEST_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -212,6 +217,7 @@ class PipelineManifest:
             "precision": self.precision,
             # Only once known: a manifest rendered before export reads as it did before the field.
             **({"weight_bytes": dict(self.weight_bytes)} if self.weight_bytes is not None else {}),
+            **({"built_from": dict(self.built_from)} if self.built_from is not None else {}),
         }
 
     @classmethod
@@ -230,7 +236,8 @@ class PipelineManifest:
                        prompt_cache_size=int(data.get("prompt_cache_size", 256)), attention=data.get("attention"),
                        preview_interval=int(data.get("preview_interval", 4)), adapters=data.get("adapters"),
                        parallel=data.get("parallel"), precision=data.get("precision"),
-                       weight_bytes=_weight_bytes(data.get("weight_bytes"), source))
+                       weight_bytes=_weight_bytes(data.get("weight_bytes"), source),
+                       built_from=data.get("built_from"))
         except (KeyError, TypeError) as err:
             raise ManifestError(f"{source} is malformed: {err!r}") from err
 

@@ -462,9 +462,17 @@ class CacheSettings:
         fitted on (``psnr_mean``, ``psnr_worst`` the observed minimum, against
         uncached, dB) and, where the record allows, its tail promise:
         ``psnr_tail_bound`` (dB) and ``promise`` (in words); None for a
-        setting it did not choose."""
-        figures = self.calibration.get("held_out", {}).get(policy)
-        if figures is None or threshold is None or not np.isclose(figures["threshold"], threshold):
+        setting it did not choose. Policy none on a quantized build
+        calibrated against the float output: the build's own uncached
+        figures against it (what precision alone costs); on a float build
+        none is the reference itself, and has none."""
+        if policy == NoCache.name:
+            figures = self.calibration.get("reference", {}).get("uncached", {}).get("held_out")
+        else:
+            figures = self.calibration.get("held_out", {}).get(policy)
+            if figures is not None and (threshold is None or not np.isclose(figures["threshold"], threshold)):
+                figures = None
+        if figures is None:
             return None
         return {"psnr_mean": figures["psnr_mean"], "psnr_worst": figures["psnr_worst"], **self._tail_promise(figures)}
 

@@ -90,7 +90,8 @@ class GenerationStats:
     # The cache setting's quality as calibration measured it on held-out prompts, against the uncached output:
     # mean and worst-image (the observed minimum) PSNR, dB; the tail promise, a lower confidence bound (dB) for the
     # PSNR that all but a small share of requests reach, and in words ("95 % of requests >= 26 dB (bound 26.8 dB at
-    # 96 % confidence from 64 held-out pairs)"). None where the setting is not a calibrated one, or with adapters.
+    # 96 % confidence from 64 held-out pairs)"). None where the setting is not a calibrated one, or with adapters;
+    # for policy none, a quantized build's own uncached figures against the float output (a float build: None).
     expected_psnr: float | None = None
     expected_psnr_worst: float | None = None
     expected_psnr_tail_bound: float | None = None
