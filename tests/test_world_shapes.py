@@ -91,6 +91,24 @@ def test_detector_reads_every_clean_chunk_of_wall_free_walks():
     assert read / total >= 0.99, f"{read} of {total}"
 
 
+def test_detector_reads_one_frame_chunks_their_lone_first_frame_as_still():
+    """Chunks of one latent frame: a session's first chunk is one video frame (the walk keeps it still, the only
+    thing it can show), each later one four; the detector reads every one, the first one by its frame alone."""
+    rng = np.random.default_rng(7)
+    read = total = 0
+    for _ in range(12):
+        episode = world_shapes.sample(rng, 24, 1, walk=True)
+        assert len(episode.chunk(0)) == 1 and len(episode.chunk(1)) == 4 and episode.actions[0] == "stop"
+        readings = world_shapes.detect_episode(episode.frames, 24, 1)
+        assert readings[0] == world_shapes.ChunkReading(episode.subject.colour, episode.subject.shape, "stop", 0.0)
+        for action, reading in zip(episode.actions, readings):
+            total += 1
+            read += reading == world_shapes.ChunkReading(episode.subject.colour, episode.subject.shape, action,
+                                                         reading.speed if reading else 0.0)
+    assert read / total >= 0.99, f"{read} of {total}"
+    assert world_shapes.detect_chunk(np.zeros((1, 64, 64, 3), np.uint8)) is None
+
+
 def test_still_threshold_sits_between_the_ground_truth_speeds():
     """The calibration of STILL_BELOW: clean chunks read 1 px a frame moving and 0 still, within 0.1."""
     moving, still = [], []

@@ -242,7 +242,9 @@ def train(
                                          "pip download --no-deps open_clip_torch==3.3.0"),
     vae_steps: int = typer.Option(6000, "--vae-steps"),
     vae_minutes: float = typer.Option(None, "--vae-minutes", help="time budget of the VAE stage"),
-    decoder_steps: int = typer.Option(3000, "--decoder-steps", help="steps of the last stage: the VAE decoder alone"),
+    decoder_steps: int = typer.Option(3000, "--decoder-steps", min=0,
+                                      help="steps of the last stage: the VAE decoder alone (--world: the first "
+                                           "stage; 0: none, the base's decoder as it is)"),
     decoder_minutes: float = typer.Option(None, "--decoder-minutes", help="time budget of the decoder stage"),
     steps: int = typer.Option(20000, "--steps", help="transformer (or LoRA) steps"),
     minutes: float = typer.Option(None, "--minutes", help="time budget of the transformer (or LoRA) stage"),
@@ -251,14 +253,18 @@ def train(
     bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (slower than fp32 on small CPUs)"),
     resume: bool = typer.Option(True, "--resume/--restart", help="continue from OUT/checkpoints"),
     lora: bool = typer.Option(False, "--lora", help="fine-tune a LoRA on --base instead of training from scratch"),
-    base: Path = typer.Option(None, "--base", exists=True, file_okay=False, help="base model folder (--lora)"),
+    base: Path = typer.Option(None, "--base", exists=True, file_okay=False, help="base model folder (--lora, --world)"),
     concept: str = typer.Option("orange", "--concept", help="the new concept a LoRA learns (--lora)"),
     rank: int = typer.Option(32, "--rank", help="LoRA rank (--lora)"),
-    lr: float = typer.Option(3e-3, "--lr", help="LoRA learning rate (--lora)"),
+    lr: float = typer.Option(None, "--lr", help="learning rate of --lora (default 0.003) or of --world's "
+                                                "transformer stage (default 0.0003)"),
     video: bool = typer.Option(False, "--video", help="train the moving-shapes video model (Wan 2.2 TI2V layout: "
                                                       "text-to-video and image-to-video) instead of the image one"),
     world: bool = typer.Option(False, "--world", help="fine-tune --base (default models/shapes-wan) into the "
                                                       "steerable world model (streaming; docs/realtime.md)"),
+    chunk_frames: int = typer.Option(None, "--chunk-frames", min=1,
+                                     help="--world: latent frames a streamed chunk (1 or 2; default: the base "
+                                          "card's, else 2); sink and window stay 2 and 6 latent frames"),
 ) -> None:
     """Train the shapes model (or, --video, the moving-shapes video model) from scratch, or (--lora) teach a model
     a new concept."""
@@ -270,12 +276,11 @@ def train(
         record = train_video_model(out, settings, resume=resume, log=typer.echo)
         typer.echo(f"trained: {record['transformer_steps']} transformer steps; model in {out / 'model'}")
         return
+    if lr is not None and not lr > 0:
+        raise typer.BadParameter(f"must be positive, not {lr}", param_hint="--lr")
     if world:
-        from machgen.builder.world_training import train_world_cli
-
-        record = train_world_cli(out, base, steps=steps, minutes=minutes, batch=batch, seed=seed, resume=resume,
-                                 decoder_steps=decoder_steps, decoder_minutes=decoder_minutes, log=typer.echo)
-        typer.echo(f"trained: {record['transformer_steps']} steps; model in {out / 'model'}")
+        _train_world(out, base, steps=steps, minutes=minutes, batch=batch, seed=seed, resume=resume, lr=lr,
+                     decoder_steps=decoder_steps, decoder_minutes=decoder_minutes, chunk_frames=chunk_frames)
         return
     if lora:
         from machgen.builder.lora_training import LoraSettings, train_lora
@@ -283,7 +288,7 @@ def train(
         if base is None:
             raise typer.BadParameter("--lora needs --base MODEL_DIR", param_hint="--base")
         settings = LoraSettings(concept=concept, rank=rank, steps=steps, minutes=minutes, batch=batch, seed=seed,
-                                lr=lr)
+                                **({} if lr is None else {"lr": lr}))
         try:
             train_lora(base, out, settings, log=typer.echo)
         except ValueError as err:
@@ -299,6 +304,24 @@ def train(
                                 minutes=minutes, batch=batch, bf16=bf16)
     record = train_shapes_model(out, settings, clip_vocab, resume=resume, log=typer.echo)
     typer.echo(f"trained: {record['transformer_steps']} transformer steps; model in {out / 'model'}")
+
+
+def _train_world(out: Path, base: Path | None, *, chunk_frames: int | None, lr: float | None, resume: bool,
+                 **values) -> None:
+    """train --world: one thread (the machine's other work keeps a core)."""
+    import torch
+
+    from machgen.builder.world_training import BASE_MODEL, base_chunk_frames, chunked_settings, train_world_model
+
+    base = base or BASE_MODEL
+    try:
+        settings = chunked_settings(chunk_frames or base_chunk_frames(base), **values,
+                                    **({} if lr is None else {"lr": lr}))
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--chunk-frames") from None
+    torch.set_num_threads(1)
+    record = train_world_model(out, settings, base, resume=resume, log=typer.echo)
+    typer.echo(f"trained: {record['transformer_steps']} steps; model in {out / 'model'}")
 
 
 @app.command("eval")

@@ -19,8 +19,14 @@ def train_world_decoder(out: Path, settings, vae, resume: bool = True,
                         log: Callable[[str], None] = print) -> dict:
     """Fine-tunes ``vae``'s decoder (and post-quant conv) in place on whole long episodes: shape-weighted MSE +
     0.5 L1 on the decode of the frozen encoder's posterior means; a cosine learning rate. ``settings``: the
-    run's WorldTrainingSettings (its decoder_* fields)."""
+    run's WorldTrainingSettings (its decoder_* fields); none at all at 0 steps."""
     import torch
+
+    if settings.decoder_steps == 0:
+        # A base whose decoder is fine-tuned for long episodes already (a world model fine-tuned further): kept
+        # as it is, with no checkpoint and no round trip.
+        log("world-decoder: skipped (0 steps): the base's VAE decoder as it is")
+        return {"decoder_steps": 0}
 
     from machgen.builder.vae_clips import clips_to_tensor
 

@@ -4,13 +4,15 @@ detector (machgen/datasets/world_shapes.py).
 
     python -m machgen.builder.world_eval --checkpoint training/world      # its latest checkpoint's EMA
     python -m machgen.builder.world_eval --model models/shapes-world
+    python -m machgen.builder.world_eval --model models/shapes-world --streaming '{"chunk_frames": 1}'  # other chunks
     python -m machgen.builder.world_eval --repository REPO --name shapes-world
     python -m machgen.builder.world_eval --url 127.0.0.1:8001 --name shapes-world   # served (world_served.py)
 
 A session opens with its subject as the prompt ("a red circle"); before each chunk the walk picks an action
 among those whose whole chunk keeps the shape (where the detector last saw it, taken at the largest size)
 inside the walls, and steers the session with it (the engine switches to the action's prompt: the card's
-template around the subject).
+template around the subject). With chunks of one latent frame the first chunk is one frame, which can only show
+the shape still: its action is stop.
 A chunk is steered when the detector reads its action (``stop``: it stays still); the first chunk after a
 key is the first that counts. Reported: the share of chunks steered and with the subject's colour and shape
 kept, over all chunks and over chunks 1-8 and 17-24 (drift); each key's lag (chunks from the key to the
@@ -52,8 +54,12 @@ def run_sessions(engine, sessions: list[tuple[world_shapes.Subject, int]], chunk
             for record in group:
                 moves = lengths[chunk] - (chunk == 0)
                 centre = last_centre(last[id(record)])
-                allowed = (world_shapes.allowed_actions(centre, _WALK_SIZE, moves) if centre is not None
-                           else list(world_shapes.ACTIONS))
+                if not moves:  # a first chunk of one frame (chunks of one latent frame) can only stay still
+                    allowed = ["stop"]
+                elif centre is not None:
+                    allowed = world_shapes.allowed_actions(centre, _WALK_SIZE, moves)
+                else:
+                    allowed = list(world_shapes.ACTIONS)
                 action = allowed[walks[id(record)].integers(len(allowed))]
                 record.actions.append(action)
                 engine.change(f"s{record.seed}", action=action)
@@ -117,9 +123,26 @@ def _repository(args, log) -> tuple[Path, str]:
         model = export_checkpoint(Path(args.checkpoint), Path(args.work) / "model")
         log(f"exported {args.checkpoint}'s checkpoint to {model}")
     repository = Path(args.work) / "repository"
-    build_repository(model, args.name, repository, log=lambda line: None, preview=False, discard_changes=True)
+    build_repository(model, args.name, repository, log=lambda line: None, preview=False, discard_changes=True,
+                     streaming=_streaming(model, args.streaming))
     log(f"built {repository}")
     return repository, args.name
+
+
+def _streaming(model: Path, override: str | None):
+    """The model card's streaming section with ``override``'s fields (inline JSON or a JSON file) in place of
+    its own, e.g. '{"chunk_frames": 1}'; None (the card's as it is) without one."""
+    from machgen.builder.model_folder import SERVING_FILE
+    from machgen.contract.streaming import StreamingSettings
+
+    if override is None:
+        return None
+    card = json.loads((model / SERVING_FILE).read_text()).get("streaming", {})
+    try:
+        fields = json.loads(override if override.lstrip().startswith("{") else Path(override).read_text())
+        return StreamingSettings.from_json({**card, **fields})
+    except (ValueError, TypeError, OSError) as err:
+        raise SystemExit(f"--streaming: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -139,7 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--strip", help="write the first session's frame strip (PNG) here")
     parser.add_argument("--latency", type=int, default=0, help="also time this many keys of one session alone")
+    parser.add_argument("--streaming", metavar="JSON", help="with --model or --checkpoint: these fields of the "
+                        "streaming mode (JSON or a JSON file) in place of the card's, e.g. '{\"chunk_frames\": 1}'")
     args = parser.parse_args(argv)
+    if args.streaming is not None and (args.repository or args.url):
+        parser.error("--streaming needs --model or --checkpoint (a built repository has its streaming mode)")
     if args.url:
         from machgen.builder.world_served import served_figures
 

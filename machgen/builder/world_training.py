@@ -40,10 +40,10 @@ causally, as the streaming mode runs them:
   first rollouts kept shape and motion but drifted in colour (blue to cyan,
   yellow to magenta) and then copied the wrong colour from the window.
 
-Episodes of ``episode_chunks`` chunks are encoded once by the frozen VAE into
-a pool, a share of which is replaced by fresh episodes as training goes on.
-Resumable from ``OUT/checkpoints/world-transformer.pt``; the EMA of the
-weights is what is exported (``export_world_model``).
+Chunks of one latent frame (``chunked_settings``) keep the sink, window, episodes and checks as many latent
+frames long as the default chunks of two. Episodes of ``episode_chunks`` chunks are encoded once by the frozen
+VAE into a pool, a share of which is replaced by fresh episodes as training goes on. Resumable from
+``OUT/checkpoints/world-transformer.pt``; the EMA of the weights is what is exported (``export_world_model``).
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ from machgen.builder.world_decoder import train_world_decoder
 from machgen.datasets import moving_shapes, world_shapes
 
 BASE_MODEL = Path("models/shapes-wan")
+# The sink and the window in latent frames, whatever the chunk: the session's first 2 and the 6 before a chunk.
+SINK_FRAMES, WINDOW_FRAMES = 2, 6
 
 
 @dataclass
@@ -83,6 +85,14 @@ class WorldStreaming:
 
     def sigmas(self) -> list[float]:
         return [self.shift * (t / 1000) / (1 + (self.shift - 1) * (t / 1000)) for t in self.timesteps]
+
+    @classmethod
+    def chunked(cls, chunk_frames: int) -> "WorldStreaming":
+        """Chunks of ``chunk_frames`` latent frames, the sink and the window as many latent frames as ever."""
+        if chunk_frames < 1 or SINK_FRAMES % chunk_frames or WINDOW_FRAMES % chunk_frames:
+            raise ValueError(f"chunk_frames: must divide the sink ({SINK_FRAMES}) and the window ({WINDOW_FRAMES} "
+                             f"latent frames), not {chunk_frames}")
+        return cls(chunk_frames, sink_chunks=SINK_FRAMES // chunk_frames, window_chunks=WINDOW_FRAMES // chunk_frames)
 
 
 @dataclass
@@ -121,6 +131,16 @@ class WorldTrainingSettings:
     check_sessions: int = 6
     check_chunks: int = 12
     streaming: WorldStreaming = field(default_factory=WorldStreaming)
+
+
+def chunked_settings(chunk_frames: int, **values) -> WorldTrainingSettings:
+    """Settings for chunks of ``chunk_frames`` latent frames (``values``: other fields): episodes, the decoder's
+    episodes and the checks' sessions as many latent, so video, frames long as with the default chunk."""
+    default, streaming = WorldTrainingSettings(), WorldStreaming.chunked(chunk_frames)
+    scale = default.streaming.chunk_frames // chunk_frames  # whole: chunked() lets only divisors of 2 through
+    return WorldTrainingSettings(**{"episode_chunks": default.episode_chunks * scale,
+                                    "decoder_chunks": tuple(chunks * scale for chunks in default.decoder_chunks),
+                                    "check_chunks": default.check_chunks * scale, "streaming": streaming, **values})
 
 
 # ------------------------------------------------------------ the forward
@@ -362,11 +382,19 @@ def load_base(base: Path, tokenizer_dir: Path, log: Callable[[str], None] = prin
     transformer = WanTransformer3DModel.from_pretrained(base / "transformer")
     old_tokenizer = transformers.AutoTokenizer.from_pretrained(base / "tokenizer")
     old_encoder = transformers.UMT5EncoderModel.from_pretrained(base / "text_encoder")
-    if (tokenizer_dir / "tokenizer.json").is_file():
+    saved = (tokenizer_dir / "tokenizer.json").is_file()
+    if saved:
         tokenizer = transformers.T5TokenizerFast.from_pretrained(tokenizer_dir)
     else:
         tokenizer = caption_word_tokenizer(moving_shapes.all_captions() + world_shapes.all_captions())
-        tokenizer.save_pretrained(tokenizer_dir)
+    covered = tokenizer.get_vocab().keys() <= old_tokenizer.get_vocab().keys()
+    if not saved:
+        (old_tokenizer if covered else tokenizer).save_pretrained(tokenizer_dir)
+    if covered:
+        # A base that reads every world caption's word already (a world model): its own tokenizer and text
+        # encoder, as they are, so that a fine-tune of it starts from exactly it.
+        log(f"tokenizer: the base's own, {len(old_tokenizer)} pieces (every world caption's word in it)")
+        return vae, transformer, old_encoder, old_tokenizer
     config = old_encoder.config
     config.vocab_size = len(tokenizer)
     encoder = transformers.UMT5EncoderModel(config)
@@ -431,16 +459,13 @@ def train_world_model(out: Path, settings: WorldTrainingSettings, base: Path = B
     return record
 
 
-def train_world_cli(out: Path, base: Path | None, *, steps: int, minutes: float | None, batch: int, seed: int,
-                    resume: bool, log: Callable[[str], None], decoder_steps: int = 3000,
-                    decoder_minutes: float | None = None) -> dict:
-    """``machgen-build train OUT --world``: one thread (the machine's other work keeps a core)."""
-    import torch
+def base_chunk_frames(base: Path) -> int:
+    """The chunk a base world model streams (its card's), else the default: what a fine-tune keeps unless told."""
+    from machgen.builder.model_folder import SERVING_FILE
 
-    torch.set_num_threads(1)
-    settings = WorldTrainingSettings(seed=seed, steps=steps, minutes=minutes, batch=batch,
-                                     decoder_steps=decoder_steps, decoder_minutes=decoder_minutes)
-    return train_world_model(out, settings, base or BASE_MODEL, resume=resume, log=log)
+    card = base / SERVING_FILE
+    streaming = json.loads(card.read_text()).get("streaming", {}) if card.is_file() else {}
+    return int(streaming.get("chunk_frames", WorldStreaming.chunk_frames))
 
 
 # ------------------------------------------------------------ rollouts and export
@@ -492,6 +517,7 @@ def rollout_check(out: Path, settings: WorldTrainingSettings, vae, ema_modules, 
     from machgen.builder.vae_clips import decode_latents
 
     record = out / "checkpoints" / "world-checks.jsonl"
+    latent_size = (vae.config.z_dim, *(2 * [world_shapes.SIZE // vae.config.scale_factor_spatial]))
 
     def check(step: int) -> None:
         start = time.monotonic()
@@ -505,7 +531,7 @@ def rollout_check(out: Path, settings: WorldTrainingSettings, vae, ema_modules, 
             subject = subjects[rng.integers(len(subjects))]
             actions = check_actions(rng, settings.check_chunks)
             latents = rollout(forward, text_encoder, prompts, settings.streaming, subject, actions, session,
-                              (16, 16, 16))
+                              latent_size)
             frames = decode_latents(vae, latents)[0]
             readings = world_shapes.detect_episode(frames, len(actions), settings.streaming.chunk_frames)
             for action, reading in zip(actions, readings):

@@ -160,7 +160,8 @@ def walk_actions(rng: np.random.Generator, chunks: int, start: tuple[float, floa
     centre = np.array(start, dtype=np.float64)
     for length in chunk_lengths(chunks, chunk_frames):
         moves = length - 1 if not actions else length
-        allowed = allowed_actions(centre, size, moves, speed)
+        # A first chunk of one frame (chunks of one latent frame) shows no motion: it can only stay still.
+        allowed = allowed_actions(centre, size, moves, speed) if moves else ["stop"]
         action = allowed[rng.integers(len(allowed))]
         actions.append(action)
         centre = centre + np.array(MOVES[action]) * speed * moves
@@ -242,8 +243,12 @@ def detect_chunk(frames: np.ndarray, before: np.ndarray | None = None,
 
     Each frame is read by the image detector (shapes.find); colour and shape are the majority over the frames
     where a shape was found; the velocity is the least-squares slope of the shape's centre over the frame
-    index; the action is its larger axis's direction, or stop below ``STILL_BELOW`` px a frame."""
+    index; the action is its larger axis's direction, or stop below ``STILL_BELOW`` px a frame. A lone frame
+    (a session's first chunk of one latent frame) reads as still: it shows where the shape starts, no motion."""
     video = frames if before is None else np.concatenate([before[None], frames])
+    if len(video) == 1:
+        hit = shapes.find(video[0], palette)
+        return None if hit is None else ChunkReading(hit[0].colour, hit[0].shape, "stop", 0.0)
     found = [(index, shapes.find(frame, palette)) for index, frame in enumerate(video)]
     found = [(index, hit) for index, hit in found if hit is not None]
     if len(found) < max(2, (len(video) + 1) // 2):
