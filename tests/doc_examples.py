@@ -276,6 +276,7 @@ class PageResult:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (where, why)
     notes: list[str] = field(default_factory=list)  # commands left out of blocks that ran
     seconds: float = 0.0
+    block_seconds: dict[str, float] = field(default_factory=dict)  # where -> seconds, of each block that ran
 
 
 def tail(path: Path, lines: int = 60) -> str:
@@ -313,8 +314,10 @@ class PageRun:
                 if need is not None and need not in self.available:
                     self.result.skipped.append((block.where, NEED_REASONS[need]))
                     continue
+                block_started = time.monotonic()
                 self.run_block(block)
                 self.result.ran.append(block.where)
+                self.result.block_seconds[block.where] = time.monotonic() - block_started
         finally:
             self.result.seconds = time.monotonic() - started
         return self.result

@@ -67,13 +67,18 @@ def test_page_examples_run(page, tmp_path, session_export_cache):
         finally:
             RESULTS[name] = run.result
     shutil.rmtree(root, ignore_errors=True)  # a copy of the repository and what the page built; the logs stay
-    print(f"{name}: {len(result.ran)} examples ran and {len(result.skipped)} skipped in {result.seconds:.0f} s")
+    print(f"{name}: {len(result.ran)} examples ran and {len(result.skipped)} skipped in {result.seconds:.0f} s "
+          f"(the slowest: {', '.join(f'{where} {seconds:.0f} s' for where, seconds in slowest(result, 3))})")
     for where, why in result.skipped:
         print(f"  skipped {where}: {why}")
     for note in result.notes:
         print(f"  {note}")
     if not result.ran:
         pytest.skip(f"{name}: every example skipped: " + "; ".join(f"{w} {why}" for w, why in result.skipped))
+
+
+def slowest(result, count: int) -> list[tuple[str, float]]:
+    return sorted(result.block_seconds.items(), key=lambda item: -item[1])[:count]
 
 
 # The fast tier: extraction, port substitution and the runner on a synthetic page (no export, no server of

@@ -188,9 +188,13 @@ def generate_videos_with_diffusers(model_dir: Path, prompts, pictures=None, seco
     return sample_videos(pipe, served_defaults(model_dir, family, pipe), prompts, pictures, seconds, **overrides)
 
 
-def sample_videos(pipe, defaults, prompts, pictures=None, seconds: list | None = None, **overrides) -> np.ndarray:
+def sample_videos(pipe, defaults, prompts, pictures=None, seconds: list | None = None, chunk: int = 8,
+                  **overrides) -> np.ndarray:
     """Clips [N, F, H, W, 3] from a loaded WanPipeline at ``defaults`` (ServedDefaults), one per (prompt, seed,
-    _) with its own generator; with ``pictures``, image-to-video through WanImageToVideoPipeline.from_pipe."""
+    _) with its own generator; with ``pictures``, image-to-video through WanImageToVideoPipeline.from_pipe.
+    Text-to-video runs ``chunk`` clips a call (each row its own generator: the clips of one-at-a-time calls
+    within a level); one at a time where ``seconds`` gets each clip's time, and from pictures (diffusers' Wan
+    image-to-video takes one picture a call)."""
     import time
 
     import diffusers
@@ -202,15 +206,19 @@ def sample_videos(pipe, defaults, prompts, pictures=None, seconds: list | None =
     pipe.set_progress_bar_config(disable=True)
     call = dict(height=defaults.height, width=defaults.width, num_frames=defaults.num_frames,
                 num_inference_steps=defaults.num_inference_steps, guidance_scale=defaults.guidance_scale,
-                max_sequence_length=defaults.max_sequence_length, negative_prompt=defaults.negative_prompt or "")
+                max_sequence_length=defaults.max_sequence_length)
     call.update(overrides)
+    negative = call.pop("negative_prompt", defaults.negative_prompt) or ""
+    per_call = 1 if seconds is not None or pictures is not None else max(chunk, 1)
     videos = []
-    for index, (prompt, seed, _) in enumerate(prompts):
-        picture = {"image": Image.fromarray(pictures[index])} if pictures is not None else {}
+    for first in range(0, len(prompts), per_call):
+        part = prompts[first:first + per_call]
+        picture = {"image": Image.fromarray(pictures[first])} if pictures is not None else {}
         start = time.perf_counter()
-        frames = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **picture,
-                      **call).frames[0]
-        videos.append((frames * 255).round().astype(np.uint8))
+        frames = pipe(prompt=[prompt for prompt, _, _ in part], negative_prompt=[negative] * len(part),
+                      generator=[torch.Generator("cpu").manual_seed(seed) for _, seed, _ in part], output_type="np",
+                      **picture, **call).frames
+        videos += [(clip * 255).round().astype(np.uint8) for clip in frames]
         if seconds is not None:
             seconds.append(time.perf_counter() - start)
     return np.stack(videos)
