@@ -48,8 +48,9 @@ def test_built_repository_holds_the_rendered_files_and_engines(rendered, built_r
     for relative, text in rendered.items():
         written = (repository / relative).read_text()
         if relative.endswith("/pipeline.json"):  # once exported, the build adds each component's weight bytes
-            written = json.loads(written)
+            written = json.loads(written)  # and the folder it came from
             assert set(written.pop("weight_bytes")) >= {result.name for result in results}
+            assert written.pop("built_from")["files"]
             written = json.dumps(written, indent=2, sort_keys=True) + "\n"
         assert written == text
     for result in results:

@@ -112,6 +112,9 @@ def build(
                                       help="with lone steps in the sampler: the OS nice value of the denoiser's "
                                            "instances, while the one interactive request among batch ones "
                                            "computes its steps in the sampler (0: off)"),
+    idle_release_s: float = typer.Option(_SERVING.idle_release_s, "--idle-release-s", min=0.0,
+                                         help="seconds without a request after which an onnxruntime component "
+                                              "gives back the memory its runs grew (0: never)"),
     attention: str = typer.Option(_ATTENTION.kind, "--attention",
                                   help="denoiser attention: dense, or sparse-fp8 (the machgen SparseAttention op)"),
     attention_block: int = typer.Option(_ATTENTION.block, "--attention-block", min=1,
@@ -209,8 +212,8 @@ def build(
                              max_batch_size=max_batch_size, step_queue_delay_us=step_queue_delay_us,
                              stage_queue_delay_us=stage_queue_delay_us, intra_op_threads=intra_op_threads,
                              lone_stage_threads=lone_stage_threads, lone_steps_in_sampler=lone_steps_in_sampler,
-                             denoiser_nice=denoiser_nice, max_lora_rank=max_lora_rank, max_loras=max_loras,
-                             max_sessions=max_sessions, session_idle_s=session_idle_s,
+                             denoiser_nice=denoiser_nice, idle_release_s=idle_release_s, max_lora_rank=max_lora_rank,
+                             max_loras=max_loras, max_sessions=max_sessions, session_idle_s=session_idle_s,
                              session_memory_mb=session_memory_mb, session_rows=session_rows)
     try:
         build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,

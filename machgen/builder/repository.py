@@ -35,6 +35,7 @@ from machgen.contract.manifest import (
     CANCEL_INPUT,
     COMPONENT_FILES,
     ERROR_OUTPUT,
+    IDLE_RELEASE_PARAMETER,
     INTERACTIVE_STEPS_PARAMETER,
     LONE_STEP_SESSIONS_PARAMETER,
     LONE_THREADS_PARAMETER,
@@ -146,6 +147,8 @@ class ServingOptions:
     # and the batch requests lose less throughput than beside it at the gate.
     # Measured on shapes-flux under an agent's burst of 48 (perf/RESULTS.md).
     denoiser_nice: int = 10
+    # Seconds without a request after which an onnxruntime component gives back the memory its runs grew (0: never).
+    idle_release_s: float = 10.0
     # Prompts whose text-encoder outputs the sampler keeps, shared by its requests (0: none).
     prompt_cache_size: int = 256
     # Steps between the previews NAME_stream sends when a request does not
@@ -243,6 +246,8 @@ def render_component_config(pipeline: str, spec: ComponentSpec, options: Serving
         parameters = {"intra_op_threads": str(options.intra_op_threads)}
         if serving.target == "onnxruntime" and not is_denoiser(spec.name) and options.lone_stage_threads != 1:
             parameters[LONE_THREADS_PARAMETER] = str(options.lone_stage_threads)
+        if serving.target == "onnxruntime":
+            parameters[IDLE_RELEASE_PARAMETER] = f"{options.idle_release_s:g}"
         if nice:
             parameters[NICE_PARAMETER] = str(nice)
     if serving.target == "torch":

@@ -72,6 +72,9 @@ LONE_STEP_SESSIONS_PARAMETER = "lone_step_sessions"
 # The joined denoiser's config parameter: the OS nice value its instances run at (ServingOptions.denoiser_nice);
 # and the sampler's ("1"): the one interactive request among batch ones computes its steps on its own sessions.
 NICE_PARAMETER = "nice"
+# An ONNX Runtime component's config parameter: seconds without a request after which its sessions give back
+# the memory their runs grew (ServingOptions.idle_release_s; 0: never).
+IDLE_RELEASE_PARAMETER = "idle_release_s"
 INTERACTIVE_STEPS_PARAMETER = "interactive_steps_in_sampler"
 
 

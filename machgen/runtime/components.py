@@ -58,6 +58,19 @@ class InSamplerComponents:
         with self._locks[component]:
             return self._runners[component].run(inputs)
 
+    def release_memory(self) -> None:
+        """The memory their runs grew given back (onnx_runner.release_memory), while runs may go on."""
+        from machgen.runtime.onnx_runner import release_memory
+
+        release_memory(*self._runners.values())
+
+    def release_after_s(self, idle_s: float = 2.0) -> float:
+        """Seconds after the last session's close before a release: ``idle_s``, or longer where reopening
+        them is slow (onnx_runner.release_delay)."""
+        from machgen.runtime.onnx_runner import release_delay
+
+        return release_delay(idle_s, *self._runners.values())
+
 
 class LoneStepSessions:
     """The sampler's own sessions of each denoiser chain that is one ONNX

@@ -129,11 +129,20 @@ class LocalPipeline:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def release_memory(self) -> None:
+        """Every opened session's grown memory given back (onnx_runner.release_memory), while runs may go on."""
+        from machgen.runtime.onnx_runner import release_memory
+
+        self.in_sampler.release_memory()
+        release_memory(*self.opened_runners().values())
+
     def streaming(self, **options: Any):
-        """A runtime.streaming.StreamingEngine of this model's realtime sessions (options: the engine's)."""
+        """A runtime.streaming.StreamingEngine of this model's realtime sessions (options: the engine's; its
+        ``release_if_idle`` releases this pipeline's memory once every session has closed)."""
         from machgen.runtime.streaming.engine import streaming_engine
 
         options.setdefault("fps", self.manifest.defaults.fps or 16)
+        options.setdefault("release_memory", self.release_memory)
         return streaming_engine(self.sampler.runtime, self.run_component, **options)
 
     def generate(self, prompt: str, **options: Any) -> tuple[np.ndarray, GenerationStats]:

@@ -6,7 +6,11 @@ in-process runner, so all three execute an ONNX file the same way.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
@@ -33,15 +37,33 @@ class OnnxSession:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.path = Path(path)
-        self._session = ort.InferenceSession(os.fspath(path), sess_options=options,
-                                             providers=["CPUExecutionProvider"])
+        self._options = options
+        self._session = self._open()
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
+
+    def _open(self):
+        import onnxruntime as ort
+
+        started = time.monotonic()
+        session = ort.InferenceSession(os.fspath(self.path), sess_options=self._options,
+                                       providers=["CPUExecutionProvider"])
+        self.open_seconds = time.monotonic() - started  # what a release costs the next call, at most
+        return session
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Outputs by name; inputs may be numpy arrays or CPU torch tensors (viewed, not copied)."""
         feed = {name: as_numpy(inputs[name]) for name in self.input_names}
-        return dict(zip(self.output_names, self._session.run(self.output_names, feed)))
+        session = self._session  # read once: a release swaps it, and this run keeps the one it began on
+        return dict(zip(self.output_names, session.run(self.output_names, feed)))
+
+    def release_memory(self) -> None:
+        """Gives back the memory the runs grew: ONNX Runtime's CPU arena keeps every block it ever
+        allocated for as long as its session lives (without it, runs are a third slower), so the session is
+        replaced by a fresh one of the same file and options (the same outputs, bit for bit). A run in
+        progress finishes on the old one, which goes when that run returns. ``trim_heap`` after it hands the
+        freed pages back to the system."""
+        self._session = self._open()
 
     def run_batches(self, batches: Sequence[Mapping[str, np.ndarray]],
                     max_rows: int | None = None) -> list[dict[str, np.ndarray]]:
@@ -85,6 +107,106 @@ class CheckedWideRunner:
                          f"inputs {[(name, shape) for name, shape, _ in shapes]}: their lone calls stay on "
                          "one thread")
         return outputs
+
+    def release_memory(self) -> None:
+        for runner in (self.narrow, self.wide):
+            release_memory(runner)
+
+
+# A release waits for an idle spell at least this many times as long as reopening the sessions takes: the next
+# call after it waits for the reopening at most, so a large model (seconds to open) is released only after long
+# idleness, a small one after the configured seconds.
+RELEASE_COST_SHARE = 50
+
+
+def release_delay(idle_s: float, *runners: Any) -> float:
+    """Seconds of idleness before ``runners`` are released: ``idle_s`` (0: never) or, for sessions slower to
+    reopen, RELEASE_COST_SHARE times their opening."""
+    if idle_s <= 0:
+        return 0.0
+    return max(idle_s, RELEASE_COST_SHARE * sum(session_open_seconds(runner) for runner in runners))
+
+
+def session_open_seconds(runner: Any) -> float:
+    """Seconds opening ``runner``'s ONNX Runtime sessions took (0 for a runner without any)."""
+    inner = [getattr(runner, name) for name in ("narrow", "wide", "runner") if hasattr(runner, name)]
+    if inner:
+        return sum(session_open_seconds(session) for session in inner)
+    return getattr(runner, "open_seconds", 0.0)
+
+
+def release_memory(*runners: Any) -> None:
+    """The arenas of ``runners``' ONNX Runtime sessions given back (those that have any: a torch program
+    has none), then the freed heap."""
+    for runner in runners:
+        getattr(runner, "release_memory", lambda: None)()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hands the process's freed heap back to the system, where the C library can (glibc's malloc_trim):
+    glibc keeps freed memory for the next allocations otherwise."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", False)
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+class IdleRelease:
+    """Calls ``release`` once ``idle_s`` seconds have passed with no call running (each call wrapped in
+    ``running()``), once per idle spell, and never while a call runs: a call that comes meanwhile waits for
+    the release. A daemon thread (``start``) checks every second or so; ``idle_s`` 0: never."""
+
+    def __init__(self, release: Callable[[], None], idle_s: float, clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] = lambda message: None):
+        self.release, self.idle_s, self.clock, self.log = release, idle_s, clock, log
+        self.releases = 0
+        self._lock = threading.Lock()
+        self._running = 0
+        self._last_call = clock()
+        self._released = True  # nothing has grown before the first call
+        self._stopped = threading.Event()
+
+    @contextlib.contextmanager
+    def running(self):
+        with self._lock:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._last_call, self._released = self.clock(), False
+
+    def check(self) -> bool:
+        """Releases if it is due; whether it did."""
+        with self._lock:
+            if (self.idle_s <= 0 or self._released or self._running
+                    or self.clock() - self._last_call < self.idle_s):
+                return False
+            self._released = True  # a release that fails is not tried again before the next call
+            self.release()
+            self.releases += 1
+            return True
+
+    def start(self) -> "IdleRelease":
+        if self.idle_s > 0:
+            threading.Thread(target=self._watch, name="idle-release", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(1.0, self.idle_s / 2)):
+            try:
+                self.check()
+            except Exception as err:  # noqa: BLE001 - the calls go on in the sessions they have
+                self.log(f"releasing idle memory failed: {err!r}")
 
 
 def cpu_threads(setting: int) -> int:

@@ -48,13 +48,15 @@ class ChunkResult:
 
 class StreamingEngine:
     """``runtime``: the family's runtime (``encode_prompts``, ``decode_chunks``, ``latent_size``, its settings);
-    ``run_component(name, inputs)`` runs the streaming denoiser in this process."""
+    ``run_component(name, inputs)`` runs the streaming denoiser in this process; ``release_memory()`` gives
+    back the memory its sessions' runs grew, called by ``release_if_idle`` once the last session has closed."""
 
     def __init__(self, settings: StreamingSettings, runtime, run_component: Callable[[str, Mapping], Mapping],
                  cache_shape: CacheShape, *, max_rows: int = 8, max_sessions: int = 8,
                  memory_budget_bytes: int | None = None, idle_timeout_s: float = 60.0, fps: int = 16,
                  max_ahead_s: float | None = None, startup_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, release_memory: Callable[[], None] | None = None,
+                 release_after_s: float = 0.0):
         self.settings = settings
         self.runtime = runtime
         self.run_component = run_component
@@ -82,6 +84,9 @@ class StreamingEngine:
         self.clock = clock
         self.sessions: dict[str, StreamSession] = {}
         self.lock = threading.RLock()
+        self.release_memory, self.release_after_s = release_memory, release_after_s
+        self._release_due = False  # the sessions have all closed since the last release
+        self._last_closed = 0.0
 
     # Sessions
 
@@ -150,6 +155,7 @@ class StreamingEngine:
         with self.lock:
             self.session(session_id).closed = True
             del self.sessions[session_id]
+            self._release_due, self._last_closed = not self.sessions, self.clock()
 
     def session(self, session_id: str) -> StreamSession:
         found = self.sessions.get(session_id)
@@ -170,6 +176,18 @@ class StreamingEngine:
             for sid in idle:
                 self.close(sid)
             return idle
+
+    def release_if_idle(self) -> bool:
+        """Gives back the memory the calls grew (``release_memory``) if every session has closed since the last
+        time, ``release_after_s`` ago at least; whether it did. Its host calls it off the requests' threads (a release reopens the sessions, a
+        while for a large model); a session that opens meanwhile runs on (onnx_runner.OnnxSession)."""
+        with self.lock:
+            if (not self._release_due or self.sessions or self.release_memory is None
+                    or self.clock() - self._last_closed < self.release_after_s):
+                return False
+            self._release_due = False
+        self.release_memory()
+        return True
 
     def action_prompt(self, action: str, subject: str | None) -> str:
         """The prompt an action switches to: its template in the model card, ``{prompt}`` in it standing for

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from machgen.contract.adapters import ADAPTER_NAMES_INPUT
-from machgen.contract.manifest import LONE_CALL_PARAMETER, LONE_THREADS_PARAMETER, NICE_PARAMETER
+from machgen.contract.manifest import (IDLE_RELEASE_PARAMETER, LONE_CALL_PARAMETER, LONE_THREADS_PARAMETER,
+                                      NICE_PARAMETER)
 from machgen.runtime.tensors import is_torch
 from machgen.runtime.triton_models.backend import error_response, model_dir, parameter, pb_utils
 
@@ -74,10 +75,15 @@ class OnnxComponentModel(_ComponentModel):
     on the cores the other instances would otherwise use, but only for
     input shapes on which the wide session has given this one's outputs bit
     for bit (onnx_runner.CheckedWideRunner): a request's output never
-    depends on whether it ran alone."""
+    depends on whether it ran alone.
+
+    After IDLE_RELEASE_PARAMETER seconds without a request (longer for sessions slow to open:
+    onnx_runner.release_delay), its sessions give back the memory their runs grew (ONNX Runtime's arena keeps
+    its peak otherwise: onnx_runner.OnnxSession.release_memory)."""
 
     def initialize(self, args: dict) -> None:
-        from machgen.runtime.onnx_runner import CheckedWideRunner, cpu_threads
+        from machgen.runtime.onnx_runner import (CheckedWideRunner, IdleRelease, cpu_threads, release_delay,
+                                                 release_memory)
 
         config = json.loads(args["model_config"])
         self.source = model_dir(args) / "model.onnx"
@@ -93,6 +99,17 @@ class OnnxComponentModel(_ComponentModel):
             self.lone_runner = CheckedWideRunner(self.runner, self._open(args, config, int(lone_threads)),
                                                  self.logger.log_info)
         self.max_rows = int(config["max_batch_size"]) or None
+        released = self.lone_runner or self.runner
+        self.idle = IdleRelease(lambda: release_memory(released),
+                                release_delay(float(parameter(config, IDLE_RELEASE_PARAMETER, "0")), released),
+                                log=self.logger.log_warn).start()
+
+    def execute(self, requests):
+        with self.idle.running():
+            return super().execute(requests)
+
+    def finalize(self) -> None:
+        self.idle.stop()
 
     def _open(self, args: dict, config: dict, threads: int):
         from machgen.runtime.adapters import with_adapters

@@ -148,7 +148,8 @@ class SamplerModel:
 
             self.sessions = SessionHost(self.sampler.runtime, self.in_sampler.run, self.manifest.defaults,
                                         lambda key, default: parameter(config, key, default), self.logger,
-                                        model=self.manifest.name)
+                                        model=self.manifest.name, release_memory=self.in_sampler.release_memory,
+                                        release_after_s=self.in_sampler.release_after_s())
 
     def _run_component(self, name: str, inputs: dict):
         turn: RequestTurn | None = getattr(self._turn, "request", None)

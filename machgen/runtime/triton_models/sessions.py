@@ -77,9 +77,12 @@ class SessionMetrics:
 
 class SessionHost:
     def __init__(self, runtime, run_in_sampler: Callable, defaults, parameter: Callable[[str, str], str], logger,
-                 model: str):
+                 model: str, release_memory: Callable[[], None] | None = None, release_after_s: float = 0.0):
+        """``release_memory``: gives back what the in-sampler sessions' runs grew, ``release_after_s`` after
+        the last session's close (within a second)."""
         self.engine = streaming_engine(
-            runtime, run_in_sampler, fps=defaults.fps or 16,
+            runtime, run_in_sampler, fps=defaults.fps or 16, release_memory=release_memory,
+            release_after_s=release_after_s,
             max_sessions=int(parameter(MAX_SESSIONS_PARAMETER, "8")),
             max_rows=int(parameter(SESSION_ROWS_PARAMETER, "8")),
             idle_timeout_s=float(parameter(SESSION_IDLE_PARAMETER, "60")),
@@ -203,6 +206,10 @@ class SessionHost:
             for session_id in self.engine.evict_idle():
                 self.logger.log_info(f"session {session_id}: closed after {self.engine.idle_timeout_s:g} s idle")
             self._update_gauges()
+            try:
+                self.engine.release_if_idle()
+            except Exception as err:  # noqa: BLE001 - the sessions keep what they have
+                self.logger.log_warn(f"releasing the sessions' memory failed: {err!r}")
 
     def close(self) -> None:
         self._closing.set()
