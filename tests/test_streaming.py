@@ -318,6 +318,22 @@ def test_every_graph_of_the_build_passes_onnx_s_full_check(pipeline):
     assert list(pipeline.repository.rglob("streaming_denoiser/model.onnx"))
 
 
+def test_the_build_s_session_options_reach_the_sampler_s_config(pipeline):
+    """--session-lead-s and the other realtime options are the sampler's parameters, read by its SessionHost
+    (the pacing lead: how long before it is due a chunk may be made, beyond its making)."""
+    from machgen.builder.repository import ServingOptions, render_sampler_config
+    from machgen.families.registry import get_family
+
+    built = (pipeline.repository / "tiny-stream_sampler" / "config.pbtxt").read_text()
+    assert 'key: "session_lead_s"\n  value: { string_value: "0.5" }' in built
+    rendered = render_sampler_config("tiny-stream", get_family("wan"), ServingOptions(session_lead_s=0.1,
+                                                                                      session_rows=3),
+                                     streaming=True)
+    assert 'key: "session_lead_s"\n  value: { string_value: "0.1" }' in rendered
+    assert 'key: "session_rows"\n  value: { string_value: "3" }' in rendered
+    assert "session_lead_s" not in render_sampler_config("tiny-stream", get_family("wan"), ServingOptions())
+
+
 def test_the_card_s_streaming_section_is_checked_field_by_field():
     for section, words in (({"chunk_frames": 0}, "streaming.chunk_frames"),
                            ({"timesteps": [500, 750]}, "streaming.timesteps: must decrease"),

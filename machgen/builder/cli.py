@@ -185,6 +185,9 @@ def build(
                                           help="realtime: megabytes of keys and values all sessions may cache"),
     session_rows: int = typer.Option(_SERVING.session_rows, "--session-rows", min=1,
                                      help="realtime: the most sessions' chunks one denoiser call carries"),
+    session_lead_s: float = typer.Option(_SERVING.session_lead_s, "--session-lead-s", min=0.0,
+                                         help="realtime: seconds a chunk may be made before it is due, beyond "
+                                              "its making (less: a key shows sooner, a late chunk is likelier)"),
 ) -> None:
     """Export every component, check it against torch, and write the model repository.
 
@@ -214,7 +217,8 @@ def build(
                              lone_stage_threads=lone_stage_threads, lone_steps_in_sampler=lone_steps_in_sampler,
                              denoiser_nice=denoiser_nice, idle_release_s=idle_release_s, max_lora_rank=max_lora_rank,
                              max_loras=max_loras, max_sessions=max_sessions, session_idle_s=session_idle_s,
-                             session_memory_mb=session_memory_mb, session_rows=session_rows)
+                             session_memory_mb=session_memory_mb, session_rows=session_rows,
+                             session_lead_s=session_lead_s)
     try:
         build_repository(model_dir, name, out, target=target, lora=lora, options=options, log=typer.echo,
                          attention=AttentionOptions(attention, attention_block, attention_mask,

@@ -34,6 +34,7 @@ MAX_SESSIONS_PARAMETER = "max_sessions"
 SESSION_IDLE_PARAMETER = "session_idle_s"
 SESSION_MEMORY_PARAMETER = "session_memory_mb"
 SESSION_ROWS_PARAMETER = "session_rows"
+SESSION_LEAD_PARAMETER = "session_lead_s"
 
 # start: open a session and play it; play: play an open one (a fork); interact: a new prompt, action or seed
 # from the next chunk; fork: open a session as a child of parent_session at its next chunk; stop: close one.

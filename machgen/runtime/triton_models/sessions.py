@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 
 from machgen.contract.sessions import (CHUNK_INFO_OUTPUT, MAX_SESSIONS_PARAMETER, PLAYING_OPS, SESSION_IDLE_PARAMETER,
-                                       SESSION_INFO_OUTPUT, SESSION_MEMORY_PARAMETER, SESSION_ROWS_PARAMETER,
-                                       VIDEO_CHUNK_OUTPUT, SessionRequest)
+                                       SESSION_INFO_OUTPUT, SESSION_LEAD_PARAMETER, SESSION_MEMORY_PARAMETER,
+                                       SESSION_ROWS_PARAMETER, VIDEO_CHUNK_OUTPUT, SessionRequest)
 from machgen.contract.validation import InvalidArgument
 from machgen.runtime.streaming.engine import SessionRefused, streaming_engine
 from machgen.runtime.triton_models.backend import pb_utils, text_array
@@ -87,8 +87,8 @@ class SessionHost:
             max_rows=int(parameter(SESSION_ROWS_PARAMETER, "8")),
             idle_timeout_s=float(parameter(SESSION_IDLE_PARAMETER, "60")),
             memory_budget_bytes=int(float(parameter(SESSION_MEMORY_PARAMETER, "1024")) * 2**20),
-            # Paced to real time: a session generates at most a chunk's time ahead of its frames' deadlines.
-            max_ahead_s=0.5)
+            # Paced to real time: a session makes a chunk at most this long (plus the making) before it is due.
+            max_ahead_s=float(parameter(SESSION_LEAD_PARAMETER, "0.5")))
         self.defaults = defaults
         self.size_multiple = int(runtime.settings.get("size_multiple", 16))
         self.logger = logger
