@@ -36,6 +36,7 @@ the supervisors, with the rules of deploy/prometheus/rules.yaml.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -61,10 +62,15 @@ PROMETHEUS_RULES = DEPLOY_DIR / "prometheus" / "rules.yaml"
 BACKENDS = ("grpc", "grpc_stream", "http")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports free now: each socket is held until all are bound (one bound and closed at a
+    time, the system can give the same port twice: seen, a replica's HTTP and metrics ports the same, and
+    that tritonserver exited)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def _tool(name: str, package: str) -> str:
@@ -281,7 +287,8 @@ class ReplicaSet:
         self._work = tempfile.TemporaryDirectory(prefix="machgen-replicas-")
         self.work_dir = Path(self._work.name)
         self.replicas: list[Replica] = []
-        replica_ports = [Ports(free_port(), free_port(), free_port()) for _ in range(settings.count)]
+        picked = iter(free_ports(3 * settings.count))
+        replica_ports = [Ports(next(picked), next(picked), next(picked)) for _ in range(settings.count)]
         self.balancer = Balancer(self.work_dir, settings.host, ports, replica_ports, settings.check_interval_ms)
         self.prometheus: PrometheusProcess | None = None
         self.statuses = [ReplicaStatus() for _ in range(settings.count)]

@@ -165,14 +165,26 @@ def _ephemeral_ports_start() -> int:
 _HANDED_OUT: set[int] = set()
 
 
+def _worker_ports() -> range:
+    """This xdist worker's share of the ports below the ephemeral range: two workers never hand out the same
+    one (seen: both picked one within the seconds before either server bound it, and one server died)."""
+    low, high = 10000, _ephemeral_ports_start()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    share = (high - low) // count
+    return range(low + index % count * share, low + (index % count + 1) * share)
+
+
 def free_port() -> int:
-    """A port nothing listens on, not handed out before in this process, and below the kernel's ephemeral
-    range: a port of that range (what binding port 0 gives) can become the local end of any outgoing connection,
-    a client's of another test, before the server binds it."""
+    """A port nothing listens on, not handed out before by this worker nor ever by another, and below the
+    kernel's ephemeral range: a port of that range (what binding port 0 gives) can become the local end of any
+    outgoing connection, a client's of another test, before the server binds it."""
     import random
 
+    ports = _worker_ports()
     for _ in range(200):
-        port = random.randrange(10000, _ephemeral_ports_start())
+        port = random.randrange(ports.start, ports.stop)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as sock:

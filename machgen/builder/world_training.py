@@ -412,7 +412,7 @@ def load_base(base: Path, tokenizer_dir: Path, log: Callable[[str], None] = prin
             fresh.append(piece)
     with torch.no_grad():
         encoder.get_input_embeddings().weight.copy_(new_rows)
-    log(f"tokenizer: {len(tokenizer)} pieces ({len(fresh)} new: {', '.join(fresh)})")
+    log(f"tokenizer: {len(tokenizer)} pieces ({len(fresh)} new: {', '.join(sorted(fresh))})")
     return vae, transformer, encoder, tokenizer
 
 
