@@ -36,7 +36,9 @@ What it checks (exit 1 when one fails):
   sampler's accounted cache bytes (Triton's machgen_realtime_* metrics) at
   the baseline (after one warm-up session, none open), at the peak and once
   every session is closed: the cache bytes and sessions back to 0, the
-  resident memory within ``--memory-tolerance`` of the baseline;
+  resident memory within ``--memory-tolerance`` of the baseline (both read
+  SETTLE_S after the last session closed: an idle model's sessions give back
+  what their runs grew);
 - no restart but the planned one: machgen serve's supervisor loaded the
   sampler again once (or restarted the server once) and did nothing else (a
   process that died by itself on the way fails the soak);
@@ -598,9 +600,15 @@ def warm_up(served: Served, model: str, actions: list[str], height: int, width: 
         session.stop(), session.close()
 
 
-def settled(served: Served, model: str, timeout_s: float = 60.0) -> dict:
+# How long memory is given to settle once no session is open before it is read: past the idle release of the
+# build's components (machgen-build build --idle-release-s, 10 s by default; the sampler's 2 s after its last
+# session), which give back what their runs grew: what a server idle that long holds.
+SETTLE_S = 15.0
+
+
+def settled(served: Served, model: str, timeout_s: float = 60.0, settle_s: float = SETTLE_S) -> dict:
     """The sampler's realtime gauges once they read no session (or after ``timeout_s``: what they read then,
-    None if the server did not answer), then memory after a short settle (the median of three samples)."""
+    None if the server did not answer), then memory after ``settle_s`` (the median of three samples)."""
     deadline = time.monotonic() + timeout_s
     metrics: dict = {}
     while True:
@@ -613,7 +621,7 @@ def settled(served: Served, model: str, timeout_s: float = 60.0) -> dict:
         if time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    time.sleep(3)
+    time.sleep(settle_s)
     samples = []
     for _ in range(3):
         samples.append(served.observe())
@@ -828,6 +836,9 @@ def main() -> int:
     parser.add_argument("--mean-key-s", type=float, default=3.0, help="mean seconds between a session's keys")
     parser.add_argument("--fork-share", type=float, default=0.4, help="share of new sessions that are forks")
     parser.add_argument("--call-bound", type=float, default=30.0, help="seconds within which a call must end")
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S,
+                        help="seconds memory settles, once no session is open, before it is read (past the build's "
+                             "--idle-release-s)")
     parser.add_argument("--memory-tolerance", type=float, default=10.0,
                         help="percent over the baseline the server's RSS may stay after all are closed")
     parser.add_argument("--out", type=Path, help="the result as JSON")
@@ -857,10 +868,10 @@ def main() -> int:
         fps = streaming.get("fps") or defaults["fps"]
         chunk_s = streaming["chunk_frames"] * card.get("family_settings", {}).get("temporal_factor", 4) / fps
         height, width = defaults["height"], defaults["width"]
-        cold = settled(served, model, timeout_s=0)  # before any session: the gauges are not there yet
+        cold = settled(served, model, timeout_s=0, settle_s=3.0)  # before any session: the gauges are not there yet
         print("warm-up session ...", flush=True)
         warm_up(served, model, actions, height, width)
-        baseline = settled(served, model)
+        baseline = settled(served, model, settle_s=args.settle_s)
         soak = Soak(args, served, model, actions, height, width, chunk_s)
         peaks: dict = {}
         timeline: list = []
@@ -889,7 +900,7 @@ def main() -> int:
         watcher.join()
         for slot in soak.slots:
             slot.client.close()
-        after = settled(served, model)
+        after = settled(served, model, settle_s=args.settle_s)
         recoveries = served.recoveries()
     finally:
         triton_log = served.keep_triton_log(work / "tritonserver.log")
