@@ -601,8 +601,8 @@ def warm_up(served: Served, model: str, actions: list[str], height: int, width: 
 
 
 # How long memory is given to settle once no session is open before it is read: past the idle release of the
-# build's components (machgen-build build --idle-release-s, 10 s by default; the sampler's 2 s after its last
-# session), which give back what their runs grew: what a server idle that long holds.
+# build's components and sampler (machgen-build build --idle-release-s, 10 s by default), which give back what
+# their runs grew: what a server idle that long holds.
 SETTLE_S = 15.0
 
 

@@ -177,7 +177,7 @@ def _worker_ports() -> range:
 
 
 def free_port() -> int:
-    """A port nothing listens on, not handed out before by this worker nor ever by another, and below the
+    """A port nothing listens on, not handed out before by this worker nor ever by another of the run, and below the
     kernel's ephemeral range: a port of that range (what binding port 0 gives) can become the local end of any
     outgoing connection, a client's of another test, before the server binds it."""
     import random

@@ -39,7 +39,7 @@ def diffusers_clips():
     settings, as machgen-build eval makes them."""
     pictures = np.stack([picture for _, _, picture, _ in PICTURE_CASES])
     pairs = [(prompt, seed, motion) for prompt, seed, _, motion in PICTURE_CASES]
-    return (evaluate.generate_videos_with_diffusers(MODEL_DIR, TEXT_PAIRS),
+    return (evaluate.generate_videos_with_diffusers(MODEL_DIR, TEXT_PAIRS, chunk=8),
             evaluate.generate_videos_with_diffusers(MODEL_DIR, pairs, pictures=pictures))
 
 

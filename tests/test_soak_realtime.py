@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.export
 @pytest.mark.integration
 def test_a_short_soak_with_the_sampler_killed_keeps_every_invariant(tmp_path_factory, tmp_path):
-    # Its components give back what their runs grew after 1 s idle (the sampler 2 s after its last session),
-    # within the soak's settle of memory: the memory check below is of the released server.
+    # Its components and sampler give back what their runs grew after 1 s idle (after its last session), within
+    # the soak's settle of memory: the memory check below is of the released server.
     repository = build_tiny_repository(tmp_path_factory, write_tiny_streaming(tmp_path_factory), "tiny-stream",
                                        idle_release_s=1.0)
     out = tmp_path / "soak.json"

@@ -138,6 +138,14 @@ def test_train_world_refuses_a_chunk_or_rate_it_cannot_train_naming_the_option(w
     assert not (tmp_path / "c" / "model").exists()
 
 
+@pytest.mark.parametrize("args, option", [(["--chunk-frames", "1"], "--chunk-frames"),
+                                          (["--video", "--lr", "0.001"], "--lr")])
+def test_train_refuses_a_world_option_without_world_naming_it(tmp_path, args, option):
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "d"), "--steps", "0", *args])
+    assert result.exit_code == 2 and option in result.output, result.output
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.export
 def test_world_eval_plays_one_frame_chunks_of_a_card_overridden_by_streaming(world_base, tmp_path):
     """world_eval --model M --streaming '{"chunk_frames": 1}': the card's sink and window kept, sessions of a

@@ -275,6 +275,10 @@ def train(
 ) -> None:
     """Train the shapes model (or, --video, the moving-shapes video model) from scratch, or (--lora) teach a model
     a new concept."""
+    if chunk_frames is not None and not world:
+        raise typer.BadParameter("only --world trains a streamed chunk", param_hint="--chunk-frames")
+    if lr is not None and not (world or lora):
+        raise typer.BadParameter("only --lora and --world take a learning rate", param_hint="--lr")
     if video:
         from machgen.builder.video_training import VideoTrainingSettings, train_video_model
 

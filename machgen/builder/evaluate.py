@@ -177,24 +177,27 @@ def video_round_trips(model_dir: Path, pictures: np.ndarray) -> np.ndarray:
 
 
 def generate_videos_with_diffusers(model_dir: Path, prompts, pictures=None, seconds: list | None = None,
-                                   **overrides) -> np.ndarray:
+                                   chunk: int = 1, **overrides) -> np.ndarray:
     """Clips [N, F, H, W, 3] from diffusers' WanPipeline (or, with
     ``pictures``, WanImageToVideoPipeline on the same folder) at the model
-    card's settings (machgen.json); ``seconds`` gets each clip's time."""
+    card's settings (machgen.json); ``seconds`` gets each clip's time;
+    ``chunk``: text-to-video clips a call (sample_videos)."""
     from machgen.builder.model_folder import detect_family, load_pipeline, served_defaults
 
     family = detect_family(model_dir)
     pipe = load_pipeline(model_dir, family)
-    return sample_videos(pipe, served_defaults(model_dir, family, pipe), prompts, pictures, seconds, **overrides)
+    return sample_videos(pipe, served_defaults(model_dir, family, pipe), prompts, pictures, seconds, chunk,
+                         **overrides)
 
 
-def sample_videos(pipe, defaults, prompts, pictures=None, seconds: list | None = None, chunk: int = 8,
+def sample_videos(pipe, defaults, prompts, pictures=None, seconds: list | None = None, chunk: int = 1,
                   **overrides) -> np.ndarray:
     """Clips [N, F, H, W, 3] from a loaded WanPipeline at ``defaults`` (ServedDefaults), one per (prompt, seed,
     _) with its own generator; with ``pictures``, image-to-video through WanImageToVideoPipeline.from_pipe.
     Text-to-video runs ``chunk`` clips a call (each row its own generator: the clips of one-at-a-time calls
-    within a level); one at a time where ``seconds`` gets each clip's time, and from pictures (diffusers' Wan
-    image-to-video takes one picture a call)."""
+    within a level; a full-size model's activations ``chunk`` times over, so one by default); one at a time
+    where ``seconds`` gets each clip's time, and from pictures (diffusers' Wan image-to-video takes one picture
+    a call)."""
     import time
 
     import diffusers

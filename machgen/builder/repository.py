@@ -240,7 +240,8 @@ def render_sampler_config(pipeline: str, family: Family, options: ServingOptions
                            SESSION_IDLE_PARAMETER: f"{options.session_idle_s:g}",
                            SESSION_MEMORY_PARAMETER: str(options.session_memory_mb),
                            SESSION_ROWS_PARAMETER: str(options.session_rows),
-                           SESSION_LEAD_PARAMETER: f"{options.session_lead_s:g}"} if streaming else {})})
+                           SESSION_LEAD_PARAMETER: f"{options.session_lead_s:g}",
+                           IDLE_RELEASE_PARAMETER: f"{options.idle_release_s:g}"} if streaming else {})})
     )
 
 

@@ -314,7 +314,8 @@ def text_to_video_check(out: Path, settings: VideoTrainingSettings, vae, ema_mod
     def check(step: int) -> None:
         start = time.monotonic()
         pipe = assemble_video_pipeline(vae, ema_modules, tokenizer, settings.config)
-        accuracy = score_motion(sample_videos(pipe, video_served_defaults(), pairs), [m for _, _, m in pairs])
+        clips = sample_videos(pipe, video_served_defaults(), pairs, chunk=8)
+        accuracy = score_motion(clips, [m for _, _, m in pairs])
         line = {"step": step, "text_to_video": asdict(accuracy), "seconds": round(time.monotonic() - start, 1)}
         log(f"video-transformer check: {json.dumps(line)}")
         with record.open("a") as file:

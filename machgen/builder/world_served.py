@@ -3,8 +3,8 @@ sessions and walk as in process, played as a user's client plays them, over gRPC
 
 Each session is a client stream; before each chunk is made, the walk picks the next action from where the
 detector last saw the shape and steers with ``interact``. The server answers the chunk a key applies from (the
-next one not yet begun: a session runs up to half a second ahead of its frames), and each chunk is scored
-against the action it was made under. A key's latency is from the ``interact`` call to the arrival of the
+next one not yet begun: a session runs up to the build's --session-lead-s plus a chunk's making ahead of its
+frames), and each chunk is scored against the action it was made under. A key's latency is from the ``interact`` call to the arrival of the
 chunk that shows it; keys pressed at random times (``key_latency``) show what a player meets: a key waits for
 the next chunk boundary, then the chunk's steps and decode.
 """

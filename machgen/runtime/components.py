@@ -64,7 +64,7 @@ class InSamplerComponents:
 
         release_memory(*self._runners.values())
 
-    def release_after_s(self, idle_s: float = 2.0) -> float:
+    def release_after_s(self, idle_s: float) -> float:
         """Seconds after the last session's close before a release: ``idle_s``, or longer where reopening
         them is slow (onnx_runner.release_delay)."""
         from machgen.runtime.onnx_runner import release_delay

@@ -55,14 +55,19 @@ class OnnxSession:
         """Outputs by name; inputs may be numpy arrays or CPU torch tensors (viewed, not copied)."""
         feed = {name: as_numpy(inputs[name]) for name in self.input_names}
         session = self._session  # read once: a release swaps it, and this run keeps the one it began on
+        if session is None:  # an idle release whose reopening failed: again, now that a call needs it
+            session = self._session = self._open()
         return dict(zip(self.output_names, session.run(self.output_names, feed)))
 
-    def release_memory(self) -> None:
+    def release_memory(self, idle: bool = False) -> None:
         """Gives back the memory the runs grew: ONNX Runtime's CPU arena keeps every block it ever
         allocated for as long as its session lives (without it, runs are a third slower), so the session is
         replaced by a fresh one of the same file and options (the same outputs, bit for bit). A run in
-        progress finishes on the old one, which goes when that run returns. ``trim_heap`` after it hands the
-        freed pages back to the system."""
+        progress finishes on the old one, which goes when that run returns. ``idle``: no run is in progress
+        nor can start until this returns (IdleRelease), so the old session goes first: the weights are never
+        held twice. The module's ``release_memory`` then hands the freed pages back to the system."""
+        if idle:
+            self._session = None
         self._session = self._open()
 
     def run_batches(self, batches: Sequence[Mapping[str, np.ndarray]],
@@ -108,9 +113,9 @@ class CheckedWideRunner:
                          "one thread")
         return outputs
 
-    def release_memory(self) -> None:
+    def release_memory(self, idle: bool = False) -> None:
         for runner in (self.narrow, self.wide):
-            release_memory(runner)
+            release_memory(runner, idle=idle)
 
 
 # A release waits for an idle spell at least this many times as long as reopening the sessions takes: the next
@@ -135,11 +140,13 @@ def session_open_seconds(runner: Any) -> float:
     return getattr(runner, "open_seconds", 0.0)
 
 
-def release_memory(*runners: Any) -> None:
+def release_memory(*runners: Any, idle: bool = False) -> None:
     """The arenas of ``runners``' ONNX Runtime sessions given back (those that have any: a torch program
-    has none), then the freed heap."""
+    has none), then the freed heap. ``idle``: none of them runs meanwhile (OnnxSession.release_memory)."""
     for runner in runners:
-        getattr(runner, "release_memory", lambda: None)()
+        release = getattr(runner, "release_memory", None)
+        if release is not None:
+            release(idle=idle)
     trim_heap()
 
 

@@ -179,8 +179,9 @@ class StreamingEngine:
 
     def release_if_idle(self) -> bool:
         """Gives back the memory the calls grew (``release_memory``) if every session has closed since the last
-        time, ``release_after_s`` ago at least; whether it did. Its host calls it off the requests' threads (a release reopens the sessions, a
-        while for a large model); a session that opens meanwhile runs on (onnx_runner.OnnxSession)."""
+        time, ``release_after_s`` ago at least; whether it did. Its host calls it off the requests' threads (a
+        release reopens the sessions, a while for a large model); a session that opens meanwhile runs on
+        (onnx_runner.OnnxSession)."""
         with self.lock:
             if (not self._release_due or self.sessions or self.release_memory is None
                     or self.clock() - self._last_closed < self.release_after_s):

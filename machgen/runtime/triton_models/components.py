@@ -100,7 +100,7 @@ class OnnxComponentModel(_ComponentModel):
                                                  self.logger.log_info)
         self.max_rows = int(config["max_batch_size"]) or None
         released = self.lone_runner or self.runner
-        self.idle = IdleRelease(lambda: release_memory(released),
+        self.idle = IdleRelease(lambda: release_memory(released, idle=True),
                                 release_delay(float(parameter(config, IDLE_RELEASE_PARAMETER, "0")), released),
                                 log=self.logger.log_warn).start()
 

@@ -31,6 +31,7 @@ from machgen.contract.manifest import (
     ACCEPTED_OUTPUT,
     CANCEL_INPUT,
     ERROR_OUTPUT,
+    IDLE_RELEASE_PARAMETER,
     INTERACTIVE_STEPS_PARAMETER,
     LONE_CALL_PARAMETER,
     LONE_STEP_SESSIONS_PARAMETER,
@@ -146,10 +147,13 @@ class SamplerModel:
         if "streaming" in self.sampler.runtime.settings:
             from machgen.runtime.triton_models.sessions import SessionHost
 
+            # Its sessions' memory given back the build's idle time after the last one closed (0: never).
+            idle_s = float(parameter(config, IDLE_RELEASE_PARAMETER, "0"))
             self.sessions = SessionHost(self.sampler.runtime, self.in_sampler.run, self.manifest.defaults,
                                         lambda key, default: parameter(config, key, default), self.logger,
-                                        model=self.manifest.name, release_memory=self.in_sampler.release_memory,
-                                        release_after_s=self.in_sampler.release_after_s())
+                                        model=self.manifest.name,
+                                        release_memory=self.in_sampler.release_memory if idle_s > 0 else None,
+                                        release_after_s=self.in_sampler.release_after_s(idle_s))
 
     def _run_component(self, name: str, inputs: dict):
         turn: RequestTurn | None = getattr(self._turn, "request", None)
