@@ -315,6 +315,7 @@ def cache_against_prefix(model_dir: Path, pipeline, size, plan: Plan) -> list[di
     import diffusers
     import torch
 
+    from machgen.families.wan.block_causal_reference import allowed_mask, dense_forward
     from machgen.families.wan.streaming import StreamingChunkDenoiser
     from machgen.runtime.streaming.kv_cache import CacheEntry, SessionCache, padded_rows
 
@@ -332,6 +333,7 @@ def cache_against_prefix(model_dir: Path, pipeline, size, plan: Plan) -> list[di
     text = torch.as_tensor(engine.runtime.encode_prompts([PROMPTS[0]])["encoder_hidden_states"])
     latent_height, latent_width = engine.runtime.latent_size(*size)
     chunk_shape = (1, transformer.config.in_channels, frames, latent_height, latent_width)
+    patch = transformer.config.patch_size
     sigmas = settings.sigmas()
 
     def call(run, latents, timestep, first_frame, cache):
@@ -358,14 +360,24 @@ def cache_against_prefix(model_dir: Path, pipeline, size, plan: Plan) -> list[di
         call(run, clean, settings.context_timestep, first_frame, cache)
         return clean
 
+    def sky_forward(whole, timesteps):
+        """diffusers' SkyReels-V2 forward with its block-causal mask; for one-frame chunks, where that forward
+        applies no mask (every frame would see the future), its blocks under the frame-causal mask passed in."""
+        if frames > 1:
+            return sky(whole, timesteps, text, enable_diffusion_forcing=True, return_dict=False)[0]
+        count = whole.shape[2]
+        whole_sequence = dataclasses.replace(settings, sink_frames=0, window_frames=None)
+        allowed = allowed_mask(list(range(count)), 1, whole_sequence,
+                               (latent_height // patch[1]) * (latent_width // patch[2]))
+        return dense_forward(sky, whole, timesteps, text, torch.arange(count), allowed)
+
     def recomputed_chunk(prefix, noise):
         """SkyReels-V2's way: every step one forward over the clean prefix and the chunk, block-causal mask."""
         latents = noise[0]
         count = prefix.shape[2]
         for step, sigma in enumerate(sigmas):
             timesteps = torch.tensor([settings.context_timestep] * count + [sigma * 1000] * frames).reshape(1, -1)
-            out = sky(torch.cat([prefix, latents], dim=2), timesteps, text, enable_diffusion_forcing=True,
-                      return_dict=False)[0][:, :, -frames:]
+            out = sky_forward(torch.cat([prefix, latents], dim=2), timesteps)[:, :, -frames:]
             clean = latents - sigma * out
             if step + 1 < len(sigmas):
                 latents = (1 - sigmas[step + 1]) * clean + sigmas[step + 1] * noise[step + 1]
@@ -398,7 +410,8 @@ def cache_against_prefix(model_dir: Path, pipeline, size, plan: Plan) -> list[di
             windowed = SessionCache(settings, [entry for entry in whole.entries
                                                if settings.kept(entry.first_frame, chunk * frames)])
             first = chunk * frames
-            row = {"chunk": chunk, "cached_tokens": whole.tokens, "window_tokens": windowed.tokens}
+            row = {"chunk": chunk, "cached_tokens": whole.tokens, "window_tokens": windowed.tokens,
+                   "frame_causal": frames == 1}
             measured = timed({"eager": lambda: cached_chunk(eager, whole, first, noise),
                               "window": lambda: cached_chunk(eager, windowed, first, noise),
                               "onnx": lambda: cached_chunk(onnx, whole, first, noise),
@@ -501,7 +514,9 @@ def tables(header: str, first: dict, together: list[dict], held: dict, prefix: l
     lines += ["", "The cache against recomputing the whole prefix each chunk (diffusers' SkyReels-V2 way), per chunk "
                   "at chunk index N (N earlier chunks): its steps, plus the cached paths' pass writing the chunk's "
                   "keys and values. Eager: torch, the same weights; difference: the chunk's clean latents against "
-                  "SkyReels' (same noise, same prefix).", "",
+                  "SkyReels' (same noise, same prefix)"
+                  + (". One-frame chunks: SkyReels-V2's blocks under the frame-causal mask passed in (its forward "
+                     "applies none to one-frame blocks)" if any(row["frame_causal"] for row in prefix) else "") + ".", "",
               "| chunk | cached tokens | cached, eager ms | sink + window, eager ms | cached, ONNX ms | SkyReels "
               "recompute, eager ms | recompute / cached (eager) | max difference (eager, ONNX) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -125,6 +125,58 @@ def test_a_sink_and_a_window_equal_the_dense_mask_that_keeps_them(pipeline, sky)
         assert float((chunks[index].latents - expected).abs().max()) <= LATENTS, index
 
 
+def test_one_frame_chunks_equal_the_frame_causal_reference_and_start_playing_after_the_lone_first_frame(
+        pipeline, sky, streaming_model):
+    """Chunks of one latent frame (models/shapes-world-fast's): each equals one dense forward per step in which
+    every frame sees itself and the frames before it (diffusers' own forward applies no mask to one-frame
+    blocks: every frame would see the future). The first chunk is the causal VAE's lone first frame: the video
+    starts playing with the next chunk, so that one is still due by the startup's deadline, not 1 / fps later.
+    The build exported its streaming denoiser for its card's two-frame chunks: here the module it exports runs
+    in torch (its export's parity is the build's check), the engine, the cache and the decoder as served."""
+    import diffusers
+
+    from machgen.families.wan.streaming import StreamingChunkDenoiser
+
+    now = [0.0]
+    engine = engine_of(pipeline, chunk_frames=1, sink_frames=0, window_frames=None)
+    engine.clock = lambda: now[0]
+    transformer = diffusers.WanTransformer3DModel.from_pretrained(streaming_model / "transformer").eval()
+    module = StreamingChunkDenoiser(transformer, engine.settings.max_frames).eval()
+    served = engine.run_component
+
+    def run_component(name, inputs):
+        if name != "streaming_denoiser":
+            return served(name, inputs)
+        with torch.no_grad():
+            outputs = module(**{key: torch.as_tensor(value) for key, value in inputs.items()})
+        return dict(zip(("noise_pred", "chunk_keys", "chunk_values"), outputs))
+
+    engine.run_component = run_component
+    engine.open("one", PROMPT, 5, HEIGHT, WIDTH)
+    session = engine.session("one")
+    engine.want("one", 4)
+    chunks = []
+    while len(chunks) < 4:
+        now[0] += 0.01
+        made = engine.step()
+        chunks += made
+        if len(chunks) == 1 and made:
+            assert len(made[0].frames) == 1 and session.playing_since is None
+            assert engine.deadline(session) == pytest.approx(session.opened_at + engine.startup_s)
+        if len(chunks) == 2 and made:
+            assert len(made[0].frames) == 4 and session.playing_since == now[0]
+            assert engine.deadline(session) == pytest.approx(now[0] + 5 / engine.fps)
+    assert not any(chunk.stats["deadline_missed"] for chunk in chunks)
+    text = engine.runtime.encode_prompts([PROMPT])["encoder_hidden_states"]
+    firsts = [c.first_latent for c in chunks]
+    assert firsts == [0, 1, 2, 3]
+    for index in range(1, 4):
+        expected = reference_chunk(window_forward(sky, text, engine.settings, firsts[:index + 1]),
+                                   engine.settings, [c.latents for c in chunks[:index]], firsts[:index], 5, index,
+                                   chunk_shape(engine))
+        assert float((chunks[index].latents - expected).abs().max()) <= LATENTS, index
+
+
 def test_sessions_batched_together_equal_each_run_alone(pipeline):
     """Three sessions of different prompts and seeds, one opened two chunks later (rows at different steps
     and cache lengths in one call), equal each session run alone."""

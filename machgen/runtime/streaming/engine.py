@@ -237,7 +237,9 @@ class StreamingEngine:
 
     def deadline(self, session: StreamSession) -> float:
         """When the session's next frame is due: its first ``startup_s`` after it opened; each later one 1 / fps
-        after the one before, counted from when the first was ready (where its video starts playing)."""
+        after the one before, counted from when the video starts playing: when the first chunk that brings more
+        than a lone frame is ready (with one-latent-frame chunks the first is the causal VAE's single first
+        frame, 1 / fps of video: a clock started there would want the next chunk at once)."""
         if session.playing_since is None:
             return session.opened_at + self.startup_s
         return session.playing_since + session.frames_sent / self.fps
@@ -316,7 +318,8 @@ class StreamingEngine:
             self.chunk_play_s = max(self.chunk_play_s, len(frames) / self.fps)
             session.chunk_denoise_s, session.chunk_rows = 0.0, 0
             if session.playing_since is None:
-                session.playing_since = done
+                if session.frames_sent + len(frames) > 1:
+                    session.playing_since = done
             elif done > due:
                 # The reader's player waited for this chunk (a rebuffer) and plays its later frames on from now:
                 # left on the clock it missed, every later chunk would count late and keep the nearest deadline,
