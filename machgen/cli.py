@@ -64,6 +64,11 @@ def serve(
     load_timeout: float = typer.Option(180.0, "--load-timeout", min=1.0,
                                        help="seconds a model whose stub died may take to load again; a load "
                                             "that takes longer is wedged and the server is started again"),
+    shm_reclaim_mb: float = typer.Option(16.0, "--shm-reclaim-mb", min=0.0,
+                                         help="a Python-backend model whose stubs' shared memory (/dev/shm) grew by "
+                                              "more than this many MB is loaded again, fresh, once its pipeline "
+                                              "has been idle for the build's --idle-release-s (no request held, no "
+                                              "realtime session open); 0: never"),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0,
                                      help="times a server that died is started again within a minute; one more "
                                           "and machgen serve exits with code 1"),
@@ -93,7 +98,7 @@ def serve(
         typer.echo(line, err="supervisor:" in line)
 
     supervision = SupervisorSettings(max_restarts=max_restarts, drain_timeout_s=drain_timeout,
-                                     load_timeout_s=load_timeout)
+                                     load_timeout_s=load_timeout, shm_reclaim_mb=shm_reclaim_mb)
     if replicas > 1:
         _serve_replicas(repository, Ports(http_port, grpc_port, metrics_port), host, replicas, supervision,
                         verbose, tritonserver, prometheus_port, supervisor_metrics_port, say)

@@ -14,6 +14,13 @@ Measured with Triton 2.51: a request that reaches a dead stub keeps that
 model's old version from ever unloading, so after a recovery the server's
 stop waits out its exit timeout and the old version's regions stay in
 /dev/shm until ``TritonServer.stop`` removes them.
+
+Triton's Python backend gives each stub a shared-memory region in /dev/shm
+that grows when a message does not fit and never shrinks (perf/RESULTS.md,
+the realtime soak: 87 -> 256 MB). A model whose stubs' regions grew past
+``shm_reclaim_mb`` is loaded again the same way, fresh stubs with fresh
+regions, once its whole pipeline has been idle for the build's idle release
+time: no public instance holding a request, no realtime session open.
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from machgen.contract.manifest import (BUSY_PREFIX, MANIFEST_FILE, SAMPLER, STREAM, PipelineManifest, drained_file,
-                                      model_name)
+from machgen.contract.manifest import (BUSY_PREFIX, IDLE_RELEASE_PARAMETER, MANIFEST_FILE, SAMPLER, SESSIONS_PREFIX,
+                                      STREAM, PipelineManifest, drained_file, model_name, replacing_file)
 from machgen.runtime.processes import Stub
 from machgen.server import START_ATTEMPTS, ServerError, ServerTimeout, TritonServer
 
@@ -56,6 +63,39 @@ class SupervisorSettings:
     drain_timeout_s: float = 60.0
     """On a stop, how long requests in flight get to finish; then they are stopped at their next step
     (answering UNAVAILABLE, so that a client sends them again elsewhere)."""
+    shm_reclaim_mb: float = 16.0
+    """A Python-backend model whose stubs' shared-memory regions together grew by more than this since those
+    stubs started is loaded again (fresh stubs, fresh regions) once its pipeline is idle; 0: never."""
+    shm_reclaim_idle_s: float = 10.0
+    """How long a pipeline must be idle first where its build recorded no idle release time (a torch or
+    TensorRT build); else the build's (machgen-build --idle-release-s; 0: never)."""
+
+
+def pipeline_models(repository: Path) -> tuple[dict[str, set[str]], dict[str, int]]:
+    """Each pipeline of a repository machgen-build wrote, and its Triton models: the public model and its
+    streaming twin, the sampler, and the components' own models; and each component model's weight bytes (a
+    load of it holds them twice while the old version goes)."""
+    pipelines, weights = {}, {}
+    for path in sorted(Path(repository).glob(f"*_{SAMPLER}/1/{MANIFEST_FILE}")):
+        manifest = PipelineManifest.read(path.parent)
+        name = manifest.name
+        components = {component: entry.model for component, entry in manifest.components.items()
+                      if entry.model is not None}
+        pipelines[name] = {name, model_name(name, STREAM), model_name(name, SAMPLER), *components.values()}
+        for component, model in components.items():
+            recorded = (manifest.weight_bytes or {}).get(component)
+            weights[model] = recorded if recorded is not None else sum(
+                file.stat().st_size for file in (Path(repository) / model / "1").rglob("*") if file.is_file())
+    return pipelines, weights
+
+
+def _running(psutil, pid: int) -> bool:
+    """Whether process ``pid`` runs: a stub killed under Triton 2.51 can stay a zombie for the server's life (the
+    version it served never unloads), and its files then name a pid that exists but holds nothing."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def public_models(repository: Path) -> list[str]:
@@ -78,9 +118,18 @@ class Supervisor:
         self.settings = settings
         self.log = log
         self.recoveries: Counter[str] = Counter()
+        self.reclaims: Counter[str] = Counter()  # loaded again, idle, for the shared memory their stubs grew
         self.server_restarts = 0
         self.exit_code: int | None = None
         self._instances: dict[str, int] | None = None  # stub processes each Python-backend model runs
+        self._idle_release: dict[str, float] = {}  # each model's idle release time, where its config has one
+        self._pipelines: dict[str, set[str]] | None = None
+        self._weights: dict[str, int] = {}  # each component model's weight bytes
+        self._on_gpu: set[str] = set()  # models with an instance on a GPU: never loaded again for shared memory
+        # Of each pipeline with a model past shm_reclaim_mb: when it was last seen busy (monotonic).
+        self._active_at: dict[str, float] = {}
+        self._region_bytes: dict[int, int] = {}  # each stub's region's bytes at the last look, by pid
+        self._reclaim_failed: set[str] = set()  # not tried again (until the model or the server is started anew)
         # Stubs of versions since replaced (some linger: see above): pid -> when its version was replaced.
         self._retired: dict[int, float] = {}
         self._restarts: deque[float] = deque()
@@ -110,7 +159,9 @@ class Supervisor:
                         self._restart_server()
                         continue
                     try:
-                        self._check_stubs()
+                        live = self._check_stubs()
+                        if live is not None and self.settings.shm_reclaim_mb > 0:
+                            self._reclaim_shared_memory(live)
                     except (OSError, ServerError):  # refused: the server died after the check above (a SIGKILL
                         if not self._exits_within(5.0):  # between them; its control API says so as ServerError)
                             raise
@@ -122,29 +173,39 @@ class Supervisor:
             self._done.set()
 
     def _instance_counts(self) -> dict[str, int]:
-        """The stub processes each Python-backend model of the server runs (its instance groups' counts)."""
+        """The stub processes each Python-backend model of the server runs (its instance groups' counts); and
+        its idle release time into ``_idle_release``, where its config has one."""
         counts = {}
+        self._idle_release = {}
         for model in self.server.model_states():
             config = self.server.control(f"/v2/models/{model}/config")
             if config.get("backend") == "python":
                 counts[model] = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
+            if any(group.get("kind") == "KIND_GPU" for group in config.get("instance_group", [])):
+                self._on_gpu.add(model)
+            idle = config.get("parameters", {}).get(IDLE_RELEASE_PARAMETER, {}).get("string_value")
+            if idle is not None:
+                self._idle_release[model] = float(idle)
         return counts
 
-    def _check_stubs(self) -> None:
+    def _check_stubs(self) -> list[Stub] | None:
         """Every model has as many live stubs of its current version as it has instances, or is loaded again.
-        (Counted, not followed by pid: a stub may die before a look at it, during a load say.)"""
+        (Counted, not followed by pid: a stub may die before a look at it, during a load say.) The live stubs
+        when none was missing."""
         if self._instances is None:
             self._instances = self._instance_counts()
         live = self._stop_lingering(self.server.stubs())
         current = Counter(stub.model for stub in live if stub.pid not in self._retired)
         short = {model: count - current[model] for model, count in self._instances.items() if current[model] < count}
-        if short:
-            states = self.server.model_states()
-            for model, missing in short.items():
-                if states.get(model) == "READY":  # not a model on its way out (an unload of ours)
-                    self._recover(model, missing, live)
-                if self._instances is None:  # the server was started again instead: all is new
-                    return
+        if not short:
+            return live
+        states = self.server.model_states()
+        for model, missing in short.items():
+            if states.get(model) == "READY":  # not a model on its way out (an unload of ours)
+                self._recover(model, missing, live)
+            if self._instances is None:  # the server was started again instead: all is new
+                return None
+        return None
 
     def _stop_lingering(self, live: list[Stub]) -> list[Stub]:
         """``live`` less the stubs of replaced versions past their grace, which are stopped."""
@@ -186,7 +247,113 @@ class Supervisor:
                 time.sleep(attempt)
                 live = self.server.stubs()
         self.recoveries[model] += 1
+        self._reclaim_failed.discard(model)
         self.log(f"supervisor: model {model} serves again ({time.monotonic() - started:.1f} s)")
+
+    def _reclaim_shared_memory(self, live: list[Stub]) -> None:
+        """Load again the model whose stubs' shared memory grew most past ``shm_reclaim_mb`` once its whole
+        pipeline has been idle for the pipeline's idle release time: no public instance holding a request, no
+        realtime session open in its sampler (a reload of the sampler would lose them), no region of it grown,
+        no request taken (Triton's statistics: one between two looks moves no busy file). One model a look."""
+        sizes, growing = self._shared_memory([stub for stub in live if stub.pid not in self._retired])
+        threshold = self.settings.shm_reclaim_mb * 2**20
+        if self._pipelines is None:
+            self._pipelines, self._weights = pipeline_models(self.server.model_repository)
+        # A component's load holds its weights twice until the old version goes: worth it only for more shared
+        # memory than that, and never on a GPU (its weights there, the regions in host memory).
+        grown = {model for model, (start, now) in sizes.items()
+                 if now - start > max(threshold, self._weights.get(model, 0)) and model not in self._on_gpu
+                 and model not in self._reclaim_failed}
+        if not grown:
+            self._active_at.clear()
+            return
+        now = time.monotonic()
+        due = []
+        for pipeline, models in self._pipelines.items():
+            if not models & grown:
+                self._active_at.pop(pipeline, None)
+                continue
+            if models & growing or self._pipeline_busy(pipeline):
+                self._active_at[pipeline] = now
+            idle_s = self._pipeline_idle_s(models)
+            if idle_s > 0 and now - self._active_at.setdefault(pipeline, now) >= idle_s:
+                due.append((pipeline, idle_s))
+        if not due:
+            return
+        taken = self.server.last_inferences()
+        epoch_ahead = time.time() - now  # a time since the epoch less this: the monotonic clock's
+        for pipeline, idle_s in due:
+            last = max(taken.get(model, 0.0) for model in self._pipelines[pipeline])
+            self._active_at[pipeline] = max(self._active_at[pipeline], last - epoch_ahead)
+            idle_for = now - self._active_at[pipeline]
+            if idle_for >= idle_s:
+                model = max(self._pipelines[pipeline] & grown, key=lambda name: sizes[name][1] - sizes[name][0])
+                self._reclaim(pipeline, model, *sizes[model], idle_for)
+                return
+
+    def _shared_memory(self, current: list[Stub]) -> tuple[dict[str, tuple[int, int]], set[str]]:
+        """Each model's stubs' regions' bytes together, when those stubs started and now; and the models one of
+        whose regions grew since the last look."""
+        sizes: dict[str, tuple[int, int]] = {}
+        growing = set()
+        looked = {}
+        for stub in current:
+            region = self.server.shm_region(stub)
+            if region is None:
+                continue
+            size = looked[stub.pid] = region.size()
+            if size > self._region_bytes.get(stub.pid, size):
+                growing.add(stub.model)
+            start, now = sizes.get(stub.model, (0, 0))
+            sizes[stub.model] = (start + region.start_bytes, now + size)
+        self._region_bytes = looked
+        return sizes, growing
+
+    def _pipeline_idle_s(self, models: set[str]) -> float:
+        """How long ``models``' pipeline must be idle before one is loaded again: its build's idle release time
+        (its models' configs carry it), else ``shm_reclaim_idle_s``."""
+        recorded = [self._idle_release[model] for model in models if model in self._idle_release]
+        return max(recorded) if recorded else self.settings.shm_reclaim_idle_s
+
+    def _pipeline_busy(self, pipeline: str) -> bool:
+        """Whether a public instance of ``pipeline`` holds a request or its sampler has a realtime session open."""
+        return (self._requests_held(pipeline) or self._requests_held(model_name(pipeline, STREAM))
+                or bool(self._marked(SESSIONS_PREFIX, pipeline)))
+
+    def _reclaim(self, pipeline: str, model: str, start: int, grown: int, idle_for: float) -> None:
+        """Load ``model`` again, its old stubs retired; a load that fails is logged and not tried again."""
+        if self._stopping.is_set() or self.server.model_states().get(model) != "READY":  # a drain, an unload
+            return
+        old = {stub.pid for stub in self.server.stubs() if stub.model == model and stub.pid not in self._retired}
+        # A sampler's old version refuses sessions from now on (it would lose them): written before the last look
+        # at the sessions files, so a session opening meanwhile is either seen here or refused there.
+        replacing = Path(replacing_file(os.fspath(self.server.stop_file), model))
+        if model == model_name(pipeline, SAMPLER):
+            replacing.write_text(" ".join(str(pid) for pid in sorted(old)))
+        try:
+            if self._marked(SESSIONS_PREFIX, pipeline):
+                self.log(f"supervisor: a realtime session opened on {pipeline}; {model} is not loaded again")
+                self._active_at[pipeline] = time.monotonic()
+                return
+            self.log(f"supervisor: {model}'s shared memory grew {start / 2**20:.0f} -> {grown / 2**20:.0f} MB; "
+                     f"idle {idle_for:.0f} s: loading it again")
+            started = time.monotonic()
+            self._generation += 1
+            try:
+                self.server.reload_model(model, self._generation, timeout=self.settings.load_timeout_s)
+            except ServerTimeout:  # a load wedged: others would wait on it
+                self._restart_server(f"loading model {model} again took over {self.settings.load_timeout_s:.0f} s")
+                return
+            except ServerError as err:  # Triton keeps the version that serves
+                self._reclaim_failed.add(model)
+                self.log(f"supervisor: loading {model} again failed: {err}; its shared memory stays (not tried "
+                         "again)")
+                return
+        finally:
+            replacing.unlink(missing_ok=True)
+        self._retired.update({pid: time.monotonic() for pid in old})
+        self.reclaims[model] += 1
+        self.log(f"supervisor: model {model} loaded again ({time.monotonic() - started:.1f} s)")
 
     def _exits_within(self, seconds: float) -> bool:
         """Whether the server process has ended, or ends within ``seconds``."""
@@ -218,6 +385,10 @@ class Supervisor:
             self.server.kill_process()  # what is left of it: stubs that outlived it, a server wedged in a load
             self._retired.clear()
             self._instances = None
+            self._pipelines = None
+            self._on_gpu.clear()
+            self._active_at.clear()
+            self._reclaim_failed.clear()
             try:
                 # A start Triton aborts (lock_exception) or wedges is made again after a pause, not counted as a
                 # restart: such aborts come in bursts on a loaded machine, which restarts back to back used up.
@@ -298,12 +469,18 @@ class Supervisor:
 
     def _requests_held(self, model: str) -> bool:
         """Whether a live instance of public ``model`` holds a request (contract/manifest.py busy_file)."""
+        return bool(self._marked(BUSY_PREFIX, model))
+
+    def _marked(self, kind: str, name: str) -> list[int]:
+        """The live processes that have a ``kind`` file of ``name`` beside the stop file (contract/manifest.py
+        busy_file, sessions_file)."""
         import psutil
 
-        prefix = f"{BUSY_PREFIX}{model}-"
+        prefix = f"{kind}{name}-"
         folder = Path(self.server.stop_file).parent
-        return any(name[len(prefix):].isdigit() and psutil.pid_exists(int(name[len(prefix):]))
-                   for name in (path.name for path in folder.glob(f"{prefix}*")))
+        pids = [int(text) for text in (path.name[len(prefix):] for path in folder.glob(f"{prefix}*"))
+                if text.isdigit()]
+        return [pid for pid in pids if _running(psutil, pid)]
 
     def metrics_text(self) -> str:
         """The supervisor's counters in Prometheus' text format."""
@@ -326,6 +503,12 @@ def metrics_text(supervisors: "dict[tuple[tuple[str, str], ...], Supervisor]") -
     for labels, supervisor in supervisors.items():
         lines += [series("machgen_model_recoveries_total", (*labels, ("model", model)), count)
                   for model, count in sorted(supervisor.recoveries.items())]
+    lines += ["# HELP machgen_shm_reclaims_total Models loaded again, idle, to give back the shared memory their "
+              "stubs' regions grew.",
+              "# TYPE machgen_shm_reclaims_total counter"]
+    for labels, supervisor in supervisors.items():
+        lines += [series("machgen_shm_reclaims_total", (*labels, ("model", model)), count)
+                  for model, count in sorted(supervisor.reclaims.items())]
     lines += ["# HELP machgen_server_restarts_total Times tritonserver was started again after it died.",
               "# TYPE machgen_server_restarts_total counter"]
     lines += [series("machgen_server_restarts_total", labels, supervisor.server_restarts)

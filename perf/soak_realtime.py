@@ -145,6 +145,20 @@ class Served:
     def log(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file else ""
 
+    def wait_for_reclaims(self, quiet_s: float = 3.0, timeout_s: float = 120.0) -> None:
+        """Until machgen serve's supervisor has loaded again every model whose shared memory grew (each load it
+        began ended) and began none for ``quiet_s``: it loads them one after another once the pipeline is idle
+        (machgen serve --shm-reclaim-mb). Nothing to wait for on a server this did not start (no log)."""
+        deadline, last, quiet_since = time.monotonic() + timeout_s, None, time.monotonic()
+        while self.log_file is not None and time.monotonic() < deadline:
+            log = self.log()
+            state = (log.count("loading it again"), log.count(" loaded again ("), log.count("its shared memory stays"))
+            if state != last:
+                last, quiet_since = state, time.monotonic()
+            elif state[0] == state[1] + state[2] and time.monotonic() - quiet_since >= quiet_s:
+                return
+            time.sleep(0.25)
+
     def tritonservers(self) -> list:
         import psutil
 
@@ -602,7 +616,8 @@ def warm_up(served: Served, model: str, actions: list[str], height: int, width: 
 
 # How long memory is given to settle once no session is open before it is read: past the idle release of the
 # build's components and sampler (machgen-build build --idle-release-s, 10 s by default), which give back what
-# their runs grew: what a server idle that long holds.
+# their runs grew, and then until machgen serve has loaded again the models whose shared memory grew (its
+# --shm-reclaim-mb, after the same idle time): what a server idle that long holds.
 SETTLE_S = 15.0
 
 
@@ -622,6 +637,7 @@ def settled(served: Served, model: str, timeout_s: float = 60.0, settle_s: float
             break
         time.sleep(0.5)
     time.sleep(settle_s)
+    served.wait_for_reclaims()
     samples = []
     for _ in range(3):
         samples.append(served.observe())

@@ -3,9 +3,11 @@ a real child process that really dies (tests/test_faults.py kills a real server,
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +96,33 @@ def test_a_killed_machgen_serve_takes_its_tritonserver_and_stubs_with_it(built_r
                                    for process in left), timeout=20, what="the server and its stubs gone")
     finally:
         served.stop()
+
+
+def test_an_opening_session_is_published_first_and_refused_by_a_sampler_being_replaced(tmp_path, monkeypatch):
+    """machgen serve loads an idle sampler again only when no sessions file is there, after writing the replacing
+    file that names the old version's processes: an opening session publishes its file before it reads that one,
+    so it is either seen by the supervisor or refused here (never opened on a version about to go)."""
+    from machgen.contract.manifest import STOP_FILE_ENV, replacing_file, sessions_file
+    from machgen.runtime.streaming.engine import SessionRefused
+    from machgen.runtime.triton_models.sessions_open import SessionsOpen
+
+    stop_file = tmp_path / "stop"
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop_file))
+    published = Path(sessions_file(str(stop_file), "world", os.getpid()))
+    sessions = SessionsOpen("world")
+    seen_while_opening = []
+    with sessions.opening(lambda: 1):
+        seen_while_opening.append(published.exists())
+    assert seen_while_opening == [True] and published.exists()  # one session open
+    sessions.update(lambda: 0)
+    assert not published.exists()
+    replacing = Path(replacing_file(str(stop_file), "world_sampler"))
+    replacing.write_text(f"{os.getpid() + 1}")  # another version's process: this one opens
+    with sessions.opening(lambda: 1):
+        pass
+    sessions.update(lambda: 0)
+    replacing.write_text(f"{os.getpid() - 1} {os.getpid()}")
+    with pytest.raises(SessionRefused, match="being loaded again"):
+        with sessions.opening(lambda: 0):
+            pytest.fail("opened on a version being replaced")
+    assert not published.exists()  # the refused opening leaves no sessions file

@@ -91,6 +91,24 @@ def busy_file(stop_file: str, model: str, pid: int) -> str:
     drain reads them because Triton may never finish unloading a model that answered everything: an instance
     whose call to a sampler that was killed under it never ends (Triton 2.51) is never finalized."""
     return os.path.join(os.path.dirname(stop_file), f"{BUSY_PREFIX}{model}-{pid}")
+
+
+SESSIONS_PREFIX = "sessions-"
+
+
+def sessions_file(stop_file: str, pipeline: str, pid: int) -> str:
+    """Beside the stop file: there while the sampler of ``pipeline`` in process ``pid`` has realtime sessions
+    open. machgen serve loads an idle pipeline's models again to give back their shared memory, but never while
+    a session is open: its cache lives in the sampler's process, and between two plays no request is held."""
+    return os.path.join(os.path.dirname(stop_file), f"{SESSIONS_PREFIX}{pipeline}-{pid}")
+
+
+def replacing_file(stop_file: str, model: str) -> str:
+    """Beside the stop file: there while machgen serve loads ``model`` (a sampler) again, listing the process ids
+    of the version being replaced: those refuse new sessions, which would be lost with them."""
+    return os.path.join(os.path.dirname(stop_file), f"replacing-{model}")
+
+
 # The file each target's components are exported to.
 COMPONENT_FILES = {"onnxruntime": "model.onnx", "torch": "model.pt2", "tensorrt": "model.plan"}
 

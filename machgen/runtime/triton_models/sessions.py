@@ -21,6 +21,7 @@ from machgen.contract.sessions import (CHUNK_INFO_OUTPUT, MAX_SESSIONS_PARAMETER
 from machgen.contract.validation import InvalidArgument
 from machgen.runtime.streaming.engine import SessionRefused, streaming_engine
 from machgen.runtime.triton_models.backend import pb_utils, text_array
+from machgen.runtime.triton_models.sessions_open import SessionsOpen
 
 # Admission: a new session is refused while the calls already fill this share of the time (real time is
 # then spoken for: one more session would make every session late).
@@ -70,9 +71,16 @@ class SessionMetrics:
             self.cache_bytes.set(cache_bytes)
 
     def close(self) -> None:
-        # Triton wants each metric gone before its family.
-        del self.sessions, self.cache_bytes, self.chunks, self.misses, self.latency
-        self._families.clear()
+        # Kept, not deleted: Triton 2.51 shares one metric between the versions of a model that make it with the
+        # same labels, and frees it as soon as one of them deletes its own (triton-inference-server/server#8663).
+        # After machgen serve loaded the sampler again (its shared memory given back), the old version's deletes
+        # left the new one writing to freed memory: tritonserver took SIGABRT ("malloc(): unaligned fastbin chunk
+        # detected") and hung. They go with the process.
+        _RETIRED_METRICS.append((self._families, self.sessions, self.cache_bytes, self.chunks, self.misses,
+                                 self.latency))
+
+
+_RETIRED_METRICS: list = []
 
 
 class SessionHost:
@@ -93,6 +101,7 @@ class SessionHost:
         self.size_multiple = int(runtime.settings.get("size_multiple", 16))
         self.logger = logger
         self.metrics = SessionMetrics(model)
+        self.sessions_open = SessionsOpen(model)
         # The play streaming each session's chunks now (the newest: an older one ends).
         self._players: dict[str, object] = {}
         self._players_lock = threading.Lock()
@@ -115,8 +124,9 @@ class SessionHost:
             if request.prompt is not None and request.action is not None:
                 raise InvalidArgument("action", "give a prompt or an action, not both")
             prompt = request.prompt if request.action is None else engine.action_prompt(request.action, None)
-            engine.open(request.session, prompt, self._seed(request), height, width,
-                        subject=request.prompt)
+            with self.sessions_open.opening(lambda: len(engine.sessions)):
+                engine.open(request.session, prompt, self._seed(request), height, width,
+                            subject=request.prompt)
         self._update_gauges()
         if request.op in PLAYING_OPS:
             return self._play(request, sender, is_cancelled)
@@ -136,7 +146,9 @@ class SessionHost:
         return self._info(request.session, "open")
 
     def _update_gauges(self) -> None:
+        """The metrics' gauges and the sessions-open file (after every open and close, and each second)."""
         self.metrics.gauges(lambda: (len(self.engine.sessions), self.engine.cache_bytes()))
+        self.sessions_open.update(lambda: len(self.engine.sessions))
 
     def _play(self, request: SessionRequest, sender, is_cancelled: Callable[[], bool]) -> list:
         """Streams the session's chunks. A newer play of the session (its client's stream closed and played
@@ -215,6 +227,7 @@ class SessionHost:
         self._closing.set()
         self._evictor.join(timeout=5)
         self.metrics.close()
+        self.sessions_open.close()
 
 
 class _Throttled:
