@@ -78,27 +78,6 @@ START_RETRY_PAUSE_S = 3.0
 # Starts `machgen serve` and each replica make of a server before giving up: with the pauses between them they
 # outlast such a burst (a documented example's server aborted twice in a row while the other test worker ran).
 START_ATTEMPTS = 4
-# A Python-backend stub's command line (runtime/processes.py): ... MODEL_FILE SHM_REGION SHM_DEFAULT_BYTES ...: its
-# shared-memory region in /dev/shm and the size that region was created with (it grows, and never shrinks).
-_SHM_REGION_ARG = 2
-_SHM_START_BYTES_ARG = 3
-
-
-@dataclass(frozen=True)
-class ShmRegion:
-    """A stub's shared-memory region: its file in /dev/shm and the bytes it had when its stub started."""
-
-    path: Path
-    start_bytes: int
-
-    def size(self) -> int:
-        """Its bytes now (0 once it is gone)."""
-        try:
-            return self.path.stat().st_size
-        except OSError:
-            return 0
-
-
 def _pytriton_dir() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
@@ -216,7 +195,6 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._server_dir: Path | None = None
         self._stubs_seen: dict[int, Stub] = {}
-        self._regions_seen: dict[Stub, ShmRegion] = {}
 
     @property
     def http_url(self) -> str:
@@ -461,23 +439,6 @@ class TritonServer:
                 self._stubs_seen[child.pid] = stub
                 live.append(stub)
         return live
-
-    def shm_region(self, stub: Stub) -> ShmRegion | None:
-        """``stub``'s shared-memory region, from its command line (read once); None if the stub is gone."""
-        region = self._regions_seen.get(stub)
-        if region is None:
-            import psutil
-
-            try:
-                command = psutil.Process(stub.pid).cmdline()
-                region = ShmRegion(Path("/dev/shm") / command[_SHM_REGION_ARG], int(command[_SHM_START_BYTES_ARG]))
-            except (psutil.Error, IndexError, ValueError):
-                return None
-            # One per pid, that pid's latest stub (a pid comes back as another process).
-            self._regions_seen = {seen: kept for seen, kept in self._regions_seen.items()
-                                  if self._stubs_seen.get(seen.pid, seen) == seen and seen.pid != stub.pid}
-            self._regions_seen[stub] = region
-        return region
 
     def last_inferences(self) -> dict[str, float]:
         """When each model last took a request (seconds since the epoch; its versions' latest; 0: never), from

@@ -298,14 +298,13 @@ class Supervisor:
         growing = set()
         looked = {}
         for stub in current:
-            region = self.server.shm_region(stub)
-            if region is None:
+            if stub.region is None:
                 continue
-            size = looked[stub.pid] = region.size()
+            size = looked[stub.pid] = stub.region_bytes()
             if size > self._region_bytes.get(stub.pid, size):
                 growing.add(stub.model)
             start, now = sizes.get(stub.model, (0, 0))
-            sizes[stub.model] = (start + region.start_bytes, now + size)
+            sizes[stub.model] = (start + stub.region_start_bytes, now + size)
         self._region_bytes = looked
         return sizes, growing
 

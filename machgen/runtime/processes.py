@@ -8,8 +8,11 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-# A stub's command line: triton_python_backend_stub .../MODEL/VERSION/model.py shm-region ... instance-name kind.
+# A stub's command line: triton_python_backend_stub .../MODEL/VERSION/model.py SHM_REGION SHM_DEFAULT_BYTES ...
+# instance-name kind.
 _MODEL_FILE_ARG = 1
+_SHM_REGION_ARG = 2
+_SHM_START_BYTES_ARG = 3
 _INSTANCE_ARG = 8
 
 
@@ -26,6 +29,16 @@ class Stub:
     model: str
     instance: str
     started: float  # seconds since the epoch
+    # Its shared-memory region in /dev/shm, and the bytes that region was made with (it grows, never shrinks).
+    region: Path | None = None
+    region_start_bytes: int = 0
+
+    def region_bytes(self) -> int:
+        """Its region's bytes now (0 once it is gone)."""
+        try:
+            return self.region.stat().st_size if self.region is not None else 0
+        except OSError:
+            return 0
 
 
 def stub_of(process) -> Stub | None:
@@ -37,8 +50,9 @@ def stub_of(process) -> Stub | None:
         if len(command) <= _INSTANCE_ARG or not command[0].endswith("triton_python_backend_stub"):
             return None
         return Stub(process.pid, Path(command[_MODEL_FILE_ARG]).parent.parent.name, command[_INSTANCE_ARG],
-                    process.create_time())
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                    process.create_time(), Path("/dev/shm") / command[_SHM_REGION_ARG],
+                    int(command[_SHM_START_BYTES_ARG]))
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, ValueError):
         return None
 
 
