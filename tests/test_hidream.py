@@ -80,6 +80,28 @@ def test_in_process_text_to_image_equals_diffusers(local_hidream, hidream_pipeli
     assert np.abs(images[0].astype(np.int16) - expected).max() <= MAX_PIXEL_DIFF
 
 
+def test_a_flow_matching_scheduler_is_set_as_the_pipeline_sets_it(local_hidream):
+    """The full model's FlowMatchEuler (the tiny one's UniPC takes the other branch): the runtime's schedule
+    equals retrieve_timesteps with calculate_shift of max_seq, as HiDreamImagePipeline calls them."""
+    import diffusers
+    from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift, retrieve_timesteps
+
+    from types import SimpleNamespace
+
+    runtime = local_hidream.sampler.runtime
+    config = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True}
+    flow = diffusers.FlowMatchEulerDiscreteScheduler(**config)
+    runtime._scheduler_class, runtime.scheduler_config = type(flow), flow.config
+    try:
+        ours = runtime.scheduler(SimpleNamespace(num_inference_steps=7))  # the only field it reads
+    finally:
+        runtime._scheduler_class = getattr(diffusers, runtime.settings["scheduler_class"])
+        runtime.scheduler_config = runtime.load_scheduler_config()
+    theirs = diffusers.FlowMatchEulerDiscreteScheduler(**config)
+    retrieve_timesteps(theirs, 7, "cpu", mu=calculate_shift(runtime.settings["max_image_tokens"]))
+    assert ours.timesteps.tolist() == theirs.timesteps.tolist() and ours.sigmas.tolist() == theirs.sigmas.tolist()
+
+
 def test_first_block_cache_skips_steps(local_hidream):
     uncached, plain = local_hidream.generate(PROMPT, seed=7, num_inference_steps=10, cache_policy="none")
     cached, stats = local_hidream.generate(PROMPT, seed=7, num_inference_steps=10, cache_policy="fbcache",

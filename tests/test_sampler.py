@@ -1,5 +1,9 @@
 """The sampler against the closed-form point-mass denoiser (tests/point_mass.py)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +108,33 @@ def test_a_cancelled_request_stops_at_the_next_step_boundary(runtime_factory):
             request(num_inference_steps=10), on_step=lambda i, n: steps.append(i), is_cancelled=lambda: len(steps) == 3)
     assert raised.value.step == 3
     assert [name for name, _ in fake.calls].count("denoiser_tail") == 3
+
+
+def test_a_sampler_imports_diffusers_schedulers_without_dynamo_and_can_still_compile():
+    """The sampler's start (runtime/diffusers_import.py): diffusers without torch._dynamo, its scheduler and
+    noise as with it, and torch.compile still there for what a process compiles later."""
+    probe = (
+        "import sys, torch\n"
+        "from machgen.runtime.diffusers_import import import_diffusers_without_dynamo\n"
+        "assert import_diffusers_without_dynamo()\n"
+        "assert not import_diffusers_without_dynamo()  # once per process\n"
+        "from machgen.families.flux.runtime import FluxRuntime\n"
+        "from diffusers import FlowMatchEulerDiscreteScheduler\n"
+        "from diffusers.utils.torch_utils import randn_tensor\n"
+        "assert 'torch._dynamo' not in sys.modules, 'diffusers imported dynamo'\n"
+        "scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)\n"
+        "scheduler.set_timesteps(4)\n"
+        "noise = randn_tensor((2, 3), generator=torch.Generator().manual_seed(7))\n"
+        "print(scheduler.timesteps.tolist(), noise.flatten().tolist())\n"
+        "double = torch.compile(lambda x: x * 2, backend='eager')\n"
+        "assert double(torch.ones(2)).tolist() == [2.0, 2.0] and 'torch._dynamo' in sys.modules\n")
+    plain = ("import torch\nfrom diffusers import FlowMatchEulerDiscreteScheduler\n"
+             "from diffusers.utils.torch_utils import randn_tensor\n"
+             "scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)\nscheduler.set_timesteps(4)\n"
+             "noise = randn_tensor((2, 3), generator=torch.Generator().manual_seed(7))\n"
+             "print(scheduler.timesteps.tolist(), noise.flatten().tolist())\n")
+    hidden, loaded = (subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+                      for code in (probe, plain))
+    assert hidden.returncode == 0, hidden.stderr[-2000:]
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert hidden.stdout == loaded.stdout

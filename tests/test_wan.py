@@ -140,6 +140,19 @@ def test_the_low_noise_expert_takes_guidance_scale_2_or_guidance_scale(tiny_wan_
         assert guidance.scale_at(state) == low_noise
 
 
+@pytest.mark.parametrize("prompt", [
+    "  a red circle\n\tmoving   left  ", "a cat &amp;amp; a dog &lt;3", "caf\u00e9 at night",
+    "The Mona Lisa doesn\u00c3\u00a2\u00e2\u201a\u00ac\u00e2\u201e\u00a2t have eyebrows.", "", "\u3000\u00a0wide\u2003space\u00a0"])
+def test_the_prompt_is_cleaned_as_the_wan_pipeline_cleans_it(prompt):
+    """The runtime's own copy (importing the pipeline module costs a sampler 2.5 s): diffusers' ftfy repair,
+    double unescape and whitespace folding, character for character."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean as pipeline_clean
+
+    from machgen.families.wan.runtime import prompt_clean
+
+    assert prompt_clean(prompt) == pipeline_clean(prompt)
+
+
 def test_magcache_calibration_records_both_experts(local_wan):
     """A magnitude ratio for every step of the schedule, the low-noise expert's included."""
     from machgen.builder.calibrate import record_magnitude_ratios

@@ -15,11 +15,10 @@ from typing import Any, Mapping
 import diffusers
 import numpy as np
 import torch
-from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
 from machgen.families.hidream.spec import HIDREAM
-from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, decode_image
+from machgen.runtime.family import FamilyRuntime, RequestState, RunComponent, decode_image, flow_shift
 from machgen.runtime.tensors import as_torch
 
 
@@ -108,9 +107,9 @@ class HiDreamRuntime(FamilyRuntime):
         scheduler = self._scheduler_class.from_config(self.scheduler_config)
         if isinstance(scheduler, diffusers.UniPCMultistepScheduler):
             scheduler.set_timesteps(request.num_inference_steps)
-        else:
-            retrieve_timesteps(scheduler, request.num_inference_steps, "cpu",
-                               mu=calculate_shift(self.settings["max_image_tokens"]))
+        else:  # retrieve_timesteps without custom steps is set_timesteps; calculate_shift is flow_shift
+            scheduler.set_timesteps(request.num_inference_steps, device="cpu",
+                                    mu=flow_shift(self.settings["max_image_tokens"]))
         return scheduler
 
     def denoiser_inputs(self, state: RequestState, latents, timestep) -> dict[str, Any]:
