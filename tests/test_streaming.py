@@ -511,6 +511,33 @@ def test_sessions_started_together_each_play_steered_and_the_server_stays_up(pip
         assert np.abs(frames_of(chunks).astype(int) - frames_of(expected).astype(int)).max() <= 1
 
 
+def test_a_long_play_reaches_the_sampler_in_segments_as_one_stream_that_loses_no_chunk(pipeline, client, served):
+    """NAME_stream plays a session SEGMENT_CHUNKS chunks per call to the sampler (a Python-backend response
+    stream keeps every response read from it: one call for a whole session held all its chunks in the relay);
+    the client still reads one stream: every chunk once, in order, as in process, and its count at the end."""
+    import urllib.request
+
+    from machgen.contract.sessions import SEGMENT_CHUNKS
+
+    def sampler_requests() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{served.metrics}/metrics", timeout=5) as response:
+            lines = response.read().decode().splitlines()
+        return sum(float(line.split()[-1]) for line in lines
+                   if line.startswith('nv_inference_request_success{model="tiny-stream_sampler"'))
+
+    total = SEGMENT_CHUNKS + 3
+    before = sampler_requests()
+    session = client.open_session("tiny-stream", prompt=PROMPT, seed=71, height=HEIGHT, width=WIDTH, chunks=total)
+    chunks = list(session)
+    assert [c.chunk for c in chunks] == list(range(total))
+    assert session.info["state"] == "open" and session.info["chunks_sent"] == total
+    assert sampler_requests() - before == 2  # the start with SEGMENT_CHUNKS, then a play of the rest
+    local = pipeline.streaming()
+    assert np.array_equal(frames_of(chunks), frames_of(stream(local, "long", total, seed=71)))
+    local.close("long")
+    assert session.stop()["state"] == "closed"
+
+
 def test_a_stream_closed_mid_play_and_played_again_at_once_loses_no_chunk(client):
     """A client's stream closed while the sampler waits to make its next chunk (paced: chunk 2 is due 0.8 s
     after the first frame), and the session played again at once (a reconnect, a handoff): the new play takes

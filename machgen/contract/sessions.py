@@ -43,6 +43,9 @@ SESSION_OPS = PLAYING_OPS + ("interact", "fork", "stop")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_SESSION_PROMPT_CHARACTERS = 32000
 MAX_CHUNKS = 1_000_000
+# NAME_stream plays a session to the sampler this many chunks a call (runtime/triton_models/relays.py
+# StreamModel._play_in_segments says why); its client reads one stream.
+SEGMENT_CHUNKS = 8
 
 SESSION_INPUTS: tuple[ApiTensor, ...] = (
     ApiTensor(SESSION_INPUT, "BYTES", (1,), "realtime: the session's id (1-128 letters, digits, '.', '_', ':', "

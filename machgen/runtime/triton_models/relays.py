@@ -32,7 +32,8 @@ from machgen.contract.manifest import (
     SAMPLER,
     model_name,
 )
-from machgen.contract.sessions import SESSION_INFO_OUTPUT, SESSION_OP_INPUT
+from machgen.contract.sessions import (CHUNKS_INPUT, MAX_CHUNKS, PLAYING_OPS, SEGMENT_CHUNKS, SESSION_INFO_OUTPUT,
+                                       SESSION_INPUT, SESSION_OP_INPUT, VIDEO_CHUNK_OUTPUT)
 from machgen.runtime.processes import instances_of, sibling_stubs
 from machgen.runtime.triton_models.backend import (RequestsHeld, error_response, mark_drained, parameter, pb_utils,
                                                    text_array)
@@ -182,6 +183,46 @@ def _send_stop(sampler: str, key: str, keep_stream) -> None:
     keep_stream(stop_stream)
     for _ in stop_stream:  # its one (empty) final response
         pass
+
+
+def _segmented_play(inputs: list) -> int | None | bool:
+    """The chunks a request playing a session asks for (None: until it stops) where its play is relayed in
+    segments; False for any other request, and for a chunk count the sampler refuses or one segment holds."""
+    by_name = {tensor.name(): tensor for tensor in inputs}
+    op = by_name.get(SESSION_OP_INPUT)
+    if op is None or SESSION_INPUT not in by_name:
+        return False
+    value = op.as_numpy().reshape(-1)
+    name = value[0].decode(errors="replace") if value.size and isinstance(value[0], bytes) else None
+    if name not in PLAYING_OPS:
+        return False
+    if CHUNKS_INPUT not in by_name:
+        return None
+    chunks = by_name[CHUNKS_INPUT].as_numpy().reshape(-1)
+    if chunks.size != 1 or chunks.dtype.kind not in "iu" or not SEGMENT_CHUNKS < int(chunks[0]) <= MAX_CHUNKS:
+        return False  # one call holds it, or the sampler refuses it
+    return int(chunks[0])
+
+
+def _with_chunks(inputs: list, chunks: int) -> list:
+    return [*(tensor for tensor in inputs if tensor.name() != CHUNKS_INPUT),
+            pb_utils.Tensor(CHUNKS_INPUT, np.array([chunks], np.int32))]
+
+
+def _session_info(answer) -> dict | None:
+    """The session_info of a session request's final answer (None: an error, or none)."""
+    if answer.has_error():
+        return None
+    tensor = pb_utils.get_output_tensor_by_name(answer, SESSION_INFO_OUTPUT)
+    return None if tensor is None else json.loads(tensor.as_numpy().reshape(-1)[0])
+
+
+def _with_chunks_sent(answer, info: dict, sent: int) -> "pb_utils.InferenceResponse":
+    """``answer`` with its session_info counting the chunks of every segment."""
+    info = {**info, "chunks_sent": sent}
+    return pb_utils.InferenceResponse([
+        pb_utils.Tensor(SESSION_INFO_OUTPUT, text_array(json.dumps(info))) if tensor.name() == SESSION_INFO_OUTPUT
+        else tensor for tensor in answer.output_tensors()])
 
 
 _SILENCE = object()
@@ -363,12 +404,49 @@ class StreamModel:
                     _send_heartbeat(sender, last["step"], time.monotonic() - started)
                     last["sent"] = time.monotonic()
 
-            return _run_on_sampler(self.sampler, request, inputs, self.output_names,
-                                   is_cancelled=lambda: self._closing.is_set() or self._is_cancelled(request),
-                                   keep_stream=streams.append, on_progress=on_progress, on_silence=on_silence)
+            def relay(call_inputs: list, progress=on_progress) -> "pb_utils.InferenceResponse":
+                return _run_on_sampler(self.sampler, request, call_inputs, self.output_names,
+                                       is_cancelled=lambda: self._closing.is_set() or self._is_cancelled(request),
+                                       keep_stream=streams.append, on_progress=progress, on_silence=on_silence)
+
+            play = _segmented_play(inputs)
+            return relay(inputs) if play is False else self._play_in_segments(inputs, play, relay, on_progress,
+                                                                              streams)
         finally:
             with self._lock:
                 self._admitted -= 1
+
+    def _play_in_segments(self, inputs: list, chunks: int | None, relay, on_progress,
+                          streams: list) -> "pb_utils.InferenceResponse":
+        """A session's play relayed as calls of SEGMENT_CHUNKS chunks each (the first as the client sent it,
+        the others a "play" of the session), one stream to the client, until ``chunks`` (None: until the
+        session stops) were sent or a call sends fewer than it asked; each call's ``streams`` are let go when
+        it ends (freed once safe, PublicModel.initialize). Why: the Python backend's response stream keeps
+        every response read from it until the stream is freed (ResponseIterator's responses_, Triton 2.51),
+        so one call for a whole session held each of its chunks in this process: the 10-minute realtime
+        soak's relay grew 46 -> 518 MB."""
+        sent = 0
+        call_inputs = inputs
+        counted = {"chunks": 0}
+
+        def count(outputs: dict) -> None:
+            if VIDEO_CHUNK_OUTPUT in outputs:
+                counted["chunks"] += 1
+            on_progress(outputs)
+
+        while True:
+            asked = SEGMENT_CHUNKS if chunks is None else min(SEGMENT_CHUNKS, chunks - sent)
+            counted["chunks"] = 0
+            answer = relay(_with_chunks(call_inputs, asked), count)
+            while streams:  # one by one: a stop's stream may be added meanwhile (its own thread)
+                self._release([streams.pop(0)])
+            sent += counted["chunks"]
+            info = _session_info(answer)
+            if info is None or info.get("state") != "open" or counted["chunks"] < asked or sent == chunks \
+                    or self._closing.is_set():
+                return answer if info is None else _with_chunks_sent(answer, info, sent)
+            session = next(tensor for tensor in inputs if tensor.name() == SESSION_INPUT)
+            call_inputs = [session, pb_utils.Tensor(SESSION_OP_INPUT, text_array("play"))]
 
     def finalize(self) -> None:
         # Triton unloads the model once every request has its final response;
