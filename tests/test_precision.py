@@ -102,3 +102,46 @@ def test_the_build_log_and_the_manifest_give_each_component_s_weight_bytes_float
     float_total = sum(floats["weight_bytes"][name] for name in exported)
     assert summary == [f"{len(results)} components: "
                        + weights_note(sum(int8["weight_bytes"][name] for name in exported), float_total, "int8")]
+
+
+def test_an_fp8_denoiser_is_explicit_q_dq_calibrated_on_the_pipeline_and_near_its_float_module(tiny_flux_dir,
+                                                                                              tmp_path):
+    """The tensorrt target's --precision fp8 (builder/quantize_fp8.py), checked where TensorRT is absent: the
+    denoiser parts' block layers get E4M3 weights per output channel and a calibrated Q/DQ pair on their
+    inputs; ONNX Runtime runs the file (rounding to E4M3, multiplying in float) within FP8's tolerance of the
+    float module, and the full ONNX checker accepts it."""
+    from onnx import TensorProto
+
+    from machgen.builder.build import components_to_export
+    from machgen.builder.export import check_parity, export_onnx
+    from machgen.builder.model_folder import detect_family, load_pipeline, served_defaults
+    from machgen.builder.quantize_fp8 import FP8_MAX, FP8_RELATIVE_TOLERANCE, amax_by_name, calibrate_fp8, quantize_fp8
+    from machgen.builder.repository import ServingOptions
+
+    family = detect_family(tiny_flux_dir)
+    pipe = load_pipeline(tiny_flux_dir, family)
+    defaults = served_defaults(tiny_flux_dir, family, pipe)
+    exports, _, _ = components_to_export(family.exporter(), pipe, ServingOptions(), "tensorrt", log=lambda _: None)
+    lines: list[str] = []
+    amax = calibrate_fp8(pipe, defaults, pairs=2, log=lines.append)
+    assert lines and "calibrated on 2 prompt/seed pairs" in lines[0]
+    for component in (c for c, _ in exports if c.spec.name in ("denoiser_head", "denoiser_tail")):
+        path = tmp_path / component.spec.name / "model.onnx"
+        export_onnx(component, path, exporter="torchscript")
+        float_report = check_parity(component, path)
+        record = quantize_fp8(path, amax_by_name(component.module, amax))
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model, full_check=True)
+        fp8 = [t for t in model.graph.initializer if t.data_type == TensorProto.FLOAT8E4M3FN and t.dims]
+        assert len(fp8) == len({layer for layer in record["layers"]}) > 0
+        assert all(".transformer_blocks." in m or ".single_transformer_blocks." in m for m in record["layers"])
+        assert record["float_layers"] and all(why == "outside the transformer blocks"
+                                               for why in record["float_layers"].values())
+        for entry in record["layers"].values():
+            assert entry["input_scale"] > 0 and 0 < entry["weight_scale"][0] <= entry["weight_scale"][1]
+        ops = [node.op_type for node in model.graph.node]
+        assert ops.count("QuantizeLinear") >= 1 and ops.count("DequantizeLinear") > ops.count("QuantizeLinear")
+        assert record["weight_bytes"]["fp8"] < record["weight_bytes"]["float"]
+        report = check_parity(component, path, relative_tolerance=FP8_RELATIVE_TOLERANCE)
+        assert report.max_abs_diff > 10 * float_report.max_abs_diff  # the layers did turn FP8
+    assert max(amax.values()) / FP8_MAX > 0

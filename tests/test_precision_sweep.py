@@ -210,6 +210,9 @@ def test_the_sweeps_options_are_refused_where_they_would_be_ignored():
     with pytest.raises(ValueError, match="--int8-min-psnr: .*between 0 and 99"):
         sweep_settings("int8", True, 120.0, None)
     assert np.isclose(sweep_settings(None, True, None, None).pairs, 4)
+    assert sweep_settings("fp8", True, None, 2).pairs == 2  # the tensorrt fp8 calibration's pairs
+    with pytest.raises(ValueError, match="--int8-min-psnr: applies to --precision int8"):
+        sweep_settings("fp8", True, 45.0, 2)
 
 
 def test_layers_are_named_grouped_and_excluded_by_module_in_a_graph_of_the_torchscript_exporters_names(tmp_path):

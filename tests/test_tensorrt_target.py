@@ -112,6 +112,25 @@ def test_engine_builds_and_records_its_host(tiny_flux_dir, tmp_path):
     assert (tmp_path / "flux_denoiser_tail" / "1" / "model.plan").stat().st_size > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TENSORRT, reason="needs TensorRT")
+def test_an_fp8_build_quantizes_the_block_layers_and_builds_fp8_engines(tiny_flux_dir, tmp_path):
+    """--precision fp8: the denoiser parts' ONNX files carry calibrated E4M3 Q/DQ (tests/test_precision.py checks
+    them without TensorRT); TensorRT builds engines from them and the manifest records each layer's scales."""
+    import json
+
+    from machgen.builder.build import TargetOptions, build_repository
+
+    build_repository(tiny_flux_dir, "flux", tmp_path, target="tensorrt", log=lambda line: None,
+                     target_options=TargetOptions(precision="fp8"))
+    manifest = json.loads((tmp_path / "flux_sampler" / "1" / "pipeline.json").read_text())
+    for part in ("denoiser_head", "denoiser_tail"):
+        assert manifest["precision"][part]["precision"] == "fp8" and manifest["precision"][part]["layers"]
+        metadata = EngineMetadata.read(tmp_path / f"flux_{part}" / "1")
+        assert metadata.precision == "fp8"
+        assert (tmp_path / f"flux_{part}" / "1" / "model.plan").stat().st_size > 0
+
+
 def _host():
     import tensorrt
 

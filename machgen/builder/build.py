@@ -79,8 +79,9 @@ class TargetOptions:
     # torch: torch.compile every program at load (minutes for a large model).
     compile: bool = False
     # The linear layers' precision, where the target can build it (TARGET_PRECISIONS); None: the target's
-    # first. tensorrt: bf16, or fp8 (FP8 where the graph has Q/DQ pairs or the FP8 attention plugin, BF16
-    # elsewhere); onnxruntime: float (float32); torch: float (the programs' --dtype).
+    # first. tensorrt: bf16, or fp8 (the denoisers' block linear layers as FP8 Q/DQ, builder/quantize_fp8.py,
+    # and the FP8 attention plugin where built; BF16 elsewhere); onnxruntime: float (float32) or int8; torch:
+    # float (the programs' --dtype).
     precision: str | None = None
     # onnxruntime int8: which layer groups stay float, chosen by the sensitivity sweep (builder/precision_sweep.py,
     # ``sweep``: its settings, None the defaults); off: every MatMul and Gemm of the denoisers int8.
@@ -281,6 +282,12 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
     precision: dict = {}  # the components built below float: what each got (builder/quantize.py)
     int8_parts: dict = {}  # the denoiser parts the sensitivity sweep chooses the int8 layers of, by name
     weight_bytes: dict[str, int] = {}  # each component's, as built (the manifest's weight_bytes)
+    fp8_amax = None  # tensorrt fp8: the calibrated inputs of the pipeline's linear layers (builder/quantize_fp8.py)
+    if target_options.precision == "fp8" and any(is_denoiser(c.spec.name) for c, _ in exports):
+        from machgen.builder.precision_sweep import SweepSettings
+        from machgen.builder.quantize_fp8 import calibrate_fp8
+
+        fp8_amax = calibrate_fp8(pipe, defaults, (target_options.sweep or SweepSettings()).pairs, log)
     with tempfile.TemporaryDirectory(prefix="machgen-export-") as scratch:
         exported: dict[str, Path] = {}
         onnx_files: dict[str, Path] = {}  # the tensorrt target's checked ONNX files, beside its engines
@@ -331,6 +338,14 @@ def build_repository(model_dir: Path, name: str, out: Path, target: str = "onnxr
                 report = check_parity(component, path, dtype, device, relative_tolerance=INT8_RELATIVE_TOLERANCE)
                 log(f"[{index}/{len(exports)}] {spec.name}: int8, {len(precision[spec.name]['layers'])} layers "
                     f"(weights per output channel, inputs per call)")
+            elif fp8_amax is not None and is_denoiser(spec.name):
+                from machgen.builder.quantize_fp8 import FP8_RELATIVE_TOLERANCE, amax_by_name, quantize_fp8
+
+                precision[spec.name] = quantize_fp8(path, amax_by_name(component.module, fp8_amax))
+                report = check_parity(component, path, dtype, device, relative_tolerance=FP8_RELATIVE_TOLERANCE)
+                log(f"[{index}/{len(exports)}] {spec.name}: fp8 Q/DQ, {len(precision[spec.name]['layers'])} layers "
+                    f"(weights per output channel, inputs per tensor, calibrated), "
+                    f"{len(precision[spec.name]['float_layers'])} kept in the engine's bf16")
             file_bytes = sum(item.stat().st_size for item in folder.glob(path.name + "*") if item.is_file())
             weight_bytes[spec.name] = component_weight_bytes(path)
             quantized = precision.get(spec.name)

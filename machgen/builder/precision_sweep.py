@@ -68,7 +68,8 @@ SWEEP_HELP = {
              "prompts (off: every denoiser linear layer int8)",
     "min_psnr": "int8 sweep: the worst image's PSNR against the float build to hold, dB (default: the card's "
                 "calibrated target + 10, else 40)",
-    "pairs": f"int8 sweep: prompt/seed pairs of the calibration set (default {SweepSettings.pairs})",
+    "pairs": f"int8 sweep: prompt/seed pairs of the calibration set (default {SweepSettings.pairs}); tensorrt fp8: "
+             "the pairs its layers' inputs are calibrated on",
 }
 
 
@@ -77,9 +78,12 @@ def sweep_settings(precision: str | None, sweep: bool, min_psnr: float | None, p
     sweep off, where they would be ignored."""
     given = [option for option, value in (("--int8-min-psnr", min_psnr), ("--precision-sweep-pairs", pairs))
              if value is not None]
+    if given == ["--precision-sweep-pairs"] and precision == "fp8":  # the pairs its inputs are calibrated on
+        given = []
     if given and (precision != "int8" or not sweep):
-        raise ValueError(f"{given[0]}: applies to --precision int8 with --precision-sweep (got --precision "
-                         f"{precision or 'default'}{'' if sweep else ', --no-precision-sweep'})")
+        raise ValueError(f"{given[0]}: applies to --precision int8 with --precision-sweep (--precision-sweep-pairs "
+                         f"also to fp8; got --precision {precision or 'default'}"
+                         f"{'' if sweep else ', --no-precision-sweep'})")
     try:
         return SweepSettings(pairs=pairs or SweepSettings.pairs, min_psnr=min_psnr)
     except ValueError as err:
