@@ -136,10 +136,10 @@ def _amax_of(layer: LinearLayer, amax: Mapping[str, float]) -> float | None:
 
 def quantize_fp8(path: Path, amax: Mapping[str, float], exclude: Iterable[str] = (),
                  out: Path | None = None) -> dict[str, Any]:
-    """Rewrites the ONNX file at ``path`` (or writes ``out``) with FP8 linear layers (see the module's doc);
-    ``amax``: the calibration's amax by the component's layer names (amax_by_name); ``exclude``: modules kept float as well. What each
-    layer got: {"layers": {module: {"weight_scale": [smallest, largest], "input_scale": s}}, "float_layers":
-    {module: why}, "weight_bytes": {"float": before, "fp8": after}, ...}."""
+    """Rewrites the ONNX file at ``path`` (or writes ``out``) with FP8 linear layers (see the module's doc).
+    ``amax``: the calibration's amax by the component's layer names (amax_by_name); ``exclude``: modules kept
+    float as well. What each layer got: {"layers": {module: {"weight_scale": [smallest, largest],
+    "input_scale": s}}, "float_layers": {module: why}, "weight_bytes": {"float": before, "fp8": after}, ...}."""
     import ml_dtypes
     import numpy as np
     import onnx

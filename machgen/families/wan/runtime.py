@@ -28,6 +28,7 @@ try:
 except ImportError:  # as diffusers: its repair only where it is installed
     ftfy = None
 
+
 def prompt_clean(text: str) -> str:
     """WanPipeline's prompt_clean: ftfy's repair where ftfy is installed, HTML entities unescaped twice,
     whitespace runs made one space, ends stripped. Here because importing diffusers' Wan pipeline module
