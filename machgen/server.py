@@ -78,6 +78,8 @@ START_RETRY_PAUSE_S = 3.0
 # Starts `machgen serve` and each replica make of a server before giving up: with the pauses between them they
 # outlast such a burst (a documented example's server aborted twice in a row while the other test worker ran).
 START_ATTEMPTS = 4
+
+
 def _pytriton_dir() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:

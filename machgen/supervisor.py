@@ -37,7 +37,7 @@ from typing import Callable
 
 from machgen.contract.manifest import (BUSY_PREFIX, IDLE_RELEASE_PARAMETER, MANIFEST_FILE, SAMPLER, SESSIONS_PREFIX,
                                       STREAM, PipelineManifest, drained_file, model_name, replacing_file)
-from machgen.runtime.processes import Stub
+from machgen.runtime.processes import Stub, process_running
 from machgen.server import START_ATTEMPTS, ServerError, ServerTimeout, TritonServer
 
 # A drain takes a public model that Triton still unloads for drained once none of its instances has held a
@@ -87,15 +87,6 @@ def pipeline_models(repository: Path) -> tuple[dict[str, set[str]], dict[str, in
             weights[model] = recorded if recorded is not None else sum(
                 file.stat().st_size for file in (Path(repository) / model / "1").rglob("*") if file.is_file())
     return pipelines, weights
-
-
-def _running(psutil, pid: int) -> bool:
-    """Whether process ``pid`` runs: a stub killed under Triton 2.51 can stay a zombie for the server's life (the
-    version it served never unloads), and its files then name a pid that exists but holds nothing."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def public_models(repository: Path) -> list[str]:
@@ -473,13 +464,11 @@ class Supervisor:
     def _marked(self, kind: str, name: str) -> list[int]:
         """The live processes that have a ``kind`` file of ``name`` beside the stop file (contract/manifest.py
         busy_file, sessions_file)."""
-        import psutil
-
         prefix = f"{kind}{name}-"
         folder = Path(self.server.stop_file).parent
         pids = [int(text) for text in (path.name[len(prefix):] for path in folder.glob(f"{prefix}*"))
                 if text.isdigit()]
-        return [pid for pid in pids if _running(psutil, pid)]
+        return [pid for pid in pids if process_running(pid)]
 
     def metrics_text(self) -> str:
         """The supervisor's counters in Prometheus' text format."""

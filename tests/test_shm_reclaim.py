@@ -43,23 +43,16 @@ def served(repository):
 
 
 def regions(served) -> dict[int, tuple[str, int, int]]:
-    """The server's stubs' regions, read as the supervisor reads them: stub pid -> (its model, the region's
-    bytes when the stub started, its bytes in /dev/shm now)."""
+    """The server's stubs' regions, read as the supervisor reads them (runtime/processes.py Stub): stub pid ->
+    (its model, the region's bytes when the stub started, its bytes in /dev/shm now)."""
     import psutil
 
     from machgen.runtime.processes import stub_of
 
     (triton,) = [child for child in psutil.Process(served.process.pid).children() if child.name() == "tritonserver"]
-    found = {}
-    for process in triton.children():
-        stub = stub_of(process)
-        if stub is None:
-            continue
-        command = process.cmdline()  # ... MODEL_FILE SHM_REGION SHM_DEFAULT_BYTES ...
-        region = Path("/dev/shm") / command[2]
-        if region.exists():
-            found[stub.pid] = (stub.model, int(command[3]), region.stat().st_size)
-    return found
+    stubs = [stub for stub in map(stub_of, triton.children()) if stub is not None and stub.region is not None]
+    return {stub.pid: (stub.model, stub.region_start_bytes, stub.region_bytes()) for stub in stubs
+            if stub.region.exists()}
 
 
 def growth(found: dict[int, tuple[str, int, int]]) -> dict[str, int]:
@@ -72,16 +65,9 @@ def growth(found: dict[int, tuple[str, int, int]]) -> dict[str, int]:
 
 def running(pids: set[int]) -> set[int]:
     """Those of ``pids`` whose process still runs (a zombie does not)."""
-    import psutil
+    from machgen.runtime.processes import process_running
 
-    alive = set()
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.add(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+    return {pid for pid in pids if process_running(pid)}
 
 
 def reloads(served) -> list[str]:

@@ -62,6 +62,17 @@ def instances_of(model: str, stubs) -> list[Stub]:
     return [stub for stub in stubs if pattern.fullmatch(stub.instance)]
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` runs: a killed stub stays a zombie until the server reaps it (under Triton 2.51
+    one whose version never unloads, for the server's life), and its pid still exists."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def sibling_stubs() -> list[Stub]:
     """The live stubs of the server that started this process (a stub)."""
     import os

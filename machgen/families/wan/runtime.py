@@ -32,7 +32,7 @@ except ImportError:  # as diffusers: its repair only where it is installed
 def prompt_clean(text: str) -> str:
     """WanPipeline's prompt_clean: ftfy's repair where ftfy is installed, HTML entities unescaped twice,
     whitespace runs made one space, ends stripped. Here because importing diffusers' Wan pipeline module
-    imports transformers' models and torch._dynamo: 2.5 s of a sampler's start and 210 MB."""
+    imports transformers' models and torch._dynamo: 2.8 s of a sampler's start and 210 MB."""
     if ftfy is not None:
         text = ftfy.fix_text(text)
     text = html.unescape(html.unescape(text)).strip()

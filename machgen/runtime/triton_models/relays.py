@@ -34,7 +34,7 @@ from machgen.contract.manifest import (
 )
 from machgen.contract.sessions import (CHUNKS_INPUT, MAX_CHUNKS, PLAYING_OPS, SEGMENT_CHUNKS, SESSION_INFO_OUTPUT,
                                        SESSION_INPUT, SESSION_OP_INPUT, VIDEO_CHUNK_OUTPUT)
-from machgen.runtime.processes import instances_of, sibling_stubs
+from machgen.runtime.processes import instances_of, process_running, sibling_stubs
 from machgen.runtime.triton_models.backend import (RequestsHeld, error_response, mark_drained, parameter, pb_utils,
                                                    text_array)
 
@@ -185,23 +185,24 @@ def _send_stop(sampler: str, key: str, keep_stream) -> None:
         pass
 
 
-def _segmented_play(inputs: list) -> int | None | bool:
-    """The chunks a request playing a session asks for (None: until it stops) where its play is relayed in
-    segments; False for any other request, and for a chunk count the sampler refuses or one segment holds."""
+def _segmented_play(inputs: list) -> tuple[bool, int | None]:
+    """Whether a request's play of a session is relayed in segments, and the chunks it asks for (None: until
+    the session stops); not for any other request, nor for a chunk count the sampler refuses or one segment
+    holds."""
     by_name = {tensor.name(): tensor for tensor in inputs}
     op = by_name.get(SESSION_OP_INPUT)
     if op is None or SESSION_INPUT not in by_name:
-        return False
+        return False, None
     value = op.as_numpy().reshape(-1)
     name = value[0].decode(errors="replace") if value.size and isinstance(value[0], bytes) else None
     if name not in PLAYING_OPS:
-        return False
+        return False, None
     if CHUNKS_INPUT not in by_name:
-        return None
+        return True, None
     chunks = by_name[CHUNKS_INPUT].as_numpy().reshape(-1)
     if chunks.size != 1 or chunks.dtype.kind not in "iu" or not SEGMENT_CHUNKS < int(chunks[0]) <= MAX_CHUNKS:
-        return False  # one call holds it, or the sampler refuses it
-    return int(chunks[0])
+        return False, None  # one call holds it, or the sampler refuses it
+    return True, int(chunks[0])
 
 
 def _with_chunks(inputs: list, chunks: int) -> list:
@@ -263,7 +264,7 @@ def _responses_while_alive(stream, sampler: str, sent_at: float):
             if time.monotonic() - heard_at >= SAMPLER_CHECK_S:
                 heard_at = time.monotonic()
                 if accepted_by is not None:
-                    alive = _running(accepted_by)
+                    alive = process_running(accepted_by)
                 else:
                     alive = time.time() - sent_at < ACCEPT_WAIT_S and any(
                         stub.started <= sent_at + 0.05 for stub in instances_of(sampler, sibling_stubs()))
@@ -280,16 +281,6 @@ def _responses_while_alive(stream, sampler: str, sent_at: float):
             accepted_by = int(taken.as_numpy()[0])
             continue
         yield response
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a killed stub stays a zombie until the server reaps it)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 class StreamModel:
@@ -409,9 +400,10 @@ class StreamModel:
                                        is_cancelled=lambda: self._closing.is_set() or self._is_cancelled(request),
                                        keep_stream=streams.append, on_progress=progress, on_silence=on_silence)
 
-            play = _segmented_play(inputs)
-            return relay(inputs) if play is False else self._play_in_segments(inputs, play, relay, on_progress,
-                                                                              streams)
+            segmented, chunks = _segmented_play(inputs)
+            if not segmented:
+                return relay(inputs)
+            return self._play_in_segments(inputs, chunks, relay, on_progress, streams)
         finally:
             with self._lock:
                 self._admitted -= 1
